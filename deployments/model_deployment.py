@@ -1,0 +1,50 @@
+"""One Serve deployment per configured model; each replica owns one engine thread."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from deployments.config import ModelSettings
+from replicas.contract import Failed, GenerationRequest, OutputEvent
+from replicas.engine import EngineConfig
+from replicas.replica import ModelReplica, ReplicaOptions
+
+
+def replica_options(settings: ModelSettings) -> ReplicaOptions:
+    return ReplicaOptions(
+        model_id=settings.id,
+        source=settings.source,
+        default_stops=tuple(settings.default_stops),
+        max_stops=settings.max_stops,
+        channel_format=settings.channel_format,
+        thinking_budget=settings.thinking_budget,
+        engine=EngineConfig(**settings.engine.model_dump()),
+    )
+
+
+@serve.deployment
+class ModelDeployment:
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._replica = ModelReplica(replica_options(ModelSettings.model_validate(settings)))
+        # Load before the replica reports ready, so Serve routes nothing to a cold model.
+        self._replica.start()
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+        async for batch in self._replica.stream(request):
+            yield batch
+
+    async def count_tokens(self, request: GenerationRequest) -> int | Failed:
+        return await self._replica.count_tokens(request)
+
+    def check_health(self) -> None:
+        self._replica.check_health()  # raises when the engine thread died or is stuck
+
+    def stats(self) -> dict[str, Any]:
+        return dataclasses.asdict(self._replica.stats())
+
+    def __del__(self) -> None:
+        self._replica.shutdown()
+

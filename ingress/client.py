@@ -1,0 +1,55 @@
+"""What the ingress needs from the model layer: a stream of events per request.
+
+Deployments implement it over Ray handles; tests implement it with scripted events, so
+adapters are testable with FastAPI's TestClient and no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence
+
+from replicas.contract import GenerationRequest, OutputEvent
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    owned_by: str = "orchard"
+    created: int = 0
+    context_length: int | None = None
+    aliases: tuple[str, ...] = ()
+
+
+class ModelClient(Protocol):
+    def models(self) -> Sequence[ModelCard]:
+        """The served models, in config order."""
+        ...
+
+    def resolve(self, model: str) -> ModelCard | None:
+        """The card for a model id or alias, or None if it is not served."""
+        ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+        """Events for one request, in order, coalesced into lists.
+
+        Raises `replicas.errors.ReplicaError` (or yields a `Failed` event) on failure;
+        the last event is always terminal. Closing the iterator cancels the generation.
+        """
+        ...
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens the request would use once rendered by the model's template."""
+        ...
+
+
+def require_model(client: ModelClient, name: str) -> ModelCard:
+    """The served model for a request's `model`, or a 404 that lists the valid names."""
+    from replicas.errors import NotFoundError
+
+    card = client.resolve(name)
+    if card is None:
+        names = ", ".join(c.id for c in client.models())
+        raise NotFoundError(f"model '{name}' is not served here; available models: {names}",
+                            param="model")
+    return card

@@ -1,0 +1,84 @@
+"""One error taxonomy, rendered in each protocol's own shape and status code."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from replicas.contract import ErrorKind
+
+
+class Protocol(str, Enum):
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+# OpenAI-style status codes; Anthropic differs only for overload (529, "overloaded_error").
+_STATUS = {
+    ErrorKind.INVALID_REQUEST: 400,
+    ErrorKind.CONTEXT_LENGTH: 400,
+    ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.OVERLOADED: 503,
+    ErrorKind.INTERNAL: 500,
+}
+
+_OPENAI_TYPE = {
+    ErrorKind.INVALID_REQUEST: "invalid_request_error",
+    ErrorKind.CONTEXT_LENGTH: "invalid_request_error",
+    ErrorKind.UNAUTHORIZED: "authentication_error",
+    ErrorKind.NOT_FOUND: "not_found_error",
+    ErrorKind.OVERLOADED: "overloaded_error",
+    ErrorKind.INTERNAL: "internal_error",
+}
+
+_ANTHROPIC_TYPE = {
+    ErrorKind.INVALID_REQUEST: "invalid_request_error",
+    ErrorKind.CONTEXT_LENGTH: "invalid_request_error",
+    ErrorKind.UNAUTHORIZED: "authentication_error",
+    ErrorKind.NOT_FOUND: "not_found_error",
+    ErrorKind.OVERLOADED: "overloaded_error",
+    ErrorKind.INTERNAL: "api_error",
+}
+
+RETRY_AFTER_SECONDS = 1
+
+
+def protocol_for_path(path: str) -> Protocol:
+    return Protocol.ANTHROPIC if path.startswith("/v1/messages") else Protocol.OPENAI
+
+
+def status_for(kind: ErrorKind, protocol: Protocol) -> int:
+    if kind is ErrorKind.OVERLOADED and protocol is Protocol.ANTHROPIC:
+        return 529
+    return _STATUS[kind]
+
+
+def error_body(
+    kind: ErrorKind, message: str, protocol: Protocol, *, param: str | None = None
+) -> dict[str, Any]:
+    if protocol is Protocol.ANTHROPIC:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPE[kind], "message": message}}
+    code = "context_length_exceeded" if kind is ErrorKind.CONTEXT_LENGTH else kind.value
+    return {
+        "error": {"message": message, "type": _OPENAI_TYPE[kind], "param": param, "code": code}
+    }
+
+
+def error_response(
+    kind: ErrorKind, message: str, protocol: Protocol, *, param: str | None = None
+) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if kind is ErrorKind.OVERLOADED else None
+    return JSONResponse(
+        error_body(kind, message, protocol, param=param),
+        status_code=status_for(kind, protocol),
+        headers=headers,
+    )
+
+
+def error_json(kind: ErrorKind, message: str, protocol: Protocol) -> str:
+    """The error body as compact JSON, for an error sent inside an already-open stream."""
+    return json.dumps(error_body(kind, message, protocol), separators=(",", ":"))

@@ -1,0 +1,140 @@
+"""OpenAI wire requests -> GenerationRequest."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from ingress.openai.models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from replicas.contract import (
+    ChatMessage,
+    ChatPrompt,
+    GenerationRequest,
+    GuidedSpec,
+    Prompt,
+    ReasoningSpec,
+    SamplingParams,
+    StopSpec,
+    TextPrompt,
+    TokenPrompt,
+)
+from replicas.errors import InvalidRequestError
+
+
+def chat_request(body: ChatCompletionRequest, model: str) -> GenerationRequest:
+    _common_checks(body)
+    if body.tools:
+        raise InvalidRequestError("tool calling is not supported yet", param="tools")
+    if body.top_logprobs:
+        raise InvalidRequestError("logprobs are not supported yet", param="top_logprobs")
+    messages = tuple(
+        ChatMessage(
+            role="system" if m.role == "developer" else m.role,
+            content=m.text(),
+            reasoning=m.reasoning_content,
+        )
+        for m in body.messages
+    )
+    kwargs = dict(body.chat_template_kwargs or {})
+    enabled = kwargs.pop("enable_thinking", None)
+    reasoning = ReasoningSpec(
+        enabled=bool(enabled) if enabled is not None else None,
+        budget_tokens=body.thinking_budget,
+        effort=body.reasoning_effort,
+        template_kwargs=kwargs,
+    )
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _request("chatcmpl", body, model, ChatPrompt(messages), reasoning, max_tokens,
+                    _guided(body, body.response_format))
+
+
+def completion_request(body: CompletionRequest, model: str) -> GenerationRequest:
+    _common_checks(body)
+    if body.echo:
+        raise InvalidRequestError("echo is not supported", param="echo")
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if body.best_of not in (None, 1):
+        raise InvalidRequestError("best_of must be 1", param="best_of")
+    return _request("cmpl", body, model, _completion_prompt(body.prompt), ReasoningSpec(),
+                    body.max_tokens, _guided(body, None))
+
+
+def _common_checks(body: SamplingFields) -> None:
+    if body.n != 1:
+        raise InvalidRequestError("only n=1 is supported", param="n")
+    if body.logprobs:
+        raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
+
+
+def _request(prefix: str, body: SamplingFields, model: str, prompt: Prompt,
+             reasoning: ReasoningSpec, max_tokens: int | None,
+             guided: GuidedSpec | None) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        model=model,
+        prompt=prompt,
+        sampling=_sampling(body, max_tokens),
+        stop=StopSpec(
+            strings=body.stop_list(),
+            token_ids=tuple(body.stop_token_ids or ()),
+            include_in_output=body.include_stop_str_in_output,
+        ),
+        reasoning=reasoning,
+        guided=guided,
+    )
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+    try:
+        bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=bias,
+    )
+
+
+def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> Prompt:
+    if isinstance(prompt, str):
+        return TextPrompt(prompt)
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return TokenPrompt(tuple(prompt))  # type: ignore[arg-type]
+    if len(prompt) == 1:
+        return _completion_prompt(prompt[0])  # type: ignore[arg-type]
+    raise InvalidRequestError("exactly one prompt per request is supported", param="prompt")
+
+
+def _guided(body: SamplingFields, response_format: object | None) -> GuidedSpec | None:
+    specs: list[GuidedSpec] = []
+    fmt = response_format
+    if fmt is not None and fmt.type == "json_object":  # type: ignore[attr-defined]
+        specs.append(GuidedSpec("json_object"))
+    elif fmt is not None and fmt.type == "json_schema":  # type: ignore[attr-defined]
+        schema = fmt.json_schema  # type: ignore[attr-defined]
+        if schema is None or schema.schema_ is None:
+            raise InvalidRequestError("response_format.json_schema.schema is required",
+                                      param="response_format")
+        specs.append(GuidedSpec("json_schema", json.dumps(schema.schema_), bool(schema.strict)))
+    if body.guided_json is not None:
+        text = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        specs.append(GuidedSpec("json_schema", text))
+    if body.guided_regex is not None:
+        specs.append(GuidedSpec("regex", body.guided_regex))
+    if body.guided_choice is not None:
+        specs.append(GuidedSpec("choice", tuple(body.guided_choice)))
+    if body.guided_grammar is not None:
+        specs.append(GuidedSpec("grammar", body.guided_grammar))
+    if len(specs) > 1:
+        raise InvalidRequestError("use only one of response_format and the guided_* options",
+                                  param="response_format")
+    return specs[0] if specs else None

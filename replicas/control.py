@@ -1,0 +1,124 @@
+"""Logits-level control of one request: the thinking budget and the grammar.
+
+mlx-lm calls a request's logits processors once per decode step, with the token history
+ending in the token just sampled. This controller tracks the channel at token level (its
+own detokenizer and channel router, so it agrees with the output pipeline), forces the
+format's end-of-reasoning tokens once the budget is spent, and hands answer-channel tokens
+to the guided matcher. It runs on the engine thread inside the batch step, so it never
+raises: a failure is recorded in `error` and the engine ends just this request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import mlx.core as mx
+
+from replicas.contract import Channel
+from replicas.detokenizer import Decode, Detokenizer
+from replicas.pipeline.channels import ChannelFormat, ChannelRouter
+
+
+class Grammar(Protocol):
+    def consume(self, token_id: int) -> None: ...
+    def mask(self, logits: mx.array) -> mx.array: ...
+    @property
+    def is_complete(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+
+
+class RequestController:
+    def __init__(
+        self,
+        decode: Decode,
+        fmt: ChannelFormat,
+        initial: Channel,
+        *,
+        budget: int | None,
+        forced_end_ids: tuple[int, ...],
+        grammar: Grammar | None,
+        reasoning_open_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self._detok = Detokenizer(decode)
+        self._router = ChannelRouter(fmt, initial)
+        self._budget = budget
+        self._forced_end_ids = forced_end_ids
+        self._forcing: deque[int] = deque()
+        self._grammar = grammar
+        # With the answer channel first, the model may still open a reasoning block with its
+        # first token; the grammar starts once it is clear that it did not.
+        self._grammar_on = initial is Channel.ANSWER
+        self._first_step = True
+        self._open_ids = reasoning_open_ids if initial is Channel.ANSWER else frozenset()
+        self._started = False
+        self.reasoning_tokens = 0
+        self.forced = False
+        self.error: str | None = None
+
+    @property
+    def grammar_complete(self) -> bool:
+        return self._grammar is not None and self._grammar.is_complete
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.error is not None:
+            return logits
+        try:
+            if self._started:
+                self._on_token(int(tokens[-1].item()))
+            self._started = True
+            return self._constrain(logits)
+        except Exception as exc:  # noqa: BLE001 - isolate this request from the batch
+            self.error = f"{type(exc).__name__}: {exc}"
+            return logits
+
+    def _on_token(self, token: int) -> None:
+        forced = bool(self._forcing)
+        if forced:
+            self._forcing.popleft()
+        before = self._router.channel
+        self._router.feed(self._detok.feed(token))
+        after = self._router.channel
+        if Channel.REASONING in (before, after):
+            self.reasoning_tokens += 1
+        # Forced end-of-reasoning tokens are the format's, not the answer's: never the grammar's.
+        if self._grammar is not None and self._grammar_on and not forced:
+            if self._first_step and token in self._open_ids:
+                self._grammar_on = False  # the model opened a reasoning block after all
+            else:
+                self._grammar.consume(token)
+                if self._grammar.error is not None:
+                    self.error = self._grammar.error
+        self._first_step = False
+        if before is Channel.REASONING and after is Channel.ANSWER:
+            self._grammar_on = True  # reasoning closed: the grammar owns the next token
+        if (
+            self._budget is not None
+            and not self.forced
+            and after is Channel.REASONING
+            and self.reasoning_tokens >= self._budget
+        ):
+            self.forced = True
+            self._forcing.extend(self._forced_end_ids)
+
+    def _constrain(self, logits: mx.array) -> mx.array:
+        if self._forcing:
+            return _only(logits, self._forcing[0])
+        if self._grammar is None or not self._grammar_on:
+            return logits
+        masked = self._grammar.mask(logits)
+        if self._first_step and self._open_ids:
+            keep = _one_hot(logits.shape[-1], tuple(self._open_ids))
+            masked = mx.where(keep, logits, masked)
+        return masked
+
+
+def _one_hot(width: int, ids: tuple[int, ...]) -> mx.array:
+    mask = mx.zeros((width,), dtype=mx.bool_)
+    return mask.at[mx.array(ids)].add(True) if ids else mask
+
+
+def _only(logits: mx.array, token: int) -> mx.array:
+    keep = mx.arange(logits.shape[-1]) == token
+    return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -1,0 +1,305 @@
+"""The engine thread: the sole owner of MLX in a replica.
+
+It runs mlx-lm's BatchGenerator (continuous batching: requests join and leave between
+steps), feeds each generated token through that request's output pipeline, and hands
+events back to asyncio through the sinks' event loops. Commands (submit, cancel) arrive on
+a thread-safe queue and are applied between steps, so a cancel frees its slot before the
+next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, SamplingParams
+from replicas.control import RequestController
+from replicas.decoding import RequestDecoder
+from replicas.loading import LoadedModel
+from replicas.sampling import make_request_processors, make_request_sampler
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """Where one request's events go; `push` runs on `loop`, never on the engine thread."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def push(self, events: list[OutputEvent]) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32  # sequences decoded together
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
+
+
+@dataclass
+class Submission:
+    """A validated request, ready for the batch. Built off the engine thread, pure Python."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]  # the user's; EOS ids come from the model
+    decoder: RequestDecoder
+    controller: RequestController | None
+    sink: EventSink
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    active: int
+    waiting: int
+    steps: int
+    finished: int
+    cancel_latency_steps: tuple[int, ...]  # decode steps between a cancel and the slot freeing
+
+
+@dataclass
+class _Active:
+    uid: int
+    sub: Submission
+
+
+@dataclass
+class _Commands:
+    submits: list[Submission] = field(default_factory=list)
+    cancels: dict[str, int] = field(default_factory=dict)  # request id -> step seen
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, loader: Callable[[], LoadedModel], config: EngineConfig) -> None:
+        self._loader = loader
+        self._config = config
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._loaded: LoadedModel | None = None
+        self._by_uid: dict[int, _Active] = {}
+        self._by_rid: dict[str, _Active] = {}
+        self._steps = 0
+        self._finished = 0
+        self._cancel_latency: deque[int] = deque(maxlen=256)
+        self._heartbeat = time.monotonic()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
+
+    # ---- asyncio side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> LoadedModel:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not load its model in time")
+        if self._load_error is not None or self._loaded is None:
+            raise EngineDead(f"model failed to load: {self._load_error}") from self._load_error
+        return self._loaded
+
+    def submit(self, sub: Submission) -> None:
+        self._ensure_alive()
+        self._commands.put(("submit", sub))
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", (request_id, self._steps)))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=10)
+
+    def check_health(self) -> None:
+        self._ensure_alive()
+        busy = bool(self._by_uid)
+        if busy and time.monotonic() - self._heartbeat > self._config.stuck_after_s:
+            raise EngineDead(f"engine step stuck for over {self._config.stuck_after_s:.0f}s")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            active=len(self._by_uid),
+            waiting=self._commands.qsize(),
+            steps=self._steps,
+            finished=self._finished,
+            cancel_latency_steps=tuple(self._cancel_latency),
+        )
+
+    def _ensure_alive(self) -> None:
+        if not self._thread.is_alive() and self._ready.is_set():
+            raise EngineDead("the engine thread is not running")
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loaded = self._loader()
+            self._gen = self._new_generator()
+        except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
+            log.exception("model load failed")
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        while not self._stopping:
+            self._heartbeat = time.monotonic()
+            self._apply(self._take_commands(block=not self._by_uid))
+            if self._by_uid:
+                self._step()
+        self._fail_all("the replica is shutting down")
+
+    def _new_generator(self) -> BatchGenerator:
+        assert self._loaded is not None
+        return BatchGenerator(
+            self._loaded.model,
+            completion_batch_size=self._config.max_batch_size,
+            prefill_batch_size=self._config.prefill_batch_size,
+            prefill_step_size=self._config.prefill_step_size,
+            stream=mx.new_stream(mx.default_device()),
+        )
+
+    def _take_commands(self, block: bool) -> _Commands:
+        commands = _Commands()
+        try:
+            item = self._commands.get(block=block)
+            while True:
+                kind, payload = item
+                if kind == "submit":
+                    assert isinstance(payload, Submission)
+                    commands.submits.append(payload)
+                elif kind == "cancel":
+                    request_id, step = payload  # type: ignore[misc]
+                    commands.cancels[request_id] = step
+                item = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        return commands
+
+    def _apply(self, commands: _Commands) -> None:
+        # A request cancelled while still queued never reaches the batch.
+        submits = [s for s in commands.submits if s.request_id not in commands.cancels]
+        if submits:
+            self._insert(submits)
+        gone = [self._by_rid[r] for r in commands.cancels if r in self._by_rid]
+        if gone:
+            self._gen.remove([a.uid for a in gone])
+            for active in gone:
+                self._forget(active)
+                self._cancel_latency.append(self._steps - commands.cancels[active.sub.request_id])
+
+    def _insert(self, subs: list[Submission]) -> None:
+        assert self._loaded is not None
+        eos = self._loaded.eos_token_ids
+        uids = self._gen.insert(
+            [s.prompt_ids for s in subs],
+            max_tokens=[s.max_tokens for s in subs],
+            samplers=[make_request_sampler(s.sampling) for s in subs],
+            logits_processors=[_processors(s) for s in subs],
+            stop_sequences=[StopSequences([[t] for t in eos | s.stop_token_ids]) for s in subs],
+        )
+        for uid, sub in zip(uids, subs):
+            active = _Active(uid, sub)
+            self._by_uid[uid] = active
+            self._by_rid[sub.request_id] = active
+
+    def _step(self) -> None:
+        try:
+            _, responses = self._gen.next()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the replica
+            log.exception("batch step failed; failing the batch and starting a fresh one")
+            self._fail_all(f"generation failed: {type(exc).__name__}")
+            self._gen = self._new_generator()
+            return
+        self._steps += 1
+        outbox: list[tuple[EventSink, list[OutputEvent]]] = []
+        to_remove: list[int] = []
+        for response in responses:
+            active = self._by_uid.get(response.uid)
+            if active is None:
+                continue
+            events, done, still_batched = self._on_token(active, response)
+            if events:
+                outbox.append((active.sub.sink, events))
+            if done:
+                self._forget(active)
+                self._finished += 1
+                if still_batched:
+                    to_remove.append(response.uid)
+        if to_remove:
+            self._gen.remove(to_remove)
+        _deliver(outbox)
+
+    def _on_token(self, active: _Active, response: object) -> tuple[list[OutputEvent], bool, bool]:
+        """Events for one generated token, whether the request is done, and whether the
+        batch still holds it (mlx-lm drops requests it finished itself)."""
+        sub = active.sub
+        token: int = response.token  # type: ignore[attr-defined]
+        finish: str | None = response.finish_reason  # type: ignore[attr-defined]
+        decoder, ctrl = sub.decoder, sub.controller
+        if ctrl is not None and ctrl.error is not None:
+            return [Failed(ErrorKind.INTERNAL, f"constraint failed: {ctrl.error}")], True, finish is None
+        if finish == "stop":  # an EOS or stop token id: it ends generation, it is not text
+            decoder.count(token)
+            if token in sub.stop_token_ids:
+                return decoder.finish(FinishReason.STOP_TOKEN, token), True, False
+            grammar_done = ctrl is not None and ctrl.grammar_complete
+            reason = FinishReason.GRAMMAR_COMPLETE if grammar_done else FinishReason.EOS
+            return decoder.finish(reason), True, False
+        events = decoder.feed(token)
+        if decoder.matched_stop is not None:
+            return events + decoder.finish(FinishReason.STOP_SEQUENCE), True, finish is None
+        if ctrl is not None and ctrl.grammar_complete:
+            return events + decoder.finish(FinishReason.GRAMMAR_COMPLETE), True, finish is None
+        if finish == "length":
+            return events + decoder.finish(FinishReason.LENGTH), True, False
+        return events, False, True
+
+    def _forget(self, active: _Active) -> None:
+        self._by_uid.pop(active.uid, None)
+        self._by_rid.pop(active.sub.request_id, None)
+
+    def _fail_all(self, message: str) -> None:
+        outbox = [(a.sub.sink, [Failed(ErrorKind.INTERNAL, message)]) for a in self._by_uid.values()]
+        self._by_uid.clear()
+        self._by_rid.clear()
+        _deliver(outbox)
+
+
+def _processors(sub: Submission) -> list:
+    processors = make_request_processors(sub.sampling)
+    if sub.controller is not None:
+        processors.append(sub.controller)  # last: the grammar sees penalised logits
+    return processors
+
+
+def _deliver(outbox: list[tuple[EventSink, list[OutputEvent]]]) -> None:
+    """One thread hop per event loop per step, however many requests it carries."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[EventSink, list[OutputEvent]]]] = {}
+    for sink, events in outbox:
+        by_loop.setdefault(sink.loop, []).append((sink, events))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_push_all, items)
+        except RuntimeError:  # the loop closed: its requests are gone
+            pass
+
+
+def _push_all(items: list[tuple[EventSink, list[OutputEvent]]]) -> None:
+    for sink, events in items:
+        sink.push(events)

@@ -1,0 +1,52 @@
+"""Errors a replica raises before generation starts, tagged with the shared taxonomy.
+
+The ingress renders them in each protocol's own shape; the kind picks the status code.
+"""
+
+from __future__ import annotations
+
+from replicas.contract import ErrorKind, Failed
+
+
+class ReplicaError(Exception):
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def as_event(self) -> Failed:
+        return Failed(self.kind, self.message)
+
+
+class InvalidRequestError(ReplicaError):
+    kind = ErrorKind.INVALID_REQUEST
+
+
+class NotFoundError(ReplicaError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class ContextLengthError(ReplicaError):
+    kind = ErrorKind.CONTEXT_LENGTH
+
+
+class OverloadedError(ReplicaError):
+    kind = ErrorKind.OVERLOADED
+
+
+class UnauthorizedError(ReplicaError):
+    kind = ErrorKind.UNAUTHORIZED
+
+
+class InternalError(ReplicaError):
+    kind = ErrorKind.INTERNAL
+
+
+_BY_KIND = {cls.kind: cls for cls in (InvalidRequestError, NotFoundError, ContextLengthError,
+                                      OverloadedError, UnauthorizedError, InternalError)}
+
+
+def error_for(kind: ErrorKind, message: str) -> ReplicaError:
+    return _BY_KIND[kind](message)

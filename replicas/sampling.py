@@ -1,0 +1,97 @@
+"""Per-request samplers and logits processors for mlx-lm's BatchGenerator.
+
+BatchGenerator samples the whole batch in one call only when every row holds the *same*
+sampler object, so unseeded samplers are cached by their parameters and shared.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, List
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+    make_sampler,
+)
+
+from replicas.contract import SamplingParams
+from replicas.errors import InvalidRequestError
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+# mlx-lm's penalty processors look back over a window; vLLM looks at the whole output.
+# 256 tokens covers typical answers while keeping the per-step cost bounded.
+PENALTY_CONTEXT = 256
+
+
+def validate(params: SamplingParams, vocab_size: int) -> None:
+    """Reject values the samplers cannot honour, before the request reaches the engine."""
+    if params.temperature < 0:
+        raise InvalidRequestError("temperature must be >= 0", param="temperature")
+    if not 0 < params.top_p <= 1:
+        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+    if params.top_k < 0:
+        raise InvalidRequestError("top_k must be >= 0", param="top_k")
+    if not 0 <= params.min_p <= 1:
+        raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+    if params.repetition_penalty <= 0:
+        raise InvalidRequestError("repetition_penalty must be > 0", param="repetition_penalty")
+    for token_id in params.logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
+                param="logit_bias",
+            )
+
+
+def make_request_sampler(params: SamplingParams) -> Sampler:
+    if params.temperature == 0:
+        return greedy_sampler
+    if params.seed is None:
+        return _shared_sampler(params.temperature, params.top_p, params.min_p, params.top_k)
+    return _SeededSampler(params)
+
+
+@lru_cache(maxsize=256)
+def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+
+
+class _SeededSampler:
+    """A sampler with its own PRNG key, so a seed reproduces whatever else is in the batch."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self._key = mx.random.key(params.seed or 0)
+        self._inv_temp = 1.0 / params.temperature
+        self._top_p = params.top_p
+        self._min_p = params.min_p
+        self._top_k = params.top_k
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self._top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self._top_p)
+        if self._min_p:
+            logprobs = apply_min_p(logprobs, self._min_p, 1)
+        if self._top_k > 0:
+            logprobs = apply_top_k(logprobs, self._top_k)
+        self._key, step_key = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * self._inv_temp, key=step_key)
+
+
+def make_request_processors(params: SamplingParams) -> List[LogitsProcessor]:
+    processors = make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=PENALTY_CONTEXT,
+    )
+    return list(processors)
