@@ -12,7 +12,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.client import ModelClient
-from ingress.errors import error_response, protocol_for_path
+from ingress.anthropic import anthropic_validation_message
+from ingress.errors import Protocol, error_response, protocol_for_path
 from ingress.validation import validation_message
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
@@ -61,9 +62,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
-        message, param = validation_message(exc)
-        return error_response(ErrorKind.INVALID_REQUEST, message,
-                              protocol_for_path(request.url.path), param=param)
+        protocol = protocol_for_path(request.url.path)
+        if protocol is Protocol.ANTHROPIC:
+            message, param = anthropic_validation_message(exc), None
+        else:
+            message, param = validation_message(exc)
+        return error_response(ErrorKind.INVALID_REQUEST, message, protocol, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

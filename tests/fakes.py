@@ -1,0 +1,114 @@
+"""Test doubles for the ingress: a scripted ModelClient and a bare app around one router."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from itertools import pairwise
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ingress.client import ModelCard, ModelClient
+from ingress.errors import error_response, protocol_for_path
+from replicas.contract import ErrorKind, GenerationRequest, OutputEvent
+from replicas.errors import ReplicaError
+
+# A script item is an event to yield or an error to raise at that point of the stream.
+Step = OutputEvent | ReplicaError
+Script = Sequence[Step] | Callable[[GenerationRequest], Sequence[Step]]
+
+
+class FakeClient:
+    """A ModelClient that replays scripted events; it never matches stops or counts tokens.
+
+    `script` is a list of steps, or a function from the request to one. `cuts` are the
+    step indexes where a new batch starts (None: one event per batch). `delay_s` is slept
+    before every batch but the first, to make the stream idle. Requests are recorded in
+    `requests` (stream) and `counted` (count_tokens); `closed_early` counts streams the
+    consumer closed before their end, i.e. cancelled generations.
+    """
+
+    def __init__(
+        self,
+        script: Script = (),
+        *,
+        models: Sequence[ModelCard] = (ModelCard("orchard-tiny", aliases=("tiny",)),),
+        cuts: Sequence[int] | None = None,
+        delay_s: float = 0.0,
+        input_tokens: int = 0,
+    ) -> None:
+        self._script = script
+        self._models = tuple(models)
+        self._cuts = cuts
+        self._delay_s = delay_s
+        self._input_tokens = input_tokens
+        self.requests: list[GenerationRequest] = []
+        self.counted: list[GenerationRequest] = []
+        self.closed_early = 0
+
+    def models(self) -> Sequence[ModelCard]:
+        return self._models
+
+    def resolve(self, model: str) -> ModelCard | None:
+        return next((c for c in self._models if model == c.id or model in c.aliases), None)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+        self.requests.append(request)
+        steps = self._script(request) if callable(self._script) else self._script
+        completed = False
+        try:
+            for number, batch in enumerate(_batches(list(steps), self._cuts)):
+                if number and self._delay_s:
+                    await asyncio.sleep(self._delay_s)
+                events: list[OutputEvent] = []
+                for step in batch:
+                    if isinstance(step, ReplicaError):
+                        if events:
+                            yield events
+                        raise step
+                    events.append(step)
+                yield events
+            completed = True
+        finally:
+            if not completed:
+                self.closed_early += 1
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        self.counted.append(request)
+        return self._input_tokens
+
+
+def _batches(steps: list[Step], cuts: Sequence[int] | None) -> list[list[Step]]:
+    if cuts is None:
+        return [[step] for step in steps]
+    bounds = [0, *sorted(cut for cut in cuts if 0 < cut < len(steps)), len(steps)]
+    return [steps[start:end] for start, end in pairwise(bounds) if end > start]
+
+
+def app_for(
+    router: APIRouter,
+    client: ModelClient,
+    validation_message: Callable[[RequestValidationError], str],
+) -> FastAPI:
+    """A bare app around one router, with the error handling the real app promises.
+
+    `ReplicaError` renders in the protocol chosen by path; malformed bodies are 400
+    `invalid_request` (never 422) with `validation_message`'s text.
+    """
+    app = FastAPI()
+    app.state.client = client
+    app.include_router(router)
+
+    @app.exception_handler(ReplicaError)
+    async def _replica_error(request: Request, exc: ReplicaError) -> JSONResponse:
+        protocol = protocol_for_path(request.url.path)
+        return error_response(exc.kind, exc.message, protocol, param=exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        protocol = protocol_for_path(request.url.path)
+        return error_response(ErrorKind.INVALID_REQUEST, validation_message(exc), protocol)
+
+    return app

@@ -1,0 +1,547 @@
+"""The Anthropic Messages adapter against a scripted client: conversion, errors, rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import MutableMapping
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ingress.anthropic import anthropic_validation_message, router
+from ingress.anthropic import routes as anthropic_routes
+from ingress.anthropic.convert import to_generation_request
+from ingress.anthropic.models import MessagesRequest
+from ingress.anthropic.render import STOP_REASONS, MessageRenderer
+from ingress.client import ModelCard
+from replicas.contract import (
+    Channel,
+    ChatMessage,
+    ChatPrompt,
+    ErrorKind,
+    Failed,
+    Finished,
+    FinishReason,
+    OutputEvent,
+    ReasoningSpec,
+    SamplingParams,
+    StopSpec,
+    TextDelta,
+    Usage,
+)
+from replicas.errors import ContextLengthError, OverloadedError, ReplicaError
+from tests.fakes import FakeClient, Script, app_for
+
+MODEL = "orchard-tiny"
+USAGE = Usage(prompt_tokens=11, completion_tokens=7)
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def think(text: str) -> TextDelta:
+    return TextDelta(Channel.REASONING, text)
+
+
+def say(text: str) -> TextDelta:
+    return TextDelta(Channel.ANSWER, text)
+
+
+def done(reason: FinishReason = FinishReason.EOS, stop: str | int | None = None) -> Finished:
+    return Finished(reason, USAGE, stop)
+
+
+EMPTY_ANSWER = (done(),)
+
+
+def http(script: Script = EMPTY_ANSWER, **options: Any) -> tuple[TestClient, FakeClient]:
+    fake = FakeClient(script, **options)
+    return TestClient(app_for(router, fake, anthropic_validation_message)), fake
+
+
+def body(**overrides: Any) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 32, "messages": USER} | overrides
+
+
+def sse(text: str) -> list[tuple[str, dict[str, Any]]]:
+    frames = []
+    for chunk in text.strip().split("\n\n"):
+        name, data = chunk.split("\n")
+        frames.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return frames
+
+
+def fold(frames: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """A streamed message accumulated the way Anthropic's SDKs do."""
+    message: dict[str, Any] = {}
+    for name, data in frames:
+        if name == "message_start":
+            message = data["message"]
+        elif name == "content_block_start":
+            assert data["index"] == len(message["content"])
+            message["content"].append(data["content_block"])
+        elif name == "content_block_delta":
+            block, delta = message["content"][data["index"]], data["delta"]
+            field = {"text_delta": "text", "thinking_delta": "thinking"}.get(delta["type"])
+            if field is None:
+                block["signature"] = delta["signature"]
+            else:
+                block[field] += delta[field]
+        elif name == "message_delta":
+            message.update(data["delta"])
+            message["usage"].update(data["usage"])
+    return message
+
+
+def convert(**overrides: Any):
+    return to_generation_request(
+        MessagesRequest.model_validate(body(**overrides)), ModelCard(MODEL)
+    )
+
+
+# --- conversion -------------------------------------------------------------------------
+
+
+def test_system_and_text_blocks_become_chat_messages() -> None:
+    request = convert(
+        system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
+            },
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": "Add 2+2."},
+        ],
+    )
+    assert request.prompt.messages == (
+        ChatMessage("system", "Be brief."),
+        ChatMessage("user", "Hello"),
+        ChatMessage("assistant", "Hi!"),
+        ChatMessage("user", "Add 2+2."),
+    )
+    assert request.request_id.startswith("msg_") and request.model == MODEL
+
+
+def test_consecutive_same_role_messages_merge_into_one_turn() -> None:
+    request = convert(
+        messages=[{"role": "user", "content": "One."}, {"role": "user", "content": "Two."}]
+    )
+    assert request.prompt.messages == (ChatMessage("user", "One.\n\nTwo."),)
+
+
+def test_final_assistant_message_is_a_prefill() -> None:
+    request = convert(messages=USER + [{"role": "assistant", "content": "The answer is"}])
+    assert request.prompt.messages[-1] == ChatMessage("assistant", "The answer is")
+
+
+def test_empty_final_assistant_message_is_no_prefill() -> None:
+    request = convert(messages=USER + [{"role": "assistant", "content": ""}])
+    assert request.prompt.messages == (ChatMessage("user", "Hi"),)
+
+
+def test_assistant_thinking_blocks_become_reasoning() -> None:
+    turn = {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "Greet back.", "signature": "sig"},
+            {"type": "text", "text": "Hello."},
+        ],
+    }
+    request = convert(messages=USER + [turn, {"role": "user", "content": "Bye"}])
+    assert request.prompt.messages[1] == ChatMessage("assistant", "Hello.", reasoning="Greet back.")
+
+
+def test_sampling_defaults_follow_anthropic() -> None:
+    request = convert()
+    assert request.sampling == SamplingParams(max_tokens=32, temperature=1.0, top_p=1.0, top_k=0)
+    assert request.stop == StopSpec() and request.reasoning == ReasoningSpec(enabled=False)
+
+
+def test_sampling_stops_and_thinking_are_passed_on() -> None:
+    request = convert(
+        temperature=0.2,
+        top_p=0.9,
+        top_k=40,
+        stop_sequences=["###", "\nUser:"],
+        thinking={"type": "enabled", "budget_tokens": 16},
+    )
+    assert request.sampling == SamplingParams(max_tokens=32, temperature=0.2, top_p=0.9, top_k=40)
+    assert request.stop == StopSpec(strings=("###", "\nUser:"))
+    assert request.reasoning == ReasoningSpec(enabled=True, budget_tokens=16)
+    assert convert(thinking={"type": "disabled"}).reasoning == ReasoningSpec(enabled=False)
+    assert convert(thinking={"type": "adaptive"}).reasoning == ReasoningSpec(enabled=True)
+
+
+def test_alias_resolves_to_the_served_id_and_unknown_fields_are_ignored() -> None:
+    client, fake = http([say("ok"), done()])
+    response = client.post("/v1/messages", json=body(model="tiny", service_tier="auto"))
+    assert response.status_code == 200
+    assert response.json()["model"] == MODEL and fake.requests[0].model == MODEL
+
+
+# --- errors -----------------------------------------------------------------------------
+
+BAD_REQUESTS = {
+    "missing max_tokens": ({"max_tokens": None}, "max_tokens"),
+    "zero max_tokens": ({"max_tokens": 0}, "max_tokens"),
+    "empty messages": ({"messages": []}, "messages"),
+    "system role in messages": (
+        {"messages": [{"role": "system", "content": "x"}]},
+        "messages.0.role",
+    ),
+    "assistant first": (
+        {"messages": [{"role": "assistant", "content": "x"}] + USER},
+        "first message",
+    ),
+    "empty user message": ({"messages": [{"role": "user", "content": ""}]}, "non-empty content"),
+    "empty text block": (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+        "non-empty",
+    ),
+    "prefill ends in whitespace": (
+        {"messages": USER + [{"role": "assistant", "content": "A "}]},
+        "trailing whitespace",
+    ),
+    "empty stop sequence": ({"stop_sequences": [""]}, "stop_sequences.0"),
+    "non-string stop sequence": ({"stop_sequences": [7]}, "stop_sequences.0"),
+    "temperature above 1": ({"temperature": 1.5}, "temperature"),
+    "zero thinking budget": (
+        {"thinking": {"type": "enabled", "budget_tokens": 0}},
+        "budget_tokens",
+    ),
+    "budget not below max_tokens": (
+        {"thinking": {"type": "enabled", "budget_tokens": 32}},
+        "max_tokens",
+    ),
+    "tools": ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+}
+
+
+@pytest.mark.parametrize("overrides, named", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_requests_are_anthropic_400s(overrides: dict[str, Any], named: str) -> None:
+    client, fake = http()
+    request = {key: value for key, value in body(**overrides).items() if value is not None}
+    response = client.post("/v1/messages", json=request)
+    assert response.status_code == 400
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert named in error["error"]["message"]
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("kind", ["image", "document", "tool_use", "tool_result"])
+def test_unsupported_blocks_are_named_in_a_400(kind: str) -> None:
+    client, _ = http()
+    content = [{"type": "text", "text": "Look:"}, {"type": kind, "source": {}}]
+    response = client.post(
+        "/v1/messages", json=body(messages=[{"role": "user", "content": content}])
+    )
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "messages.0.content.1" in message and kind in message and "not supported" in message
+
+
+def test_invalid_json_is_a_400() -> None:
+    client, _ = http()
+    response = client.post(
+        "/v1/messages", content=b"{nope", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": "request body is not valid JSON",
+    }
+
+
+def test_unknown_model_is_a_404_listing_the_served_models() -> None:
+    client, _ = http()
+    for path, request in [
+        ("/v1/messages", body(model="gpt-9")),
+        ("/v1/messages/count_tokens", {"model": "gpt-9", "messages": USER}),
+    ]:
+        response = client.post(path, json=request)
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert (
+            error["type"] == "not_found_error"
+            and "gpt-9" in error["message"]
+            and MODEL in error["message"]
+        )
+
+
+# --- non-streaming responses ------------------------------------------------------------
+
+STOPS = [
+    (FinishReason.EOS, None, "end_turn", None),
+    (FinishReason.STOP_SEQUENCE, "###", "stop_sequence", "###"),
+    (FinishReason.STOP_TOKEN, 151645, "end_turn", None),
+    (FinishReason.LENGTH, None, "max_tokens", None),
+    (FinishReason.GRAMMAR_COMPLETE, None, "end_turn", None),
+    (FinishReason.CANCELLED, None, "end_turn", None),
+]
+
+
+def test_stop_table_covers_every_finish_reason() -> None:
+    assert set(STOP_REASONS) == set(FinishReason) == {row[0] for row in STOPS}
+
+
+@pytest.mark.parametrize("reason, stop, stop_reason, stop_sequence", STOPS)
+def test_stop_reason_and_sequence(
+    reason: FinishReason, stop: Any, stop_reason: str, stop_sequence: Any
+) -> None:
+    client, _ = http([say("Hello"), done(reason, stop)])
+    message = client.post("/v1/messages", json=body()).json()
+    assert (message["stop_reason"], message["stop_sequence"]) == (stop_reason, stop_sequence)
+
+
+def test_non_streaming_message_shape() -> None:
+    client, _ = http([think("Hmm."), say("Four"), say("."), done()])
+    message = client.post("/v1/messages", json=body()).json()
+    assert message["id"].startswith("msg_")
+    assert {key: value for key, value in message.items() if key != "id"} == {
+        "type": "message",
+        "role": "assistant",
+        "model": MODEL,
+        "content": [
+            {"type": "thinking", "thinking": "Hmm.", "signature": ""},
+            {"type": "text", "text": "Four."},
+        ],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 11, "output_tokens": 7},
+    }
+
+
+def test_nothing_generated_is_empty_content() -> None:
+    client, _ = http([say(""), done(FinishReason.STOP_SEQUENCE, "###")])
+    assert client.post("/v1/messages", json=body()).json()["content"] == []
+
+
+# --- streaming --------------------------------------------------------------------------
+
+
+def test_streamed_reasoning_answer_event_sequence() -> None:
+    client, _ = http([think("Two and"), think(" two."), say("Four"), say("."), done()])
+    response = client.post("/v1/messages", json=body(stream=True))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    frames = sse(response.text)
+    assert [name for name, _ in frames] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert all(data["type"] == name for name, data in frames)
+    start = frames[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["model"] == MODEL
+    assert frames[1][1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+    }
+    assert [f[1]["delta"] for f in frames[2:5]] == [
+        {"type": "thinking_delta", "thinking": "Two and"},
+        {"type": "thinking_delta", "thinking": " two."},
+        {"type": "signature_delta", "signature": ""},
+    ]
+    assert frames[5][1]["index"] == 0
+    assert frames[6][1]["content_block"] == {"type": "text", "text": ""}
+    assert [f[1]["delta"] for f in frames[7:9]] == [
+        {"type": "text_delta", "text": "Four"},
+        {"type": "text_delta", "text": "."},
+    ]
+    assert {f[1]["index"] for f in frames[6:10]} == {1}
+    assert frames[10][1] == {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {"input_tokens": 11, "output_tokens": 7},
+    }
+
+
+SCRIPTS: dict[str, list[OutputEvent]] = {
+    "reasoning then answer": [think("a"), think("b"), say("c"), say("d"), done()],
+    "stop sequence": [say("Hello"), say(", world"), done(FinishReason.STOP_SEQUENCE, "###")],
+    "length, reasoning only": [think("Let me see"), done(FinishReason.LENGTH)],
+    "empty deltas": [say(""), think(""), say("x"), say(""), done()],
+    "nothing": [done()],
+    "back and forth": [think("a"), say("b"), think("c"), say("d"), done()],
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_streaming_equals_non_streaming_at_every_batch_boundary(script: list[OutputEvent]) -> None:
+    client, _ = http(script, cuts=())
+    whole = client.post("/v1/messages", json=body()).json()
+    for cut in range(len(script) + 1):
+        client, _ = http(script, cuts=(cut,))
+        streamed = fold(sse(client.post("/v1/messages", json=body(stream=True)).text))
+        assert streamed | {"id": whole["id"]} == whole
+
+
+@pytest.mark.parametrize("text", ["Héllo, wörld", "🍎 and 🍐"])
+def test_rendering_is_split_invariant(text: str) -> None:
+    def render(events: list[OutputEvent]) -> tuple[dict[str, Any], dict[str, Any]]:
+        renderer = MessageRenderer("msg_x", MODEL)
+        frames = renderer.start()
+        for event in events:
+            frames += renderer.feed(event)
+        frames += renderer.finish()
+        return renderer.message, fold(frames)
+
+    one_shot, _ = render([think(text), say(text), done()])
+    for cut in range(len(text) + 1):
+        split: list[OutputEvent] = [
+            think(text[:cut]),
+            think(text[cut:]),
+            say(text[:cut]),
+            say(text[cut:]),
+            done(),
+        ]
+        assert render(split) == (one_shot, one_shot)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "first, status, error_type",
+    [
+        (Failed(ErrorKind.OVERLOADED, "busy"), 529, "overloaded_error"),
+        (OverloadedError("busy"), 529, "overloaded_error"),
+        (ContextLengthError("prompt too long"), 400, "invalid_request_error"),
+        (Failed(ErrorKind.INTERNAL, "boom"), 500, "api_error"),
+    ],
+)
+def test_failure_before_any_text_is_an_http_error(
+    first: Any, status: int, error_type: str, stream: bool
+) -> None:
+    client, _ = http([first])
+    response = client.post("/v1/messages", json=body(stream=stream))
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["type"] == error_type
+
+
+@pytest.mark.parametrize("failure", [Failed(ErrorKind.INTERNAL, "boom"), ReplicaError("boom")])
+def test_failure_mid_stream_ends_with_an_error_event(failure: Any) -> None:
+    client, _ = http([say("Hel"), failure])
+    response = client.post("/v1/messages", json=body(stream=True))
+    assert response.status_code == 200
+    frames = sse(response.text)
+    assert [name for name, _ in frames][-3:] == [
+        "content_block_start",
+        "content_block_delta",
+        "error",
+    ]
+    assert frames[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+
+
+def test_failure_mid_way_without_streaming_is_an_error_response() -> None:
+    client, _ = http([say("Hel"), Failed(ErrorKind.OVERLOADED, "busy")])
+    response = client.post("/v1/messages", json=body())
+    assert response.status_code == 529
+    assert response.json() == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "busy"},
+    }
+
+
+def test_stream_without_a_terminal_event_ends_with_an_error_event() -> None:
+    client, _ = http([say("Hel")])
+    frames = sse(client.post("/v1/messages", json=body(stream=True)).text)
+    assert frames[-1][1]["error"]["type"] == "api_error"
+
+
+def test_idle_stream_sends_pings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(anthropic_routes, "PING_INTERVAL_S", 0.01)
+    script: list[OutputEvent] = [say("a"), say("b"), done()]
+    client, _ = http(script, delay_s=0.08)
+    frames = sse(client.post("/v1/messages", json=body(stream=True)).text)
+    names = [name for name, _ in frames]
+    assert "ping" in names and names.index("ping") > names.index("message_start")
+    assert ("ping", {"type": "ping"}) in frames
+    pings_removed = [frame for frame in frames if frame[0] != "ping"]
+    client, _ = http(script)
+    assert fold(pings_removed) | {"id": "x"} == client.post("/v1/messages", json=body()).json() | {
+        "id": "x"
+    }
+
+
+def test_client_disconnect_closes_the_generation() -> None:
+    fake = FakeClient([say("a"), say("b"), done()], delay_s=30)
+    app = app_for(router, fake, anthropic_validation_message)
+    payload = json.dumps(body(stream=True)).encode()
+    first_chunk = asyncio.Event()
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await first_chunk.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            first_chunk.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/messages",
+        "raw_path": b"/v1/messages",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+
+    async def closed_when_the_response_ends() -> int:
+        await asyncio.wait_for(app(scope, receive, send), timeout=2)
+        return fake.closed_early  # read before asyncio.run cancels leftover tasks
+
+    assert asyncio.run(closed_when_the_response_ends()) == 1
+
+
+# --- count_tokens -----------------------------------------------------------------------
+
+
+def test_count_tokens() -> None:
+    client, fake = http(input_tokens=42)
+    response = client.post(
+        "/v1/messages/count_tokens",
+        json={
+            "model": MODEL,
+            "system": "Be brief.",
+            "messages": USER,
+            "thinking": {"type": "enabled", "budget_tokens": 2048},
+        },
+    )
+    assert response.status_code == 200 and response.json() == {"input_tokens": 42}
+    (counted,) = fake.counted
+    assert counted.prompt == ChatPrompt(
+        (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
+    )
+    assert counted.reasoning == ReasoningSpec(enabled=True, budget_tokens=2048)
+    assert fake.requests == []
+
+
+def test_count_tokens_validates_like_messages() -> None:
+    client, _ = http()
+    response = client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": []})
+    assert (
+        response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    )
