@@ -35,6 +35,7 @@ class RequestController:
         decode: Decode,
         fmt: ChannelFormat,
         initial: Channel,
+        state: str | None,
         *,
         budget: int | None,
         forced_end_ids: tuple[int, ...],
@@ -42,7 +43,7 @@ class RequestController:
         reasoning_open_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._detok = Detokenizer(decode)
-        self._router = ChannelRouter(fmt, initial)
+        self._router = ChannelRouter(fmt, initial, state=state)
         self._budget = budget
         self._forced_end_ids = forced_end_ids
         self._forcing: deque[int] = deque()

@@ -18,12 +18,13 @@ class RequestDecoder:
         decode: Decode,
         fmt: ChannelFormat,
         initial: Channel,
+        state: str | None,
         stops: tuple[str, ...],
         include_stop: bool,
         prompt_tokens: int,
     ) -> None:
         self._detok = Detokenizer(decode)
-        self._router = ChannelRouter(fmt, initial)
+        self._router = ChannelRouter(fmt, initial, state=state)
         self._stops = StopMatcher(stops, include_stop)
         self._prompt_tokens = prompt_tokens
         self.completion_tokens = 0

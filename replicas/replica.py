@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from replicas.contract import (
+    Channel,
     ChatPrompt,
     Failed,
     GenerationRequest,
@@ -25,7 +26,13 @@ from replicas.detokenizer import Decode, make_decode
 from replicas.engine import Engine, EngineConfig, EngineStats, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError, ReplicaError
 from replicas.loading import LoadedModel, load_model
-from replicas.pipeline.channels import ChannelFormat, detect_format, get_format, initial_channel
+from replicas.pipeline.channels import (
+    ChannelFormat,
+    detect_format,
+    get_format,
+    initial_channel,
+    initial_state,
+)
 from replicas.pipeline.stops import merge_stops
 from replicas.prompt import RenderedPrompt, render_prompt
 from replicas.sampling import validate as validate_sampling
@@ -142,11 +149,13 @@ class ModelReplica:
         chat = isinstance(request.prompt, ChatPrompt)
         fmt = self._format if chat else get_format("none")
         initial = initial_channel(fmt, rendered.text)
+        state = initial_state(fmt, rendered.text)
         grammar = self._grammar(request) if request.guided is not None else None
         decoder = RequestDecoder(
             self._decode,
             fmt,
             initial,
+            state,
             stops=() if grammar is not None else stops,  # the grammar decides where it ends
             include_stop=request.stop.include_in_output,
             prompt_tokens=len(rendered.token_ids),
@@ -158,6 +167,7 @@ class ModelReplica:
                 self._decode,
                 fmt,
                 initial,
+                state,
                 budget=budget,
                 forced_end_ids=self._encode(fmt.reasoning_end),
                 grammar=grammar,
@@ -240,8 +250,12 @@ class ModelReplica:
     def _open_ids(self, fmt: ChannelFormat) -> frozenset[int]:
         """Single tokens that open a reasoning block, allowed before the grammar starts."""
         ids = set()
-        for marker in fmt.reasoning_open_markers:
-            encoded = self._encode(marker)
+        answer = fmt.states[fmt.answer_state]
+        for rule in answer.rules:
+            target = fmt.states.get(rule.to) if isinstance(rule.to, str) else None
+            if target is None or target.channel is not Channel.REASONING:
+                continue
+            encoded = self._encode(rule.marker)
             if len(encoded) == 1:
                 ids.add(encoded[0])
         return frozenset(ids)

@@ -1,0 +1,110 @@
+"""Stop matcher cost per token: flat in the output length.
+
+Feeds synthetic token-sized pieces (3-5 characters, like a detokenizer's output) through a
+StopMatcher with 16 stop strings, for outputs of 1k, 8k and 32k tokens, where the stops
+never match or match only at the very end, and prints ns/token and the 32k/1k ratio (about
+1.0 when the cost per token does not grow with the output).
+
+    python load/bench_stops.py
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+# Run as a script from the repository root without installing the project.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replicas.contract import FinishReason  # noqa: E402
+from replicas.pipeline.stops import StopMatcher  # noqa: E402
+
+STOPS = (
+    "\n\n\n",
+    "</s>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "###",
+    "User:",
+    "Assistant:",
+    "Observation:",
+    "```output",
+    "[DONE]",
+    "</answer>",
+    "the end of the story",
+    "in conclusion, we",
+    "STOP",
+    "3.14159",
+    "\n\nHuman:",
+)
+WORDS = (
+    "the model reads each token and the server streams it back to the user while other "
+    "requests share the batch so that latency stays low under load and the answer stays "
+    "correct in every case we test including lists code and markdown tables"
+).split()
+PUNCTUATION = (" ", " ", " ", " ", ", ", ". ", ".\n", "\n\n", ": ", " (", ") ", " `", "` ")
+LENGTHS = (1_000, 8_000, 32_000)
+REPEATS = 30
+
+
+def token_pieces(count: int, rng: random.Random) -> list[str]:
+    """Text in 3-5 character pieces, cut from prose so stops' first characters do occur."""
+    words: list[str] = []
+    size = 0
+    while size < count * 5:
+        word = rng.choice(WORDS) + rng.choice(PUNCTUATION)
+        words.append(word)
+        size += len(word)
+    text = "".join(words)
+    pieces: list[str] = []
+    pos = 0
+    while len(pieces) < count:
+        step = rng.randint(3, 5)
+        pieces.append(text[pos : pos + step])
+        pos += step
+    return pieces
+
+
+def run_once(pieces: list[str]) -> tuple[float, str | None]:
+    matcher = StopMatcher(STOPS)
+    feed = matcher.feed
+    start = time.perf_counter_ns()
+    matched = None
+    for piece in pieces:
+        out = feed(piece)
+        if out.matched is not None:
+            matched = out.matched
+            break
+    else:
+        matcher.finish(FinishReason.LENGTH)
+    return time.perf_counter_ns() - start, matched
+
+
+def main() -> None:
+    rng = random.Random(1234)
+    print(f"StopMatcher, {len(STOPS)} stops, best of {REPEATS} interleaved runs")
+    print(f"{'scenario':<16}" + "".join(f"{n // 1000:>8}k" for n in LENGTHS) + "   32k/1k")
+    for scenario, expect_match in (("no match", False), ("match at end", True)):
+        outputs = []
+        for count in LENGTHS:
+            pieces = token_pieces(count, rng)
+            if expect_match:
+                # The stop arrives split over the last tokens, as a multi-token stop would.
+                pieces[-3:] = ["the en", "d of the ", "story"]
+            outputs.append(pieces)
+        best = [float("inf")] * len(LENGTHS)
+        # Lengths take turns within each round, so a busy moment on a shared machine does
+        # not land on one length only; the minimum filters what is left.
+        for _ in range(REPEATS):
+            for k, pieces in enumerate(outputs):
+                elapsed, matched = run_once(pieces)
+                assert (matched is not None) == expect_match, matched
+                best[k] = min(best[k], elapsed / len(pieces))
+        cells = "".join(f"{ns:>7.0f}ns" for ns in best)
+        print(f"{scenario:<16}{cells}   {best[-1] / best[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

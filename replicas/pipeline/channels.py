@@ -1,0 +1,209 @@
+"""The channel router: splits a reasoning model's decoded text into reasoning and answer.
+
+Formats are data (`channel_formats.py`, `harmony.py`); this module holds the registry, the
+detection helpers and the streaming router that runs a format. Markers never reach a
+channel, however they are split across tokens: like the stop matcher, the router holds back
+only a tail that could still become a marker, using the same matching engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from types import MappingProxyType
+
+from replicas.contract import Channel, TextDelta
+from replicas.pipeline.channel_formats import NONE, THINK_TAGS, ByHeader, ChannelFormat
+from replicas.pipeline.harmony import HARMONY
+from replicas.pipeline.textmatch import NO_MATCH, ROOT, Automaton, compile_patterns
+
+__all__ = [  # ChannelFormat is re-exported: callers need the registry and its type together
+    "FORMATS",
+    "ChannelFormat",
+    "ChannelRouter",
+    "detect_format",
+    "get_format",
+    "initial_channel",
+    "initial_state",
+]
+
+# Detection tries formats in this order and "none" (no signature) always matches last.
+FORMATS: Mapping[str, ChannelFormat] = MappingProxyType(
+    {fmt.name: fmt for fmt in (HARMONY, THINK_TAGS, NONE)}
+)
+
+# Only a header's first word is used, so a runaway header costs bounded memory.
+_HEADER_LIMIT = 64
+_FIRST_WORD = re.compile(r"[^\s<]*")
+
+
+def get_format(name: str) -> ChannelFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        valid = ", ".join(sorted(FORMATS))
+        raise ValueError(f"unknown channel format {name!r}; valid formats: {valid}") from None
+
+
+def detect_format(chat_template: str | None, vocab: Collection[str]) -> str:
+    """The first format whose signature texts are all in the vocab or the chat template."""
+    template = chat_template or ""
+    for name, fmt in FORMATS.items():
+        if all(text in vocab or text in template for text in fmt.signature):
+            return name
+    return NONE.name
+
+
+def initial_state(fmt: ChannelFormat, rendered_prompt: str) -> str:
+    """The state the output starts in, from how the rendered prompt ends.
+
+    A prompt ending in an opened reasoning block (DeepSeek-R1's "<think>\\n") starts in
+    reasoning; one ending in a closed block (Qwen3's "<think>\\n\\n</think>\\n\\n" when thinking
+    is off) starts in the answer, where "<think>" is then plain text.
+    """
+    tail = rendered_prompt.rstrip()
+    for suffix, state in fmt.prompt_states:
+        if tail.endswith(suffix):
+            return state
+    return fmt.answer_state
+
+
+def initial_channel(fmt: ChannelFormat, rendered_prompt: str) -> Channel:
+    channel = fmt.states[initial_state(fmt, rendered_prompt)].channel
+    assert channel is not None  # ChannelFormat checks that start states are content states
+    return channel
+
+
+_Target = str | ByHeader
+
+
+class ChannelRouter:
+    """Streaming router for one request: `feed()` decoded text, then `finish()`.
+
+    Start it with `state=initial_state(fmt, rendered_prompt)` to honour what the prompt
+    opened, or with `initial` for the format's default answer or reasoning state.
+    """
+
+    __slots__ = (
+        "_fmt",
+        "_tables",
+        "_automaton",
+        "_targets",
+        "_node",
+        "_content",
+        "_channel",
+        "_strip",
+        "_header",
+        "_reasoning_ended",
+        "_finished",
+    )
+
+    def __init__(
+        self,
+        fmt: ChannelFormat,
+        initial: Channel = Channel.ANSWER,
+        *,
+        state: str | None = None,
+    ) -> None:
+        if state is None:
+            state = fmt.answer_state if initial is Channel.ANSWER else fmt.reasoning_state
+            if state is None:
+                raise ValueError(f"channel format {fmt.name!r} has no reasoning channel")
+        elif state not in fmt.states or fmt.states[state].channel is None:
+            raise ValueError(f"{state!r} is not a content state of format {fmt.name!r}")
+        self._fmt = fmt
+        # Per state: the automaton over its markers and each marker's target, by pattern index.
+        self._tables: dict[str, tuple[Automaton | None, tuple[_Target, ...]]] = {}
+        for name, spec in fmt.states.items():
+            markers = tuple(rule.marker for rule in spec.rules)
+            automaton = compile_patterns(markers) if markers else None
+            self._tables[name] = (automaton, tuple(rule.to for rule in spec.rules))
+        # The current state, as _enter() sets it up:
+        self._automaton: Automaton | None = None
+        self._targets: tuple[_Target, ...] = ()
+        self._node = ROOT
+        self._content: Channel | None = None  # its channel; None in a header
+        self._strip = False  # leading newlines still to drop
+        self._header = ""  # the header text read so far (bounded)
+        self._channel = Channel.ANSWER  # the last content channel
+        self._reasoning_ended = False
+        self._finished = False
+        self._enter(state)
+
+    @property
+    def channel(self) -> Channel:
+        """The current channel; inside a header, the channel of the message before it."""
+        return self._channel
+
+    @property
+    def reasoning_ended(self) -> bool:
+        """A reasoning block has closed at least once."""
+        return self._reasoning_ended
+
+    def feed(self, text: str) -> list[TextDelta]:
+        """Pieces in stream order, markers removed, same-channel neighbours merged."""
+        if self._finished:
+            raise RuntimeError("ChannelRouter.feed() after finish()")
+        pieces: list[TextDelta] = []
+        start, end = 0, len(text)
+        while start < end:
+            automaton = self._automaton
+            if automaton is None:
+                self._emit(text[start:], pieces)
+                break
+            held = automaton.labels[self._node]
+            node, stop, pattern = automaton.scan(text, self._node, start)
+            if pattern == NO_MATCH:
+                self._node = node
+                keep = len(held) + end - start - len(automaton.labels[node])
+                self._emit((held + text[start:])[:keep], pieces)
+                break
+            # The marker is a suffix of held + text[start:stop]; what precedes it is content.
+            before = len(held) + stop - start - len(automaton.patterns[pattern])
+            self._emit((held + text[start:stop])[:before], pieces)
+            self._fire(self._targets[pattern])
+            start = stop
+        return pieces
+
+    def finish(self) -> list[TextDelta]:
+        """End of stream: the held tail is content of the current state after all."""
+        pieces: list[TextDelta] = []
+        if not self._finished and self._automaton is not None:
+            self._emit(self._automaton.labels[self._node], pieces)
+        self._node = ROOT
+        self._finished = True
+        return pieces
+
+    def _emit(self, text: str, pieces: list[TextDelta]) -> None:
+        if self._strip and text:
+            text = text.lstrip("\n")
+            self._strip = not text
+        if not text:
+            return
+        channel = self._content
+        if channel is None:
+            room = _HEADER_LIMIT - len(self._header)
+            if room > 0:
+                self._header += text[:room]
+        elif pieces and pieces[-1].channel is channel:
+            pieces[-1] = TextDelta(channel, pieces[-1].text + text)
+        else:
+            pieces.append(TextDelta(channel, text))
+
+    def _fire(self, target: _Target) -> None:
+        if isinstance(target, ByHeader):
+            word = _FIRST_WORD.match(self._header.lstrip())
+            target = target.routes.get(word.group() if word else "", target.default)
+        self._enter(target)
+
+    def _enter(self, name: str) -> None:
+        spec = self._fmt.states[name]
+        if self._content is Channel.REASONING and spec.channel is not Channel.REASONING:
+            self._reasoning_ended = True
+        self._content = spec.channel
+        if spec.channel is not None:
+            self._channel = spec.channel
+        self._automaton, self._targets = self._tables[name]
+        self._node = ROOT
+        self._strip = spec.strip_leading_newlines
+        self._header = ""
