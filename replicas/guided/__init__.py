@@ -1,0 +1,14 @@
+"""Guided decoding: llguidance grammars mask MLX logits, so answers are valid by construction."""
+
+from replicas.guided.bitmask import apply_token_bitmask
+from replicas.guided.compiler import compile_guided
+from replicas.guided.matcher import GuidedLogitsProcessor, GuidedMatcher
+from replicas.guided.tokenizer import GuidedTokenizer
+
+__all__ = [
+    "GuidedLogitsProcessor",
+    "GuidedMatcher",
+    "GuidedTokenizer",
+    "apply_token_bitmask",
+    "compile_guided",
+]
