@@ -1,0 +1,38 @@
+"""Built-in models the project makes itself, offline and deterministically.
+
+`builtin:tiny` is a small qwen3 model trained to reproduce the scripts in
+scripts.json exactly; `builtin:bench` has the same tokenizer and architecture with
+random weights and about 25M parameters, for throughput benchmarks. Both are built
+on first use and cached (see README.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .build import ensure_recipe
+from .recipe import RECIPES
+from .scripts import Message, Script, load_scripts, script
+
+BUILTIN_NAMES: tuple[str, ...] = tuple(RECIPES)
+
+
+def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
+    """The directory of built-in model `name`, building it first if it is not cached.
+
+    `cache_dir` defaults to `$ORCHARD_CACHE_DIR/builtin`, else `~/.cache/orchard/builtin`.
+    """
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        raise ValueError(f"unknown builtin model {name!r}; valid names: {', '.join(BUILTIN_NAMES)}")
+    return ensure_recipe(recipe, cache_dir)
+
+
+__all__ = [
+    "BUILTIN_NAMES",
+    "Message",
+    "Script",
+    "ensure_builtin",
+    "load_scripts",
+    "script",
+]

@@ -1,0 +1,146 @@
+"""Make a built-in model directory from a recipe, and keep built ones in a cache.
+
+A directory holds exactly what a downloaded Qwen3 checkpoint would (config.json,
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
+plus build_info.json describing how it was made.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3
+from mlx_lm.utils import load_tokenizer
+
+from .recipe import RandomInit, Recipe, cache_key
+from .scripts import Script, parse_scripts, scripts_text
+from .tokenizer_files import (
+    PAD_TOKEN,
+    PLAIN_ADDED_TOKENS,
+    SPECIAL_TOKENS,
+    completion_ids,
+    prompt_ids,
+    train_tokenizer,
+    training_texts,
+    write_json,
+    write_tokenizer_files,
+)
+from .train import Example, train
+from .verify import verify_model_dir
+
+log = logging.getLogger(__name__)
+
+BUILD_INFO = "build_info.json"
+
+
+def default_cache_root() -> Path:
+    """`$ORCHARD_CACHE_DIR/builtin`, else `~/.cache/orchard/builtin`."""
+    root = os.environ.get("ORCHARD_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "orchard") / "builtin"
+
+
+def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
+    """The cached directory for `recipe`, built first if missing.
+
+    Safe across processes: one builder holds an flock per cache key and builds into a
+    temporary directory that is renamed into place, so a directory under its final
+    name is always complete and the others just wait and reuse it.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    text = scripts_text()
+    key = cache_key(recipe, text)
+    final = root / key
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.is_dir():
+            return final
+        # Holding the lock, any temporary directory for this key is a crashed build's.
+        for stale in root.glob(f".{key}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
+        try:
+            tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
+            build(recipe, parse_scripts(text), tmp, key)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) -> dict[str, Any]:
+    """Write a complete model directory into `out_dir`; returns its build info."""
+    start = time.perf_counter()
+    log.info("building builtin:%s into %s", recipe.name, out_dir)
+    tokenizer = train_tokenizer(training_texts(scripts), recipe.max_vocab, recipe.min_frequency)
+    arch = recipe.architecture
+    eos_id = write_tokenizer_files(tokenizer, out_dir, arch.max_position_embeddings)
+    pad_id = tokenizer.token_to_id(PAD_TOKEN)
+    vocab_size = tokenizer.get_vocab_size()
+    config = arch.config(vocab_size, eos_id, pad_id)
+    write_json(out_dir / "config.json", config)
+    write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": pad_id, "eos_token_id": [eos_id], "pad_token_id": pad_id},
+    )
+
+    mx.random.seed(recipe.seed)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    info: dict[str, Any] = {"name": recipe.name, "cache_key": key, "vocab_size": vocab_size}
+    examples: list[Example] = []
+    if isinstance(recipe.weights, RandomInit):
+        added = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS]
+        _randomize(model, recipe.weights, added)
+    else:
+        examples = _examples(out_dir, scripts, eos_id)
+        report = train(model, examples, pad_id, recipe.weights)
+        info["training"] = {
+            "steps": report.steps,
+            "seconds": round(report.seconds, 2),
+            "final_loss": report.loss,
+            "min_margin": round(report.min_margin, 3),
+        }
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    info["parameters"] = sum(w.size for w in weights.values())
+
+    verify_model_dir(out_dir, examples)
+    info["verified_scripts"] = [e.script_id for e in examples]
+    info["build_seconds"] = round(time.perf_counter() - start, 2)
+    write_json(out_dir / BUILD_INFO, info)
+    log.info("built builtin:%s: %s", recipe.name, info)
+    return info
+
+
+def _examples(model_dir: Path, scripts: Sequence[Script], eos_id: int) -> list[Example]:
+    # The tokenizer comes from the written files through mlx_lm's loader, so prompts
+    # are rendered exactly as the serving path renders them.
+    tokenizer = load_tokenizer(model_dir)
+    return [
+        Example(s.id, tuple(prompt_ids(tokenizer, s)), tuple(completion_ids(tokenizer, s, eos_id)))
+        for s in scripts
+    ]
+
+
+def _randomize(model: nn.Module, init: RandomInit, silent_ids: Sequence[int]) -> None:
+    head = model.lm_head
+    vocab, hidden = head.weight.shape
+    weight = mx.random.normal((vocab, hidden)) * (init.logit_std / hidden**0.5)
+    # Zero rows give the added tokens a logit of exactly 0, far below the best
+    # ordinary tokens, so they are (practically) never generated.
+    head.weight = weight * mx.ones((vocab, 1)).at[mx.array(list(silent_ids))].multiply(0.0)
+    mx.eval(model.parameters())

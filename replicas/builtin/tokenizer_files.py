@@ -1,0 +1,172 @@
+"""The built-in models' tokenizer: a byte-level BPE trained offline on the scripts.
+
+The pipeline (NFC, Qwen2 split regex, byte-level alphabet) and the token layout
+(ChatML markers as special tokens, `<think>`/`</think>` as plain added tokens) copy
+Qwen3, so every code path that handles a real Qwen3 tokenizer handles this one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
+
+from .chat_template import CHAT_TEMPLATE
+from .scripts import Script
+
+# The split regex of Qwen2/Qwen3 (transformers' Qwen2Tokenizer uses the same one).
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
+# Not special, as in Qwen3: they must survive decode(skip_special_tokens=True).
+PLAIN_ADDED_TOKENS = (THINK_START, THINK_END)
+_ADDED_TOKEN_RE = re.compile("|".join(re.escape(t) for t in PLAIN_ADDED_TOKENS))
+
+
+class ChatTokenizer(Protocol):
+    """What prompt rendering needs: a HF tokenizer or mlx_lm's TokenizerWrapper."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+
+def training_texts(scripts: Sequence[Script]) -> list[str]:
+    """The corpus the BPE merges are learned from: the scripts as the model sees them.
+
+    Chat turns carry their role line and generated text its think scaffolding, so
+    strings like "assistant" and "\\n\\n" get merged tokens; the added tokens are cut
+    out because they never go through BPE.
+    """
+    texts: list[str] = []
+    for s in scripts:
+        if s.prompt is not None:
+            texts.append(s.prompt)
+        texts.extend(f"{m.role}\n{m.content}" for m in s.messages)
+        generated = s.expected_text
+        if s.enable_thinking is False:
+            generated = f"{THINK_START}\n\n{THINK_END}\n\n{generated}"
+        if s.kind == "chat":
+            generated = f"assistant\n{generated}"
+        texts.extend(t for t in _ADDED_TOKEN_RE.split(generated) if t)
+    return texts
+
+
+def train_tokenizer(texts: Sequence[str], max_vocab: int, min_frequency: int) -> Tokenizer:
+    """Learn merges on `texts`, then append the added tokens after the BPE vocab.
+
+    `min_frequency` stops merging pairs seen only once, so rare strings (CJK, emoji)
+    stay split into byte tokens while common words become single tokens.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=max_vocab - len(SPECIAL_TOKENS) - len(PLAIN_ADDED_TOKENS),
+        min_frequency=min_frequency,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens([_added(t, special=True) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([_added(t, special=False) for t in PLAIN_ADDED_TOKENS])
+    return tokenizer
+
+
+def _added(content: str, special: bool) -> AddedToken:
+    return AddedToken(
+        content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special
+    )
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, out_dir: Path, max_length: int) -> int:
+    """Write tokenizer.json and tokenizer_config.json; returns the eos token id."""
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
+    added_tokens_decoder = {
+        str(token_id): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": token in SPECIAL_TOKENS,
+        }
+        for token, token_id in ids.items()
+    }
+    config: dict[str, Any] = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens_decoder,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS_TOKEN,
+        "errors": "replace",
+        "model_max_length": max_length,
+        "pad_token": PAD_TOKEN,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    write_json(out_dir / "tokenizer_config.json", config)
+    return ids[EOS_TOKEN]
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def render_chat_prompt_ids(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[Mapping[str, str]],
+    enable_thinking: bool | None,
+) -> list[int]:
+    """Prompt ids the way production renders a chat: template to text, then encode.
+
+    `enable_thinking=None` passes no kwarg, so the template default applies.
+    """
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    text = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_ids(tokenizer: ChatTokenizer, script: Script) -> list[int]:
+    if script.kind == "chat":
+        return render_chat_prompt_ids(tokenizer, script.message_dicts, script.enable_thinking)
+    assert script.prompt is not None
+    return list(tokenizer.encode(script.prompt, add_special_tokens=False))
+
+
+def completion_ids(tokenizer: ChatTokenizer, script: Script, eos_id: int) -> list[int]:
+    """The exact token sequence the model must generate: the expected text, then eos."""
+    return [*tokenizer.encode(script.expected_text, add_special_tokens=False), eos_id]
