@@ -1,0 +1,64 @@
+"""A real `serve run serve_config.yaml` for the whole end-to-end session, over loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from replicas.builtin import ensure_builtin
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_URL = "http://127.0.0.1:8000"
+STARTUP_TIMEOUT_S = 300
+
+
+def _serve_exe() -> str:
+    return shutil.which("serve") or str(Path(sys.executable).with_name("serve"))
+
+
+def _ready(client: httpx.Client) -> bool:
+    try:
+        models = client.get(f"{BASE_URL}/v1/models", timeout=5)
+        if models.status_code != 200:
+            return False
+        probe = client.post(f"{BASE_URL}/v1/completions", timeout=30, json={
+            "model": "orchard-tiny", "prompt": "Hi", "max_tokens": 1})
+        return probe.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[str]:
+    ensure_builtin("tiny")  # build once here rather than inside a replica's constructor
+    log_path = ROOT / ".pytest_cache" / "serve_run.log"
+    log_path.parent.mkdir(exist_ok=True)
+    log = log_path.open("w")
+    env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([_serve_exe(), "run", "serve_config.yaml"], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with httpx.Client() as client:
+            while not _ready(client):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"serve run did not come up; log:\n{log_path.read_text()[-5000:]}")
+                time.sleep(1)
+        yield BASE_URL
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down on Ctrl-C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()

@@ -1,0 +1,193 @@
+"""ModelReplica with the real tiny model, loaded by the production code, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+import pytest
+
+from replicas.builtin import load_scripts, script
+from replicas.contract import (
+    Channel,
+    ChatMessage,
+    ChatPrompt,
+    ErrorKind,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    OutputEvent,
+    ReasoningSpec,
+    SamplingParams,
+    StopSpec,
+    TextDelta,
+    TextPrompt,
+)
+from replicas.replica import ModelReplica, ReplicaOptions
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=400)
+
+
+@pytest.fixture(scope="module")
+def replica() -> Any:
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny"))
+    rep.start()
+    yield rep
+    rep.shutdown()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def request_for(sid: str, *, sampling: SamplingParams = GREEDY, stop: StopSpec = StopSpec(),
+                reasoning: ReasoningSpec | None = None, rid: str | None = None) -> GenerationRequest:
+    s = script(sid)
+    if s.kind == "completion":
+        prompt: Any = TextPrompt(s.prompt or "")
+        spec = ReasoningSpec()
+    else:
+        prompt = ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in s.messages))
+        spec = ReasoningSpec(enabled=s.enable_thinking)
+    return GenerationRequest(
+        request_id=rid or f"test-{sid}-{time.monotonic_ns()}", model="tiny", prompt=prompt,
+        sampling=sampling, stop=stop, reasoning=reasoning or spec,
+    )
+
+
+async def collect(stream: AsyncIterator[list[OutputEvent]]) -> list[OutputEvent]:
+    events: list[OutputEvent] = []
+    async for batch in stream:
+        events.extend(batch)
+    return events
+
+
+def texts(events: list[OutputEvent]) -> tuple[str, str]:
+    reasoning = "".join(e.text for e in events if isinstance(e, TextDelta) and e.channel is Channel.REASONING)
+    answer = "".join(e.text for e in events if isinstance(e, TextDelta) and e.channel is Channel.ANSWER)
+    return reasoning, answer
+
+
+def terminal(events: list[OutputEvent]) -> OutputEvent:
+    assert events, "no events"
+    assert all(not isinstance(e, (Finished, Failed)) for e in events[:-1])
+    return events[-1]
+
+
+@pytest.mark.parametrize("sid", [s.id for s in load_scripts()])
+def test_every_script_is_reproduced_exactly(replica: ModelReplica, sid: str) -> None:
+    events = run(collect(replica.stream(request_for(sid))))
+    end = terminal(events)
+    assert isinstance(end, Finished) and end.reason is FinishReason.EOS
+    reasoning, answer = texts(events)
+    s = script(sid)
+    assert answer == s.answer
+    assert reasoning == (s.reasoning or "")
+    assert end.usage.completion_tokens > 0 and end.usage.prompt_tokens > 0
+    if s.reasoning:
+        assert 0 < end.usage.reasoning_tokens < end.usage.completion_tokens
+
+
+def test_concurrent_requests_batch_and_match_solo_runs(replica: ModelReplica) -> None:
+    ids = [s.id for s in load_scripts()][:10]
+
+    async def together() -> list[list[OutputEvent]]:
+        return await asyncio.gather(*(collect(replica.stream(request_for(i))) for i in ids))
+
+    steps_before = replica.stats().steps
+    results = run(together())
+    steps = replica.stats().steps - steps_before
+    tokens = 0
+    for sid, events in zip(ids, results):
+        assert texts(events)[1] == script(sid).answer
+        end = terminal(events)
+        assert isinstance(end, Finished)
+        tokens += end.usage.completion_tokens
+    # Batched: far fewer decode steps than tokens generated.
+    assert steps < tokens * 0.5, (steps, tokens)
+
+
+def test_cancel_frees_the_batch_slot_within_a_step(replica: ModelReplica) -> None:
+    eos = sorted(replica.model.eos_token_ids)
+    endless = SamplingParams(temperature=0.0, max_tokens=2000, logit_bias={t: -1e4 for t in eos})
+
+    async def scenario() -> int:
+        stream = replica.stream(request_for("hello", sampling=endless))
+        first = await stream.__anext__()
+        assert first and isinstance(first[0], TextDelta)
+        before = len(replica.stats().cancel_latency_steps)
+        await stream.aclose()  # what a client disconnect does to the generator
+        for _ in range(2000):
+            stats = replica.stats()
+            if len(stats.cancel_latency_steps) > before and stats.active == 0:
+                return stats.cancel_latency_steps[-1]
+            await asyncio.sleep(0.001)
+        raise AssertionError("the engine never removed the cancelled request")
+
+    assert run(scenario()) <= 1
+
+
+@pytest.mark.parametrize("stop", ["3.", "\n", "Delhi", "2. Delhi\n3"])
+def test_stop_string_truncates_and_reports_the_string(replica: ModelReplica, stop: str) -> None:
+    full = script("cities").answer
+    events = run(collect(replica.stream(request_for("cities", stop=StopSpec(strings=(stop,))))))
+    end = terminal(events)
+    assert isinstance(end, Finished)
+    assert end.reason is FinishReason.STOP_SEQUENCE and end.stop == stop
+    assert texts(events)[1] == full[: full.index(stop)]
+
+
+def test_stop_inside_reasoning_does_not_fire(replica: ModelReplica) -> None:
+    s = script("feathers-think")
+    only_in_reasoning = next(w for w in (s.reasoning or "").split() if w not in s.answer)
+    events = run(collect(replica.stream(
+        request_for("feathers-think", stop=StopSpec(strings=(only_in_reasoning,))))))
+    end = terminal(events)
+    assert isinstance(end, Finished) and end.reason is FinishReason.EOS
+    assert texts(events) == (s.reasoning, s.answer)
+
+
+def test_stop_token_id_reports_the_id(replica: ModelReplica) -> None:
+    tok = replica.model.hf_tokenizer
+    ids = tok.encode(script("cities").answer, add_special_tokens=False)
+    target = ids[5]
+    events = run(collect(replica.stream(request_for("cities", stop=StopSpec(token_ids=(target,))))))
+    end = terminal(events)
+    assert isinstance(end, Finished) and end.reason is FinishReason.STOP_TOKEN and end.stop == target
+    assert texts(events)[1] == tok.decode(ids[:5])
+
+
+def test_max_tokens_reports_length_and_flushes(replica: ModelReplica) -> None:
+    events = run(collect(replica.stream(request_for("cities", sampling=SamplingParams(temperature=0, max_tokens=5)))))
+    end = terminal(events)
+    assert isinstance(end, Finished) and end.reason is FinishReason.LENGTH
+    assert end.usage.completion_tokens == 5
+    assert script("cities").answer.startswith(texts(events)[1]) and texts(events)[1]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "stop", "kind"),
+    [
+        (SamplingParams(max_tokens=10**7), StopSpec(), ErrorKind.CONTEXT_LENGTH),
+        (SamplingParams(top_p=0.0), StopSpec(), ErrorKind.INVALID_REQUEST),
+        (SamplingParams(logit_bias={10**9: 1.0}), StopSpec(), ErrorKind.INVALID_REQUEST),
+        (GREEDY, StopSpec(strings=tuple(f"s{i}" for i in range(17))), ErrorKind.INVALID_REQUEST),
+        (GREEDY, StopSpec(strings=("",)), ErrorKind.INVALID_REQUEST),
+    ],
+)
+def test_bad_input_is_a_failed_event_and_the_replica_keeps_serving(
+    replica: ModelReplica, sampling: SamplingParams, stop: StopSpec, kind: ErrorKind
+) -> None:
+    events = run(collect(replica.stream(request_for("hello", sampling=sampling, stop=stop))))
+    assert len(events) == 1 and isinstance(events[0], Failed) and events[0].kind is kind
+    ok = run(collect(replica.stream(request_for("hello"))))
+    assert texts(ok)[1] == script("hello").answer
+
+
+def test_seeded_sampling_is_reproducible(replica: ModelReplica) -> None:
+    sampling = SamplingParams(temperature=1.5, seed=1234, max_tokens=30)
+    a = run(collect(replica.stream(request_for("hello", sampling=sampling))))
+    b = run(collect(replica.stream(request_for("hello", sampling=sampling))))
+    assert texts(a) == texts(b)
