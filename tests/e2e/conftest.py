@@ -13,12 +13,27 @@ from typing import Iterator
 
 import httpx
 import pytest
+import yaml
 
 from replicas.builtin import ensure_builtin
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE_URL = "http://127.0.0.1:8000"
+# The real config serves on 8000; ORCHARD_E2E_PORT runs a copy of it on another port, so
+# two suites can run side by side on one machine.
+PORT = int(os.environ.get("ORCHARD_E2E_PORT", "8000"))
+BASE_URL = f"http://127.0.0.1:{PORT}"
 STARTUP_TIMEOUT_S = 300
+
+
+def config_path(tmp_dir: Path) -> Path:
+    real = ROOT / "serve_config.yaml"
+    if PORT == 8000:
+        return real
+    config = yaml.safe_load(real.read_text())
+    config["http_options"]["port"] = PORT
+    copy = tmp_dir / "serve_config.yaml"
+    copy.write_text(yaml.safe_dump(config))
+    return copy
 
 
 def _serve_exe() -> str:
@@ -38,13 +53,14 @@ def _ready(client: httpx.Client) -> bool:
 
 
 @pytest.fixture(scope="session")
-def server() -> Iterator[str]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ensure_builtin("tiny")  # build once here rather than inside a replica's constructor
     log_path = ROOT / ".pytest_cache" / "serve_run.log"
     log_path.parent.mkdir(exist_ok=True)
     log = log_path.open("w")
     env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([_serve_exe(), "run", "serve_config.yaml"], cwd=ROOT, env=env,
+    config = config_path(tmp_path_factory.mktemp("serve"))
+    proc = subprocess.Popen([_serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
