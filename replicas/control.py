@@ -41,6 +41,7 @@ class RequestController:
         forced_end_ids: tuple[int, ...],
         grammar: Grammar | None,
         reasoning_open_ids: frozenset[int] = frozenset(),
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._detok = Detokenizer(decode)
         self._router = ChannelRouter(fmt, initial, state=state)
@@ -53,6 +54,7 @@ class RequestController:
         self._grammar_on = initial is Channel.ANSWER
         self._first_step = True
         self._open_ids = reasoning_open_ids if initial is Channel.ANSWER else frozenset()
+        self._eos_ids = tuple(sorted(eos_ids))
         self._started = False
         self.reasoning_tokens = 0
         self.forced = False
@@ -106,18 +108,24 @@ class RequestController:
     def _constrain(self, logits: mx.array) -> mx.array:
         if self._forcing:
             return _only(logits, self._forcing[0])
-        if self._grammar is None or not self._grammar_on:
+        if self._grammar is None:
             return logits
-        masked = self._grammar.mask(logits)
+        if not self._grammar_on:
+            # A constrained answer is still owed: the reasoning may not end the request.
+            return _without(logits, self._eos_ids)
         if self._first_step and self._open_ids:
-            keep = _one_hot(logits.shape[-1], tuple(self._open_ids))
-            masked = mx.where(keep, logits, masked)
-        return masked
+            # The model opens a reasoning block only if that is its own first choice;
+            # otherwise the grammar owns the first token.
+            top = int(mx.argmax(logits, axis=-1).item())
+            if top in self._open_ids:
+                return _only(logits, top)
+        return self._grammar.mask(logits)
 
 
-def _one_hot(width: int, ids: tuple[int, ...]) -> mx.array:
-    mask = mx.zeros((width,), dtype=mx.bool_)
-    return mask.at[mx.array(ids)].add(True) if ids else mask
+def _without(logits: mx.array, ids: tuple[int, ...]) -> mx.array:
+    if not ids:
+        return logits
+    return logits.at[..., mx.array(ids)].add(-mx.inf)
 
 
 def _only(logits: mx.array, token: int) -> mx.array:

@@ -172,6 +172,7 @@ class ModelReplica:
                 forced_end_ids=self._encode(fmt.reasoning_end),
                 grammar=grammar,
                 reasoning_open_ids=self._open_ids(fmt),
+                eos_ids=model.eos_token_ids,
             )
         return Submission(
             request_id=request.request_id,

@@ -18,6 +18,7 @@ from replicas.contract import (
     Finished,
     FinishReason,
     GenerationRequest,
+    GuidedSpec,
     OutputEvent,
     ReasoningSpec,
     SamplingParams,
@@ -43,7 +44,8 @@ def run(coro: Any) -> Any:
 
 
 def request_for(sid: str, *, sampling: SamplingParams = GREEDY, stop: StopSpec = StopSpec(),
-                reasoning: ReasoningSpec | None = None, rid: str | None = None) -> GenerationRequest:
+                reasoning: ReasoningSpec | None = None, rid: str | None = None,
+                guided: GuidedSpec | None = None) -> GenerationRequest:
     s = script(sid)
     if s.kind == "completion":
         prompt: Any = TextPrompt(s.prompt or "")
@@ -53,7 +55,7 @@ def request_for(sid: str, *, sampling: SamplingParams = GREEDY, stop: StopSpec =
         spec = ReasoningSpec(enabled=s.enable_thinking)
     return GenerationRequest(
         request_id=rid or f"test-{sid}-{time.monotonic_ns()}", model="tiny", prompt=prompt,
-        sampling=sampling, stop=stop, reasoning=reasoning or spec,
+        sampling=sampling, stop=stop, reasoning=reasoning or spec, guided=guided,
     )
 
 
