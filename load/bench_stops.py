@@ -11,15 +11,10 @@ never match or match only at the very end, and prints ns/token and the 32k/1k ra
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
 
-# Run as a script from the repository root without installing the project.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from replicas.contract import FinishReason  # noqa: E402
-from replicas.pipeline.stops import StopMatcher  # noqa: E402
+from replicas.contract import FinishReason
+from replicas.pipeline.stops import StopMatcher
 
 STOPS = (
     "\n\n\n",
@@ -104,6 +99,28 @@ def main() -> None:
                 best[k] = min(best[k], elapsed / len(pieces))
         cells = "".join(f"{ns:>7.0f}ns" for ns in best)
         print(f"{scenario:<16}{cells}   {best[-1] / best[0]:.2f}")
+    decode_ns = tiny_decode_ns_per_token()
+    print(f"tiny model decode, one stream: {decode_ns / 1e3:.0f} us/token "
+          f"(the matcher is {best[1] / decode_ns:.2%} of that at 8k tokens)")
+
+
+def tiny_decode_ns_per_token(tokens: int = 64) -> float:
+    """Raw mlx-lm decode time per token of the built-in tiny model, for scale."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from replicas.loading import load_model
+
+    loaded = load_model("builtin:tiny")
+    prompt = loaded.tokenizer.encode("Once upon a time")
+    sampler = make_sampler(temp=0.0)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter_ns()
+        count = sum(1 for _ in mlx_lm.stream_generate(loaded.model, loaded.tokenizer, prompt,
+                                                      max_tokens=tokens, sampler=sampler))
+        best = min(best, (time.perf_counter_ns() - start) / count)
+    return best
 
 
 if __name__ == "__main__":

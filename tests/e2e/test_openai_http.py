@@ -88,6 +88,7 @@ def _stop_cases() -> list[tuple[str, list[str]]]:
         ("unicode", ["你好"]),  # unicode
         ("markup", ["**"]),
         ("markup", ["</li>"]),
+        ("markup", ["```"]),  # code fence
         ("planets", ["4. Mars", "Jupiter", "zzz", "\n5"]),  # four at once
         ("hello", ["How can I help"]),  # multi-token phrase
     ]

@@ -193,3 +193,22 @@ def test_seeded_sampling_is_reproducible(replica: ModelReplica) -> None:
     a = run(collect(replica.stream(request_for("hello", sampling=sampling))))
     b = run(collect(replica.stream(request_for("hello", sampling=sampling))))
     assert texts(a) == texts(b)
+
+
+def test_config_default_stops_merge_with_request_stops() -> None:
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
+                                      default_stops=("Shanghai", "Delhi"), max_stops=3))
+    rep.start()
+    try:
+        full = script("cities").answer
+        # Union of defaults and request stops: "Tokyo" (request) completes before "Delhi".
+        events = run(collect(rep.stream(request_for("cities", stop=StopSpec(strings=("Delhi", "Tokyo"))))))
+        end = terminal(events)
+        assert isinstance(end, Finished) and end.stop == "Tokyo"
+        assert texts(events)[1] == full[: full.index("Tokyo")]
+        # The first request fit the limit of 3 only because the duplicate "Delhi" was
+        # dropped; two new stops plus the two defaults do not.
+        too_many = run(collect(rep.stream(request_for("cities", stop=StopSpec(strings=("a", "b"))))))
+        assert isinstance(too_many[0], Failed) and "at most 3" in too_many[0].message
+    finally:
+        rep.shutdown()
