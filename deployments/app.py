@@ -8,7 +8,7 @@ from typing import Any
 from ray.serve import Application
 
 from deployments.config import AppArgs, ModelSettings
-from deployments.ingress_deployment import Ingress
+from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
 
 
@@ -18,11 +18,15 @@ def build_app(args: dict[str, Any]) -> Application:
     cards = [
         {"id": m.id, "aliases": tuple(m.aliases), "created": created} for m in config.models
     ]
-    models = [_model_deployment(m).bind(m.model_dump()) for m in config.models]
+    # Each deployment gets its effective placement, so a replica can check Metal itself.
+    settings = [m.with_placement(config.cluster.placement) for m in config.models]
+    models = [_model_deployment(m).bind(m.model_dump()) for m in settings]
     return Ingress.options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
-    ).bind(cards, *models)
+        # The ingress relays the models' streams: while it is replaced it must drain them too.
+        graceful_shutdown_timeout_s=max(m.graceful_shutdown_timeout_s for m in settings),
+    ).bind(cards, *models, edge=EdgeArgs.from_config(config))
 
 
 def _model_deployment(settings: ModelSettings) -> Any:
@@ -30,10 +34,30 @@ def _model_deployment(settings: ModelSettings) -> Any:
         "name": f"model:{settings.id}",
         "max_ongoing_requests": settings.max_ongoing_requests,
         "max_queued_requests": settings.max_queued_requests,
-        "ray_actor_options": settings.ray_actor_options or {"num_cpus": 0},
+        "ray_actor_options": _actor_options(settings),
+        "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
     }
-    if settings.autoscaling_config is not None:
+    if settings.num_replicas == "auto":
+        options["num_replicas"] = "auto"
+        options["autoscaling_config"] = {**_auto_defaults(settings),
+                                         **(settings.autoscaling_config or {})}
+    elif settings.autoscaling_config is not None:
         options["autoscaling_config"] = settings.autoscaling_config
     else:
         options["num_replicas"] = settings.num_replicas
     return ModelDeployment.options(**options)
+
+
+def _actor_options(settings: ModelSettings) -> dict[str, Any]:
+    options = dict(settings.ray_actor_options or {"num_cpus": 0})
+    placement = settings.placement
+    if placement is not None and placement.pin:
+        options["resources"] = {**options.get("resources", {}),
+                                placement.resource: placement.resource_per_replica}
+    return options
+
+
+def _auto_defaults(settings: ModelSettings) -> dict[str, Any]:
+    # Ray's `auto` targets 2 ongoing requests per replica, right for a model that serves one
+    # at a time; ours batch max_batch_size sequences, so scale out when a batch is half full.
+    return {"target_ongoing_requests": max(1, settings.engine.max_batch_size // 2)}

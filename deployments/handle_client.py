@@ -1,21 +1,36 @@
-"""The ingress's ModelClient over Ray Serve deployment handles."""
+"""The ingress's ModelClient over Ray Serve deployment handles.
+
+Every failure of the handle becomes a `Failed` event rather than an exception, so the
+adapters answer with a proper error status before the first byte and with the protocol's
+error event mid-stream, never a cut stream.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import AsyncIterator, Sequence
 
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ingress.client import ModelCard
-from replicas.contract import Failed, GenerationRequest, OutputEvent, is_terminal
+from replicas.contract import ErrorKind, Failed, GenerationRequest, OutputEvent, is_terminal
 from replicas.errors import InternalError, OverloadedError, error_for
+
+log = logging.getLogger(__name__)
+
+# Serve queues a request for a deployment with no running replica (its node left, or it is
+# still starting) without limit; past this wait the client gets a 503 it can retry.
+REPLICA_WAIT_S = 15.0
 
 
 class RayModelClient:
-    def __init__(self, cards: Sequence[ModelCard], handles: dict[str, DeploymentHandle]) -> None:
+    def __init__(self, cards: Sequence[ModelCard], handles: dict[str, DeploymentHandle], *,
+                 replica_wait_s: float | None = REPLICA_WAIT_S) -> None:
         self._cards = list(cards)
+        self._replica_wait_s = replica_wait_s
         self._by_name = {name: card for card in cards for name in (card.id, *card.aliases)}
         # Streaming handles are built once per model; options() is not free.
         self._streams = {mid: h.options(stream=True) for mid, h in handles.items()}
@@ -31,22 +46,63 @@ class RayModelClient:
         gen = self._streams[request.model].stream.remote(request)
         done = False
         try:
+            if not await self._accepted(gen):
+                yield [Failed(ErrorKind.OVERLOADED, _unplaced(request.model, self._replica_wait_s))]
+                return  # `finally` cancels the request still queued in the handle
             async for batch in gen:
+                if not batch:
+                    continue  # the replica's "accepted" marker carries no events
                 done = any(is_terminal(e) for e in batch)
                 yield batch
-        except BackPressureError as exc:
-            raise OverloadedError(f"the model '{request.model}' is at capacity; retry later") from exc
-        except (RayActorError, RayTaskError) as exc:
-            raise InternalError(f"the replica serving '{request.model}' failed") from exc
+        except (BackPressureError, DeploymentUnavailableError) as exc:
+            done = True
+            yield [Failed(ErrorKind.OVERLOADED, _overloaded(request.model, exc))]
+        except RayError as exc:  # the replica died or its call failed
+            done = True
+            _log_failure(request, exc)
+            yield [Failed(ErrorKind.INTERNAL, f"the replica serving '{request.model}' failed")]
         finally:
             if not done:
                 gen.cancel()  # the client left: cancel downstream within a decode step
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
+    async def _accepted(self, gen: DeploymentResponseGenerator) -> bool:
+        """Whether a replica took the request (it sends an empty batch first) in time."""
         try:
-            result = await self._calls[request.model].count_tokens.remote(request)
-        except BackPressureError as exc:
-            raise OverloadedError(f"the model '{request.model}' is at capacity") from exc
+            await asyncio.wait_for(gen.__anext__(), self._replica_wait_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        response = self._calls[request.model].count_tokens.remote(request)
+        try:
+            result = await asyncio.wait_for(response, self._replica_wait_s)
+        except (BackPressureError, DeploymentUnavailableError) as exc:
+            raise OverloadedError(_overloaded(request.model, exc)) from exc
+        except TimeoutError as exc:
+            response.cancel()
+            raise OverloadedError(_unplaced(request.model, self._replica_wait_s)) from exc
+        except RayError as exc:
+            _log_failure(request, exc)
+            raise InternalError(f"the replica serving '{request.model}' failed") from exc
         if isinstance(result, Failed):
             raise error_for(result.kind, result.message)
         return int(result)
+
+
+def _overloaded(model: str, exc: Exception) -> str:
+    if isinstance(exc, BackPressureError):
+        return f"the model '{model}' is at capacity; retry later"
+    return f"the model '{model}' has no replica available right now; retry later"
+
+
+def _unplaced(model: str, wait_s: float | None) -> str:
+    return (f"no replica of the model '{model}' took the request within {wait_s:g} s (all "
+            "busy, starting, or no node to run on); retry later")
+
+
+def _log_failure(request: GenerationRequest, exc: RayError) -> None:
+    # Ray's text carries the replica's traceback and possibly the request: DEBUG only.
+    log.warning("request %s to '%s' failed: %s", request.request_id, request.model,
+                type(exc).__name__)
+    log.debug("request %s failure detail: %s", request.request_id, exc)

@@ -2,26 +2,66 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from fastapi import FastAPI
+from pydantic import SecretStr
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.config import AppArgs, IngressSettings
 from deployments.handle_client import RayModelClient
 from ingress.app import create_app
 from ingress.client import ModelCard
+from ingress.options import EdgeOptions
+
+
+@dataclass(frozen=True)
+class EdgeArgs:
+    """The ingress's share of the config. Keys stay `SecretStr` on their way to the replica,
+    so printing the deployment's arguments never shows one."""
+
+    ingress: IngressSettings = IngressSettings.model_validate({})  # frozen: safely shared
+    api_keys: tuple[SecretStr, ...] = ()
+    api_keys_env: str | None = None
+
+    @classmethod
+    def from_config(cls, config: AppArgs) -> "EdgeArgs":
+        return cls(config.ingress, tuple(config.api_keys), config.api_keys_env)
+
+    def options(self, environ: Mapping[str, str]) -> EdgeOptions:
+        """Resolved where the ingress runs, since that is where the key variable is set."""
+        keys = [key.get_secret_value().strip() for key in self.api_keys]
+        if self.api_keys_env is not None:
+            listed = [k.strip() for k in environ.get(self.api_keys_env, "").split(",")]
+            if not any(listed):  # named but empty: refuse to start rather than run open
+                raise ValueError(f"api_keys_env is {self.api_keys_env}, but that variable is "
+                                 "unset or empty where the ingress runs")
+            keys.extend(k for k in listed if k)
+        settings = self.ingress
+        return EdgeOptions(
+            api_keys=frozenset(keys),
+            cors_origins=tuple(settings.cors_origins),
+            max_body_bytes=settings.max_body_bytes,
+            request_timeout_s=settings.request_timeout_s,
+            max_stops=settings.max_stops,
+            max_stop_chars=settings.max_stop_chars,
+        )
 
 
 @serve.deployment
 @serve.ingress()
 class Ingress:
-    def __init__(self, cards: list[dict[str, Any]], *handles: DeploymentHandle) -> None:
+    def __init__(self, cards: list[dict[str, Any]], *handles: DeploymentHandle,
+                 edge: EdgeArgs = EdgeArgs()) -> None:
         model_cards = [ModelCard(**card) for card in cards]
         by_id = {card.id: handle for card, handle in zip(model_cards, handles)}
         self._client = RayModelClient(model_cards, by_id)
+        self._options = edge.options(os.environ)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's client
         # (an app built at import time would be pickled and served as a copy).
-        return create_app(self._client)
+        return create_app(self._client, self._options)

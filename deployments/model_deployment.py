@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from deployments.cluster import require_metal
 from deployments.config import ModelSettings
 from replicas.contract import Failed, GenerationRequest, OutputEvent
 from replicas.engine import EngineConfig
@@ -28,11 +29,15 @@ def replica_options(settings: ModelSettings) -> ReplicaOptions:
 @serve.deployment
 class ModelDeployment:
     def __init__(self, settings: dict[str, Any]) -> None:
-        self._replica = ModelReplica(replica_options(ModelSettings.model_validate(settings)))
+        config = ModelSettings.model_validate(settings)
+        if config.placement is not None and config.placement.metal_required:
+            require_metal(config.id)  # before loading: fail fast, with what to do about it
+        self._replica = ModelReplica(replica_options(config))
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
         self._replica.start()
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+        yield []  # accepted: the ingress bounds its wait for a replica on this (handle_client)
         async for batch in self._replica.stream(request):
             yield batch
 
@@ -43,8 +48,12 @@ class ModelDeployment:
         self._replica.check_health()  # raises when the engine thread died or is stuck
 
     def stats(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._replica.stats())
+        # The replica's actor name says which replica answered (a handle picks one).
+        replica = serve.get_replica_context().replica_id.to_full_id_str()
+        return {"replica": replica, **dataclasses.asdict(self._replica.stats())}
 
     def __del__(self) -> None:
-        self._replica.shutdown()
+        replica = getattr(self, "_replica", None)  # unset when __init__ refused the node
+        if replica is not None:
+            replica.shutdown()
 

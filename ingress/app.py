@@ -1,34 +1,51 @@
-"""The FastAPI application: routes, auth, and one error handler for every protocol."""
+"""The FastAPI application: routes, the edge's protections, one error handler per protocol."""
 
 from __future__ import annotations
 
-import logging
-import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ingress.client import ModelClient
 from ingress.anthropic import anthropic_validation_message
+from ingress.auth import ApiKeyMiddleware, ApiKeys
+from ingress.client import ModelClient
 from ingress.errors import Protocol, error_response, protocol_for_path
+from ingress.guard import GuardMiddleware
+from ingress.limits import BodyLimitMiddleware, LimitedClient
+from ingress.options import EdgeOptions
 from ingress.validation import validation_message
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
 
-log = logging.getLogger(__name__)
-
 _HTTP_KIND = {401: ErrorKind.UNAUTHORIZED, 404: ErrorKind.NOT_FOUND, 503: ErrorKind.OVERLOADED}
 
 
-def create_app(client: ModelClient | None = None) -> FastAPI:
+def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions()) -> FastAPI:
     app = FastAPI(title="Orchard", version="0.1.0")
-    app.state.client = client
+    app.state.client = LimitedClient(client, options)
     _install_error_handlers(app)
     _install_routes(app)
+    _install_middleware(app, options)
     return app
+
+
+def _install_middleware(app: FastAPI, options: EdgeOptions) -> None:
+    # Added innermost first. From the outside in: CORS answers preflights without a key;
+    # the guard's deadline and error handling cover everything after it; auth rejects on
+    # headers alone, before a possibly large body is read; then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_body_bytes)
+    keys = ApiKeys(options.api_keys)
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(GuardMiddleware, timeout_s=options.request_timeout_s)
+    if options.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=["Retry-After"])
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -75,15 +92,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         response = error_response(kind, str(exc.detail), protocol_for_path(request.url.path))
         response.status_code = exc.status_code
         return response
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        # Never echo internals: a generic message plus an id to find the log line.
-        error_id = uuid.uuid4().hex[:16]
-        log.error("internal error %s on %s: %s", error_id, request.url.path, type(exc).__name__,
-                  exc_info=exc)
-        return error_response(ErrorKind.INTERNAL, f"internal error (request id {error_id})",
-                              protocol_for_path(request.url.path))
 
 
 __all__ = ["create_app"]

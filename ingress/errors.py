@@ -79,6 +79,26 @@ def error_response(
     )
 
 
+# Edge failures outside the replica taxonomy: status -> (OpenAI type, OpenAI code, Anthropic
+# type). 413 `request_too_large` is Anthropic's documented type; a request that outlives
+# its deadline is a gateway timeout, as from any proxy in front of a slow upstream.
+_EDGE = {
+    413: ("invalid_request_error", "request_too_large", "request_too_large"),
+    504: ("timeout_error", "timeout", "timeout_error"),
+}
+
+
+def edge_error_body(status: int, message: str, protocol: Protocol) -> dict[str, Any]:
+    openai_type, code, anthropic_type = _EDGE[status]
+    if protocol is Protocol.ANTHROPIC:
+        return {"type": "error", "error": {"type": anthropic_type, "message": message}}
+    return {"error": {"message": message, "type": openai_type, "param": None, "code": code}}
+
+
+def edge_error_response(status: int, message: str, protocol: Protocol) -> JSONResponse:
+    return JSONResponse(edge_error_body(status, message, protocol), status_code=status)
+
+
 def error_json(kind: ErrorKind, message: str, protocol: Protocol) -> str:
     """The error body as compact JSON, for an error sent inside an already-open stream."""
     return json.dumps(error_body(kind, message, protocol), separators=(",", ":"))

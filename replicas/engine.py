@@ -5,6 +5,11 @@ steps), feeds each generated token through that request's output pipeline, and h
 events back to asyncio through the sinks' event loops. Commands (submit, cancel) arrive on
 a thread-safe queue and are applied between steps, so a cancel frees its slot before the
 next decode step.
+
+Faults stay as small as they can: a request whose own processing raises (its sampler, its
+logits processors, its output pipeline) fails alone while the batch runs on; a failed batch
+step fails that batch; if the thread itself dies, every queued and in-flight request fails
+at once and later submissions raise, so nothing waits on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, Samp
 from replicas.control import RequestController
 from replicas.decoding import RequestDecoder
 from replicas.loading import LoadedModel
-from replicas.sampling import make_request_processors, make_request_sampler
+from replicas.sampling import (
+    LogitsProcessor,
+    Sampler,
+    make_request_processors,
+    make_request_sampler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +76,42 @@ class EngineStats:
     waiting: int
     steps: int
     finished: int
+    submitted: int  # requests that reached the batch (a request cancelled in the queue never does)
     cancel_latency_steps: tuple[int, ...]  # decode steps between a cancel and the slot freeing
+
+
+class _GuardedProcessors:
+    """One request's logits processors, isolated from the rest of the batch.
+
+    mlx-lm runs every request's processors inside one batch step, so one that raised would
+    fail the whole batch. This records the error and passes the logits through; the engine
+    then ends just this request.
+    """
+
+    def __init__(self, processors: list[LogitsProcessor]) -> None:
+        self._processors = processors
+        self.error: str | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.error is not None:
+            return logits
+        try:
+            out = logits
+            for processor in self._processors:
+                out = processor(tokens, out)
+            if out.shape != logits.shape:
+                raise ValueError(f"a logits processor returned shape {out.shape}")
+            return out
+        except Exception as exc:  # noqa: BLE001 - reported through `error`
+            self.error = f"{type(exc).__name__}: {exc}"
+            return logits
 
 
 @dataclass
 class _Active:
     uid: int
     sub: Submission
+    guard: _GuardedProcessors | None
 
 
 @dataclass
@@ -83,6 +122,10 @@ class _Commands:
 
 class EngineDead(RuntimeError):
     pass
+
+
+# What a client is told when its request failed inside the engine; the log has the details.
+_REQUEST_FAILED = "generation failed for this request"
 
 
 class Engine:
@@ -97,6 +140,11 @@ class Engine:
         self._by_rid: dict[str, _Active] = {}
         self._steps = 0
         self._finished = 0
+        self._submitted = 0
+        # Set once, when the thread ends; guarded by `_lock` together with the command queue,
+        # so a submission is either taken by the thread or failed by its death, never lost.
+        self._dead: str | None = None
+        self._lock = threading.Lock()
         self._cancel_latency: deque[int] = deque(maxlen=256)
         self._heartbeat = time.monotonic()
         self._stopping = False
@@ -115,8 +163,10 @@ class Engine:
         return self._loaded
 
     def submit(self, sub: Submission) -> None:
-        self._ensure_alive()
-        self._commands.put(("submit", sub))
+        """Queue a request for the batch; raises `EngineDead` if the engine cannot run it."""
+        with self._lock:
+            self.check_health()
+            self._commands.put(("submit", sub))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", (request_id, self._steps)))
@@ -127,10 +177,11 @@ class Engine:
         self._thread.join(timeout=10)
 
     def check_health(self) -> None:
-        self._ensure_alive()
+        if self._dead is not None:
+            raise EngineDead(self._dead)
         busy = bool(self._by_uid)
         if busy and time.monotonic() - self._heartbeat > self._config.stuck_after_s:
-            raise EngineDead(f"engine step stuck for over {self._config.stuck_after_s:.0f}s")
+            raise EngineDead(f"engine step stuck for over {self._config.stuck_after_s:g}s")
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -138,12 +189,9 @@ class Engine:
             waiting=self._commands.qsize(),
             steps=self._steps,
             finished=self._finished,
+            submitted=self._submitted,
             cancel_latency_steps=tuple(self._cancel_latency),
         )
-
-    def _ensure_alive(self) -> None:
-        if not self._thread.is_alive() and self._ready.is_set():
-            raise EngineDead("the engine thread is not running")
 
     # ---- engine thread ------------------------------------------------------------------
 
@@ -154,15 +202,37 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
             log.exception("model load failed")
             self._load_error = exc
+            self._die("the model failed to load")
             self._ready.set()
             return
         self._ready.set()
-        while not self._stopping:
-            self._heartbeat = time.monotonic()
-            self._apply(self._take_commands(block=not self._by_uid))
-            if self._by_uid:
-                self._step()
-        self._fail_all("the replica is shutting down")
+        try:
+            while not self._stopping:
+                self._heartbeat = time.monotonic()
+                self._apply(self._take_commands(block=not self._by_uid))
+                if self._by_uid:
+                    self._step()
+        except BaseException:  # noqa: BLE001 - the thread ends here either way
+            log.exception("the engine thread died")
+            self._die("the model engine stopped")
+            return
+        self._die("the replica is shutting down")
+
+    def _die(self, reason: str) -> None:
+        """Refuse new work, then fail everything queued or in flight."""
+        with self._lock:
+            self._dead = reason
+            queued: list[tuple[EventSink, list[OutputEvent]]] = []
+            while True:
+                try:
+                    kind, payload = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "submit":
+                    assert isinstance(payload, Submission)
+                    queued.append((payload.sink, [Failed(ErrorKind.INTERNAL, reason)]))
+        _deliver(queued)
+        self._fail_all(reason)
 
     def _new_generator(self) -> BatchGenerator:
         assert self._loaded is not None
@@ -206,17 +276,31 @@ class Engine:
     def _insert(self, subs: list[Submission]) -> None:
         assert self._loaded is not None
         eos = self._loaded.eos_token_ids
+        ready: list[tuple[Submission, Sampler, _GuardedProcessors | None]] = []
+        failed: list[tuple[EventSink, list[OutputEvent]]] = []
+        for sub in subs:
+            try:  # a request whose sampling cannot be built fails alone
+                ready.append((sub, make_request_sampler(sub.sampling), _guarded(sub)))
+            except Exception:  # noqa: BLE001 - reported to that request
+                log.exception("request %s: building its sampler failed", sub.request_id)
+                failed.append((sub.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]))
+        _deliver(failed)
+        if not ready:
+            return
         uids = self._gen.insert(
-            [s.prompt_ids for s in subs],
-            max_tokens=[s.max_tokens for s in subs],
-            samplers=[make_request_sampler(s.sampling) for s in subs],
-            logits_processors=[_processors(s) for s in subs],
-            stop_sequences=[StopSequences([[t] for t in eos | s.stop_token_ids]) for s in subs],
+            [s.prompt_ids for s, _, _ in ready],
+            max_tokens=[s.max_tokens for s, _, _ in ready],
+            samplers=[sampler for _, sampler, _ in ready],
+            # Rows without processors skip mlx-lm's per-row path entirely.
+            logits_processors=[[guard] if guard else [] for _, _, guard in ready],
+            stop_sequences=[StopSequences([[t] for t in eos | s.stop_token_ids])
+                            for s, _, _ in ready],
         )
-        for uid, sub in zip(uids, subs):
-            active = _Active(uid, sub)
+        for uid, (sub, _, guard) in zip(uids, ready):
+            active = _Active(uid, sub, guard)
             self._by_uid[uid] = active
             self._by_rid[sub.request_id] = active
+        self._submitted += len(ready)
 
     def _step(self) -> None:
         try:
@@ -233,7 +317,12 @@ class Engine:
             active = self._by_uid.get(response.uid)
             if active is None:
                 continue
-            events, done, still_batched = self._on_token(active, response)
+            try:
+                events, done, still_batched = self._on_token(active, response)
+            except Exception:  # noqa: BLE001 - one request's pipeline must not stop the batch
+                log.exception("request %s: output processing failed", active.sub.request_id)
+                events = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]
+                done, still_batched = True, response.finish_reason is None
             if events:
                 outbox.append((active.sub.sink, events))
             if done:
@@ -254,6 +343,10 @@ class Engine:
         decoder, ctrl = sub.decoder, sub.controller
         if ctrl is not None and ctrl.error is not None:
             return [Failed(ErrorKind.INTERNAL, f"constraint failed: {ctrl.error}")], True, finish is None
+        if active.guard is not None and active.guard.error is not None:
+            log.error("request %s: a logits processor failed: %s", sub.request_id,
+                      active.guard.error)
+            return [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True, finish is None
         if finish == "stop":  # an EOS or stop token id: it ends generation, it is not text
             decoder.count(token)
             if token in sub.stop_token_ids:
@@ -281,11 +374,11 @@ class Engine:
         _deliver(outbox)
 
 
-def _processors(sub: Submission) -> list:
+def _guarded(sub: Submission) -> _GuardedProcessors | None:
     processors = make_request_processors(sub.sampling)
     if sub.controller is not None:
         processors.append(sub.controller)  # last: the grammar sees penalised logits
-    return processors
+    return _GuardedProcessors(processors) if processors else None
 
 
 def _deliver(outbox: list[tuple[EventSink, list[OutputEvent]]]) -> None:

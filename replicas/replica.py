@@ -8,6 +8,7 @@ with no engine time spent and nothing a client sends can wedge the batch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -15,15 +16,17 @@ from typing import AsyncIterator
 from replicas.contract import (
     Channel,
     ChatPrompt,
+    ErrorKind,
     Failed,
     GenerationRequest,
     OutputEvent,
+    SamplingParams,
     is_terminal,
 )
 from replicas.control import RequestController
 from replicas.decoding import RequestDecoder
 from replicas.detokenizer import Decode, make_decode
-from replicas.engine import Engine, EngineConfig, EngineStats, Submission
+from replicas.engine import Engine, EngineConfig, EngineDead, EngineStats, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError, ReplicaError
 from replicas.loading import LoadedModel, load_model
 from replicas.pipeline.channels import (
@@ -113,7 +116,11 @@ class ModelReplica:
         except ReplicaError as exc:
             yield [exc.as_event()]
             return
-        self._engine.submit(sub)
+        try:
+            self._engine.submit(sub)
+        except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
+            yield [Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}")]
+            return
         done = False
         try:
             while not done:
@@ -178,7 +185,7 @@ class ModelReplica:
             request_id=request.request_id,
             prompt_ids=list(rendered.token_ids),
             max_tokens=max_tokens,
-            sampling=request.sampling,
+            sampling=_unsigned_seed(request.sampling),
             stop_token_ids=frozenset() if grammar is not None else frozenset(request.stop.token_ids),
             decoder=decoder,
             controller=controller,
@@ -261,3 +268,9 @@ class ModelReplica:
                 ids.add(encoded[0])
         return frozenset(ids)
 
+
+def _unsigned_seed(sampling: SamplingParams) -> SamplingParams:
+    """mlx seeds are unsigned 64-bit integers; any integer a client sends maps onto one."""
+    if sampling.seed is None or 0 <= sampling.seed < 2**64:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed % 2**64)

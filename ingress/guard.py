@@ -1,0 +1,117 @@
+"""The request deadline and the last-resort error handler, around every HTTP request.
+
+A request that outlives its deadline is cancelled, which closes its event stream and so
+cancels its generation. An exception that escapes the app is logged with an id and answered
+with a generic message carrying that id, never the exception's text or a stack trace (both
+may quote the prompt). Either way the client gets the protocol's own error: a 504 or 500
+when no byte was sent yet, otherwise an error event that ends the open SSE stream, never a
+silent cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ingress.errors import (
+    Protocol,
+    edge_error_body,
+    edge_error_response,
+    error_body,
+    error_response,
+    protocol_for_path,
+)
+from ingress.sse import data_frame, event_frame
+from replicas.contract import ErrorKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Progress:
+    started: bool = False  # the status line and headers are sent
+    streaming: bool = False  # ... and they opened an SSE stream
+    finished: bool = False  # the last body message is sent
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, timeout_s: float | None) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        progress = _Progress()
+
+        async def tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                progress.started = True
+                progress.streaming = _is_event_stream(message)
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                progress.finished = True
+            await send(message)
+
+        protocol = protocol_for_path(scope["path"])
+        try:
+            with anyio.move_on_after(self.timeout_s) as deadline:
+                await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
+            error_id = uuid.uuid4().hex[:16]
+            _log_internal(error_id, scope["path"], exc)
+            message = f"internal error (request id {error_id})"
+            await _fail(scope, receive, send, progress, protocol, message, status=500)
+            return
+        if deadline.cancelled_caught and not progress.finished:
+            log.warning("request to %s exceeded its %.0fs deadline", scope["path"],
+                        self.timeout_s)
+            message = f"the request did not complete within {self.timeout_s:g} seconds"
+            await _fail(scope, receive, send, progress, protocol, message, status=504)
+
+
+def _is_event_stream(start: Message) -> bool:
+    for name, value in start.get("headers", ()):
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip() == b"text/event-stream"
+    return False
+
+
+def _log_internal(error_id: str, path: str, exc: BaseException) -> None:
+    # Frames (file, line, code) locate the bug; the exception's text may quote a prompt, so
+    # it is only logged at DEBUG.
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    log.error("internal error %s on %s: %s\n%s", error_id, path, type(exc).__name__, frames)
+    log.debug("internal error %s: %r", error_id, exc)
+
+
+async def _fail(scope: Scope, receive: Receive, send: Send, progress: _Progress,
+                protocol: Protocol, message: str, *, status: int) -> None:
+    if progress.finished:
+        return
+    try:
+        if not progress.started:
+            response = (edge_error_response(status, message, protocol) if status != 500
+                        else error_response(ErrorKind.INTERNAL, message, protocol))
+            await response(scope, receive, send)
+            return
+        body = b""
+        if progress.streaming:
+            payload = (edge_error_body(status, message, protocol) if status != 500
+                       else error_body(ErrorKind.INTERNAL, message, protocol))
+            body = _error_frame(payload, protocol).encode()
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    except OSError:
+        pass  # the client is gone: there is no one left to tell
+
+
+def _error_frame(payload: dict[str, Any], protocol: Protocol) -> str:
+    if protocol is Protocol.ANTHROPIC:
+        return event_frame("error", payload)
+    return data_frame(payload)

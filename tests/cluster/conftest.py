@@ -1,0 +1,236 @@
+"""A two-node Ray cluster on this machine: a head without the Apple Silicon resource and a
+worker that advertises it (joined with `python -m deployments.cluster worker`).
+
+Both nodes use token auth (a fresh token in a temp dir) and ports of their own, so the
+cluster neither sees nor disturbs other Ray instances here, e.g. a concurrent `serve run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import yaml
+
+from replicas.builtin import ensure_builtin
+
+ROOT = Path(__file__).resolve().parents[2]
+HTTP_PORT = int(os.environ.get("ORCHARD_CLUSTER_HTTP_PORT", "8300"))
+BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
+GCS_PORT = 6400
+DASHBOARD = "http://127.0.0.1:8365"
+# Ports Ray would otherwise pick by default (and clash on with another instance or node).
+HEAD_PORTS = ["--dashboard-host", "127.0.0.1", "--dashboard-port", "8365", "--ray-client-server-port", "10400", "--node-manager-port", "6401",
+              "--object-manager-port", "6402", "--dashboard-agent-listen-port", "52400",
+              "--dashboard-agent-grpc-port", "52401", "--metrics-export-port", "52402",
+              "--runtime-env-agent-port", "52403", "--min-worker-port", "20100",
+              "--max-worker-port", "20199"]
+WORKER_PORTS = ["--node-manager-port", "6411", "--object-manager-port", "6412",
+                "--dashboard-agent-listen-port", "52410", "--dashboard-agent-grpc-port",
+                "52411", "--metrics-export-port", "52412", "--runtime-env-agent-port",
+                "52413", "--min-worker-port", "20200", "--max-worker-port", "20299"]
+# Units of apple_silicon on the worker: every replica the tests run, plus a rolling
+# update's new replicas while the old ones drain.
+WORKER_SLOTS = 8
+START_TIMEOUT_S = 120
+MARKER = "ORCHARD_CLUSTER_NODE"  # on every process of a node (actors too), to sweep them up
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cluster: starts a two-node local Ray cluster (slow)")
+
+
+def _exe(name: str) -> str:
+    sibling = Path(sys.executable).with_name(name)
+    return str(sibling) if sibling.exists() else shutil.which(name) or name
+
+
+class LocalCluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.logs = root / "logs"
+        self.logs.mkdir()
+        self.token = secrets.token_hex(32)
+        (root / "token").write_text(self.token)
+        self.env = dict(
+            os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(root / "token"),
+            RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+        self.head: subprocess.Popen[bytes] | None = None
+        self.worker: subprocess.Popen[bytes] | None = None
+
+    # ---- nodes --------------------------------------------------------------------------
+
+    def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        env = dict(self.env, **{MARKER: self._tag(name)})
+        with (self.logs / f"{name}.log").open("ab") as log:  # the child keeps its own copy
+            return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _tag(self, name: str) -> str:
+        return f"{self.root.name}/{name}"
+
+    def start(self) -> None:
+        # Short temp dir: Ray's unix socket paths must fit in 107 bytes.
+        self.head = self._spawn("head", [
+            sys.executable, "-m", "deployments.cluster", "head", "--port", str(GCS_PORT),
+            "--", "--block", "--num-cpus", "2", "--object-store-memory", str(256 << 20),
+            "--temp-dir", str(self.root / "ray"), *HEAD_PORTS])
+        self._wait_nodes(1)
+        self.ensure_worker()
+
+    def ensure_worker(self) -> None:
+        if self.worker is None:
+            # The helper's default of no CPUs keeps the ingress on the head, so it outlives
+            # the worker in test_requests_get_fast_503_when_no_node_can_run_the_model.
+            self.worker = self._spawn("worker", [
+                sys.executable, "-m", "deployments.cluster", "worker", "--allow-no-metal",
+                "--address", f"127.0.0.1:{GCS_PORT}", "--amount", str(WORKER_SLOTS),
+                "--", "--block", "--object-store-memory", str(256 << 20), *WORKER_PORTS])
+            self._wait_nodes(2)
+
+    def stop_worker(self) -> None:
+        """Like `ray stop` on that machine: the node and all its processes end."""
+        assert self.worker is not None
+        _stop(self.worker)
+        self.worker = None
+        self._sweep("worker")
+
+    def stop(self) -> None:
+        for name, proc in (("worker", self.worker), ("head", self.head)):
+            if proc is not None:
+                _stop(proc)
+            self._sweep(name)
+
+    def _sweep(self, name: str) -> None:
+        # Actor workers run in sessions of their own: end this node's, found by marker.
+        for pid in _pids_with(f"{MARKER}={self._tag(name)}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+
+    def _wait_nodes(self, count: int) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for proc in (self.head, self.worker):
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"a ray node exited:\n{self._log_tails()}")
+            try:
+                if len(self.alive_nodes()) >= count:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"the cluster did not reach {count} nodes:\n{self._log_tails()}")
+
+    def _log_tails(self) -> str:
+        # The temp dir is removed at teardown, so the failure message carries the logs.
+        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}"
+                         for log in sorted(self.logs.glob("*.log")))
+
+    # ---- dashboard REST API (token auth) ------------------------------------------------
+
+    def _get(self, path: str) -> Any:
+        r = httpx.get(f"{DASHBOARD}{path}", timeout=30,
+                      headers={"Authorization": f"Bearer {self.token}"})
+        r.raise_for_status()
+        return r.json()
+
+    def alive_nodes(self) -> list[dict[str, Any]]:
+        nodes = self._get("/api/v0/nodes?limit=100")["data"]["result"]["result"]
+        return [n for n in nodes if n["state"] == "ALIVE"]
+
+    def node_ids(self) -> dict[str, str]:
+        """'head' and 'worker' to node id."""
+        return {("head" if n["is_head_node"] else "worker"): n["node_id"]
+                for n in self.alive_nodes()}
+
+    def app(self, name: str = "orchard") -> dict[str, Any]:
+        return self._get("/api/serve/applications/")["applications"].get(name, {})
+
+    def session_logs(self) -> Path:
+        return self.root / "ray" / "session_latest" / "logs"
+
+    # ---- serve ------------------------------------------------------------------------
+
+    def deploy(self, args: dict[str, Any], *, name: str = "orchard") -> None:
+        """`serve deploy` one application serving `args` on HTTP_PORT, head-only proxy."""
+        config = {
+            "proxy_location": "HeadOnly",  # one proxy, so the two nodes share no HTTP port
+            "http_options": {"host": "127.0.0.1", "port": HTTP_PORT},
+            "applications": [{"name": name, "route_prefix": "/",
+                              "import_path": "deployments.app:build_app", "args": args}],
+        }
+        path = self.root / f"deploy-{time.monotonic_ns()}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        subprocess.run([_exe("serve"), "deploy", "--address", DASHBOARD, str(path)],
+                       env=self.env, check=True, capture_output=True, timeout=120)
+
+    def wait_status(self, status: str, *, name: str = "orchard",
+                    timeout_s: float = 240) -> dict[str, Any]:
+        """The app once it has `status` and no replica is starting or stopping."""
+        deadline = time.monotonic() + timeout_s
+        app: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            app = self.app(name)
+            states = {r["state"] for d in app.get("deployments", {}).values()
+                      for r in d["replicas"]}
+            if app.get("status") == status and states <= {"RUNNING"}:
+                return app
+            time.sleep(1)
+        raise AssertionError(f"app {name} not {status}: {json.dumps(app)[:3000]}")
+
+
+def _pids_with(variable: str) -> list[int]:
+    """Processes whose environment holds `variable` (NAME=value), read from /proc.
+
+    Without /proc (macOS) this finds none; actors there exit by themselves, within a minute
+    of their raylet."""
+    wanted = variable.encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return pids
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a node's process group: SIGTERM (how `ray stop` ends a node), then SIGKILL
+    (`ray start --block` can take most of a minute to finish on SIGTERM alone)."""
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="package")
+def cluster() -> Iterator[LocalCluster]:
+    ensure_builtin("tiny")  # once here, not in every replica's constructor
+    root = Path(tempfile.mkdtemp(prefix="orc-", dir="/tmp"))
+    local = LocalCluster(root)
+    try:
+        local.start()
+        yield local
+    finally:
+        local.stop()
+        shutil.rmtree(root, ignore_errors=True)

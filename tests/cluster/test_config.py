@@ -1,0 +1,139 @@
+"""Cluster config without a cluster: the example config, placement, scaling options, the
+Metal check and the worker helper's command line. Fast; no Ray instance is started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from deployments import cluster as cluster_cli
+from deployments.app import _model_deployment
+from deployments.config import AppArgs, ModelSettings
+from deployments.model_deployment import ModelDeployment
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def deployments(args: dict[str, Any]) -> dict[str, Any]:
+    """Model deployment name to its Serve deployment, as build_app makes them."""
+    config = AppArgs.model_validate(args)
+    settings = [m.with_placement(config.cluster.placement) for m in config.models]
+    return {d.name: d for d in map(_model_deployment, settings)}
+
+
+def model(**extra: Any) -> dict[str, Any]:
+    return {"id": "m", "source": "builtin:tiny", **extra}
+
+
+@pytest.mark.parametrize("name", ["serve_config.cluster.yaml", "serve_config.yaml"])
+def test_shipped_configs_validate(name: str) -> None:
+    config = yaml.safe_load((ROOT / name).read_text())
+    ServeDeploySchema.model_validate(config)  # the Serve side: what `serve deploy` checks
+    for app in config["applications"]:
+        AppArgs.model_validate(app["args"])
+
+
+def test_cluster_config_pins_every_model_to_macs() -> None:
+    config = yaml.safe_load((ROOT / "serve_config.cluster.yaml").read_text())
+    built = deployments(config["applications"][0]["args"])
+    assert built["model:qwen3-4b"].ray_actor_options["resources"] == {"apple_silicon": 1}
+    assert built["model:qwen3-0.6b"].ray_actor_options["resources"] == {"apple_silicon": 0.5}
+    assert config["proxy_location"] == "HeadOnly"
+
+
+def test_default_config_runs_anywhere() -> None:
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    (built,) = deployments(config["applications"][0]["args"]).values()
+    assert built.ray_actor_options == {"num_cpus": 0}  # no custom resource asked for
+    assert not args.models[0].with_placement(args.cluster.placement).placement.metal_required
+
+
+def test_model_placement_overrides_only_the_keys_it_sets() -> None:
+    raw = {
+        "cluster": {"placement": {"pin": True, "resource": "mac", "require_metal": False}},
+        "models": [model(id="a"), model(id="b", placement={"resource_per_replica": 0.25}),
+                   model(id="c", placement={"pin": False}),
+                   model(id="d", ray_actor_options={"num_cpus": 1, "resources": {"x": 1}})],
+    }
+    args = AppArgs.model_validate(raw)
+    placed = {m.id: m.with_placement(args.cluster.placement).placement for m in args.models}
+    assert placed["b"].pin and placed["b"].resource == "mac" and not placed["b"].metal_required
+    assert placed["b"].resource_per_replica == 0.25
+    built = deployments(raw)
+    assert built["model:a"].ray_actor_options == {"num_cpus": 0, "resources": {"mac": 1.0}}
+    assert built["model:b"].ray_actor_options["resources"] == {"mac": 0.25}
+    assert "resources" not in built["model:c"].ray_actor_options
+    assert built["model:d"].ray_actor_options == {"num_cpus": 1, "resources": {"x": 1, "mac": 1.0}}
+
+
+def test_require_metal_follows_pin_unless_set() -> None:
+    for placement, required in (({"pin": True}, True), ({"pin": False}, False),
+                                ({"pin": True, "require_metal": False}, False),
+                                ({"require_metal": True}, True)):
+        settings = ModelSettings.model_validate(model(placement=placement))
+        assert settings.placement is not None
+        assert settings.placement.metal_required is required
+
+
+@pytest.mark.parametrize("bad", [
+    {"placement": {"pin": True, "resource": ""}},
+    {"placement": {"resource_per_replica": 0}},
+    {"placement": {"pinned": True}},
+    {"autoscaling_config": {"max_replica": 4}},  # a typo Ray itself would ignore
+    {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}},
+    {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}},
+])
+def test_bad_placement_and_scaling_are_rejected(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate({"models": [model(**bad)]})
+
+
+def test_scaling_options_reach_serve() -> None:
+    built = deployments({"models": [
+        model(id="fixed", num_replicas=3),
+        model(id="auto", num_replicas="auto"),
+        model(id="auto-capped", num_replicas="auto", autoscaling_config={"max_replicas": 3}),
+        model(id="scaled", autoscaling_config={"min_replicas": 1, "max_replicas": 4}),
+    ]})
+    assert built["model:fixed"].num_replicas == 3
+    auto = built["model:auto"]._deployment_config.autoscaling_config
+    assert auto.target_ongoing_requests == 16  # half the default batch of 32, not Ray's 2
+    capped = built["model:auto-capped"]._deployment_config.autoscaling_config
+    assert (capped.max_replicas, capped.target_ongoing_requests) == (3, 16)
+    scaled = built["model:scaled"]._deployment_config.autoscaling_config
+    assert (scaled.min_replicas, scaled.max_replicas) == (1, 4)
+    assert built["model:fixed"]._deployment_config.graceful_shutdown_timeout_s == 300
+
+
+def test_replica_without_metal_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_cli, "metal_available", lambda: False)
+    settings = ModelSettings.model_validate(model(id="big", placement={"pin": True}))
+    with pytest.raises(RuntimeError, match=r"model 'big' requires Metal .* has no Metal GPU"):
+        ModelDeployment.func_or_class(settings.model_dump())  # before any model loading
+
+
+def test_worker_command(capsys: pytest.CaptureFixture[str],
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_cli, "metal_available", lambda: True)
+    assert cluster_cli.main(["worker", "--address", "10.0.0.1:6379", "--dry-run",
+                             "--", "--block"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[1:] == ["start", "--address", "10.0.0.1:6379", "--num-cpus", "0",
+                           "--resources", '\'{"apple_silicon":', "1}'", "--block"]
+    assert cluster_cli.main(["head", "--with-models", "--amount", "0.5", "--dry-run"]) == 0
+    assert '\'{"apple_silicon": 0.5}\'' in capsys.readouterr().out
+
+
+def test_worker_without_metal_is_refused(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_cli, "metal_available", lambda: False)
+    assert cluster_cli.main(["worker", "--address", "h:6379", "--dry-run"]) == 2
+    assert "no Metal GPU" in capsys.readouterr().err
+    assert cluster_cli.main(["worker", "--address", "h:6379", "--dry-run",
+                             "--allow-no-metal"]) == 0

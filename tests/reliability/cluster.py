@@ -1,0 +1,135 @@
+"""A private Ray cluster serving Orchard on 127.0.0.1, for the reliability tests.
+
+The cluster is started by this process (`ray.init(address="local")`), never found by
+address, so it cannot be another run's cluster; the tests use the same connection to ask
+replicas for their engine stats and to kill one. Three models, all the built-in tiny one,
+each sized for what the tests do to it:
+
+- `orchard-solo`: one replica with room to spare, so a stats call is never queued behind
+  the generation it observes (disconnects, deadlines, limits).
+- `orchard-tight`: one replica admitting one running and one queued request
+  (backpressure, a request that leaves while queued).
+- `orchard-tiny`: two replicas, one request each, two queued (replica death, the soak).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import ray
+from ray import serve
+
+from deployments.app import build_app
+from replicas.builtin import ensure_builtin
+
+PORT = int(os.environ.get("ORCHARD_RELIABILITY_PORT", "8200"))
+BASE_URL = f"http://127.0.0.1:{PORT}"
+APP = "orchard"
+API_KEY = "orchard-reliability-key"
+KEYS_ENV = "ORCHARD_API_KEYS"
+# Long enough for every admitted request of the soak, far shorter than an endless generation.
+REQUEST_TIMEOUT_S = 5.0
+CONTEXT_LENGTH = 4096  # the built-in tiny model's
+
+
+@dataclass(frozen=True)
+class Pool:
+    model: str
+    replicas: int
+    max_ongoing: int
+    max_queued: int
+
+    @property
+    def capacity(self) -> int:
+        """Requests admitted at once: running plus queued."""
+        return self.replicas * self.max_ongoing + self.max_queued
+
+
+SOLO = Pool("orchard-solo", replicas=1, max_ongoing=16, max_queued=16)
+TIGHT = Pool("orchard-tight", replicas=1, max_ongoing=1, max_queued=1)
+TINY = Pool("orchard-tiny", replicas=2, max_ongoing=1, max_queued=2)
+
+
+def app_args() -> dict[str, Any]:
+    return {
+        "api_keys_env": KEYS_ENV,
+        "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S},
+        "models": [
+            {"id": p.model, "source": "builtin:tiny", "num_replicas": p.replicas,
+             "max_ongoing_requests": p.max_ongoing, "max_queued_requests": p.max_queued}
+            for p in (SOLO, TIGHT, TINY)
+        ],
+    }
+
+
+@contextmanager
+def serve_cluster() -> Iterator[str]:
+    """Start the cluster and the app; yield the base URL; tear both down."""
+    ensure_builtin("tiny")  # built once here, not by three replicas at once
+    previous = os.environ.get(KEYS_ENV)
+    os.environ[KEYS_ENV] = API_KEY  # the raylet started next, and so every worker, inherits it
+    try:
+        ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    finally:
+        if previous is None:
+            os.environ.pop(KEYS_ENV, None)
+        else:
+            os.environ[KEYS_ENV] = previous
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        serve.run(build_app(app_args()), name=APP, route_prefix="/")
+        yield BASE_URL
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def auth_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+async def engine_stats(model: str) -> dict[str, Any]:
+    """One replica's engine stats (the handle picks the replica; see `replica` in the result)."""
+    handle = serve.get_deployment_handle(f"model:{model}", app_name=APP)
+    stats: dict[str, Any] = await handle.stats.remote()
+    return stats
+
+
+async def all_engine_stats(pool: Pool, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Stats from every replica of a pool, keyed by replica, polling until each has answered."""
+    seen: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < pool.replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(seen)} of {pool.replicas} replicas answered")
+        stats = await engine_stats(pool.model)
+        seen[stats["replica"]] = stats
+    return seen
+
+
+async def wait_idle(pool: Pool, timeout_s: float = 30.0) -> float:
+    """Seconds until every replica of the pool reports no active or waiting request."""
+    start = time.monotonic()
+    while True:
+        stats = await all_engine_stats(pool, timeout_s)
+        if all(s["active"] == 0 and s["waiting"] == 0 for s in stats.values()):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{pool.model} still busy after {timeout_s}s: {stats}")
+        await asyncio.sleep(0.05)
+
+
+def replica_actors(pool: Pool) -> list[str]:
+    """Names of the pool's live replica actors (namespace `serve`)."""
+    prefix = f"SERVE_REPLICA::{APP}#model:{pool.model}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(prefix))
+
+
+def kill_replica(name: str) -> None:
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)

@@ -1,0 +1,101 @@
+"""Backpressure refuses at once, in each protocol's shape; deadlines end requests cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.reliability.cluster import REQUEST_TIMEOUT_S, SOLO, TIGHT, auth_headers, wait_idle
+from tests.reliability.wire import Reply, anthropic_message, openai_chat, send
+
+pytestmark = pytest.mark.reliability
+
+
+def client(base_url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=base_url, headers=auth_headers(), timeout=60)
+
+
+async def timed(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[float, Reply]:
+    start = time.monotonic()
+    reply = await send(http, path, body)
+    return time.monotonic() - start, reply
+
+
+def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(cluster: str) -> None:
+    """TIGHT runs one request and queues one. With one running, of three more (both
+    protocols, streaming or not) at most one is admitted; the others are refused at once."""
+
+    async def scenario() -> None:
+        async with client(cluster) as http:
+            await wait_idle(TIGHT)
+            running_body = openai_chat(TIGHT.model, stream=True, max_tokens=300, endless=True)
+            async with http.stream("POST", "/v1/chat/completions", json=running_body) as running:
+                lines = running.aiter_lines()
+                async for line in lines:
+                    if "delta" in line:
+                        break
+                results = await asyncio.gather(
+                    timed(http, "/v1/chat/completions",
+                          openai_chat(TIGHT.model, stream=True, max_tokens=50)),
+                    timed(http, "/v1/messages",
+                          anthropic_message(TIGHT.model, stream=True, max_tokens=50)),
+                    timed(http, "/v1/messages",
+                          anthropic_message(TIGHT.model, stream=False, max_tokens=50)),
+                )
+                tail = [line async for line in lines]
+            assert running.status_code == 200 and "data: [DONE]" in tail  # finished normally
+        refused = [(s, r) for s, r in results if r.status != 200]
+        admitted = [r for _, r in results if r.status == 200]
+        assert len(admitted) <= 1 and refused, results
+        for seconds, reply in refused:
+            anthropic = reply.path == "/v1/messages"
+            assert reply.status == (529 if anthropic else 503), reply
+            assert reply.headers.get("retry-after"), reply.headers
+            assert not reply.is_stream  # refused before any SSE byte
+            assert reply.error is not None and reply.error["type"] == "overloaded_error"
+            assert seconds < 2, seconds  # at once, not after waiting for room
+        for reply in admitted:
+            assert reply.completed, reply
+
+    asyncio.run(scenario())
+
+
+def test_deadline_ends_streams_with_an_error_event_and_others_with_504(cluster: str) -> None:
+    """Endless generations, and one queued behind another, all hit the deadline and end
+    cleanly, and every engine slot is freed. (Anthropic's API cannot ask for an endless
+    generation; its shapes of the same errors are tested in-process, test_edge_guard.py.)"""
+
+    async def scenario() -> list[tuple[float, Reply]]:
+        async with client(cluster) as http:
+            await wait_idle(TIGHT)
+            endless_stream = openai_chat(SOLO.model, stream=True, max_tokens=4000, endless=True)
+            endless = openai_chat(SOLO.model, stream=False, max_tokens=4000, endless=True)
+            runner = asyncio.create_task(timed(http, "/v1/chat/completions",
+                                               {**endless_stream, "model": TIGHT.model}))
+            await asyncio.sleep(0.5)  # the runner holds TIGHT's one slot ...
+            replies = await asyncio.gather(
+                timed(http, "/v1/chat/completions", endless_stream),
+                timed(http, "/v1/chat/completions", endless),
+                # ... so this waits in its queue until its last half second, too short
+                # for an endless generation.
+                timed(http, "/v1/chat/completions", {**endless, "model": TIGHT.model}),
+            )
+            results = [await runner, *replies]
+            await wait_idle(SOLO, timeout_s=10)
+            await wait_idle(TIGHT, timeout_s=10)
+            return results
+
+    results = asyncio.run(scenario())
+    for seconds, reply in results:
+        assert REQUEST_TIMEOUT_S - 0.5 < seconds < REQUEST_TIMEOUT_S + 3, (seconds, reply)
+        assert reply.error is not None and reply.error["type"] == "timeout_error", reply
+    runner, stream, whole, queued = (reply for _, reply in results)
+    for started in (runner, stream):  # the status was sent: the stream ends with an event
+        assert started.status == 200 and started.is_stream and not started.completed
+        assert started.events[-1][1] == {"error": started.error}
+    for unstarted in (whole, queued):  # nothing was sent: a proper status
+        assert unstarted.status == 504 and not unstarted.is_stream

@@ -1,0 +1,128 @@
+"""A client that leaves cancels its generation, in both APIs, streaming or not, and a
+request that leaves while queued never reaches the engine. Observed on the engine itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+import httpx
+import pytest
+
+from tests.reliability.cluster import SOLO, TIGHT, Pool, auth_headers, engine_stats, wait_idle
+from tests.reliability.wire import anthropic_long, openai_chat, path_for
+
+pytestmark = pytest.mark.reliability
+
+
+def client(base_url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=base_url, headers=auth_headers(), timeout=60)
+
+
+def long_body(protocol: str, model: str, *, stream: bool) -> dict[str, Any]:
+    if protocol == "anthropic":
+        return anthropic_long(model, stream=stream)
+    return openai_chat(model, stream=stream, max_tokens=3000, endless=True)
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not await condition():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def cancelled_since(pool: Pool, before: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """Seconds until the engine removed one more request on a cancel, and its stats then."""
+    latest: dict[str, Any] = {}
+
+    async def removed() -> bool:
+        latest.update(await engine_stats(pool.model))
+        grew = len(latest["cancel_latency_steps"]) > len(before["cancel_latency_steps"])
+        return grew and latest["active"] == 0
+
+    return await until(removed, 10, "the engine to drop the cancelled request"), latest
+
+
+def assert_cancelled_promptly(before: dict[str, Any], after: dict[str, Any],
+                              seconds: float) -> None:
+    assert after["cancel_latency_steps"][-1] <= 1, after  # freed within one decode step
+    assert after["finished"] == before["finished"], "the generation ran to its end instead"
+    assert seconds < 5, seconds
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_streaming_disconnect_stops_generation(cluster: str, protocol: str) -> None:
+    async def scenario() -> None:
+        async with client(cluster) as http:
+            before = await engine_stats(SOLO.model)
+            body = long_body(protocol, SOLO.model, stream=True)
+            async with http.stream("POST", path_for(protocol), json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if "delta" in line:
+                        break  # generation is under way: leave mid-stream
+            seconds, after = await cancelled_since(SOLO, before)
+            assert_cancelled_promptly(before, after, seconds)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_non_streaming_disconnect_stops_generation(cluster: str, protocol: str) -> None:
+    async def scenario() -> None:
+        async with client(cluster) as http:
+            before = await engine_stats(SOLO.model)
+            body = long_body(protocol, SOLO.model, stream=False)
+            request = asyncio.create_task(http.post(path_for(protocol), json=body))
+
+            async def running() -> bool:
+                return bool((await engine_stats(SOLO.model))["active"])
+
+            await until(running, 10, "the generation to start")
+            request.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            seconds, after = await cancelled_since(SOLO, before)
+            assert_cancelled_promptly(before, after, seconds)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("protocol", "stream"), [("openai", True), ("openai", False),
+                                                  ("anthropic", True), ("anthropic", False)])
+def test_request_that_leaves_while_queued_never_reaches_the_engine(
+    cluster: str, protocol: str, stream: bool
+) -> None:
+    async def scenario() -> None:
+        async with client(cluster) as http:
+            await wait_idle(TIGHT)
+            submitted = (await engine_stats(TIGHT.model))["submitted"]
+            runner = openai_chat(TIGHT.model, stream=True, max_tokens=3000, endless=True)
+            async with http.stream("POST", "/v1/chat/completions", json=runner) as running:
+                # Held until the block ends: an abandoned line iterator would hang up early.
+                lines = running.aiter_lines()
+                async for line in lines:
+                    if "delta" in line:
+                        break  # the only running slot is taken
+                body = long_body(protocol, TIGHT.model, stream=stream)
+                queued = asyncio.create_task(http.post(path_for(protocol), json=body))
+                await asyncio.sleep(0.5)  # let it reach the handle's queue ...
+                probe = await http.post("/v1/chat/completions",
+                                        json=openai_chat(TIGHT.model, stream=False))
+                assert probe.status_code == 503, "... which must now be full"
+                queued.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await queued
+            # The runner left too. A follow-up queues behind anything still waiting, so once
+            # it is answered, a leaked request would have reached the engine before it.
+            follow_up = await http.post("/v1/chat/completions",
+                                        json=openai_chat(TIGHT.model, stream=False))
+            assert follow_up.status_code == 200, follow_up.text
+            await wait_idle(TIGHT)
+            assert (await engine_stats(TIGHT.model))["submitted"] == submitted + 2
+
+    asyncio.run(scenario())

@@ -1,0 +1,246 @@
+"""Engine faults with the real tiny model, without Ray: one request's failure stays its own,
+and a dead or stuck engine fails requests at once and fails its health check."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import mlx.core as mx
+import pytest
+
+import replicas.engine as engine_module
+from deployments.model_deployment import ModelDeployment
+from replicas.builtin import script
+from replicas.contract import (
+    Channel,
+    ChatMessage,
+    ChatPrompt,
+    ErrorKind,
+    Failed,
+    Finished,
+    GenerationRequest,
+    OutputEvent,
+    SamplingParams,
+    TextDelta,
+)
+from replicas.engine import Engine, EngineConfig, EngineDead
+from replicas.replica import ModelReplica, ReplicaOptions
+
+MARK = 0.0123  # a presence penalty that marks the request a test sabotages
+BYSTANDERS = ("cities", "planets", "hello")
+
+
+@pytest.fixture
+def replica() -> Iterator[ModelReplica]:
+    """A fresh replica per test: some of these tests break it on purpose."""
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
+                                      engine=EngineConfig(max_batch_size=4, stuck_after_s=0.3)))
+    rep.start()
+    yield rep
+    rep.shutdown()
+
+
+def request(sid: str, rid: str, **sampling: Any) -> GenerationRequest:
+    s = script(sid)
+    prompt = ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in s.messages))
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 400, **sampling})
+    return GenerationRequest(request_id=rid, model="tiny", prompt=prompt, sampling=params)
+
+
+def endless(replica: ModelReplica, rid: str, **sampling: Any) -> GenerationRequest:
+    bias = {t: -1e4 for t in replica.model.eos_token_ids}
+    return request("hello", rid, max_tokens=3000, logit_bias=bias, **sampling)
+
+
+async def collect(stream: AsyncIterator[list[OutputEvent]]) -> list[OutputEvent]:
+    return [event async for batch in stream for event in batch]
+
+
+def answer(events: list[OutputEvent]) -> str:
+    return "".join(e.text for e in events
+                   if isinstance(e, TextDelta) and e.channel is Channel.ANSWER)
+
+
+def run_with_victim(replica: ModelReplica, victim: GenerationRequest) -> list[OutputEvent]:
+    """Run the victim alongside scripted bystanders; they must all be reproduced exactly."""
+
+    async def together() -> list[list[OutputEvent]]:
+        requests = [victim] + [request(sid, f"by-{sid}") for sid in BYSTANDERS]
+        return await asyncio.gather(*(collect(replica.stream(r)) for r in requests))
+
+    results = asyncio.run(together())
+    for sid, events in zip(BYSTANDERS, results[1:]):
+        assert answer(events) == script(sid).answer and isinstance(events[-1], Finished)
+    assert replica.stats().active == 0
+    return results[0]
+
+
+class Sabotage:
+    """A logits processor that misbehaves on its `after`-th call."""
+
+    def __init__(self, how: str, after: int = 3) -> None:
+        self.how, self.after, self.calls = how, after, 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.calls += 1
+        if self.calls < self.after:
+            return logits
+        if self.how == "raise":
+            raise RuntimeError("penalty table corrupt")
+        return logits[:, :10]  # a wrong shape: would break the whole batch's concatenation
+
+
+def sabotage_marked(monkeypatch: pytest.MonkeyPatch, make: Callable[[], Any]) -> None:
+    real = engine_module.make_request_processors
+
+    def processors(params: SamplingParams) -> list[Any]:
+        found = real(params)
+        return found + [make()] if params.presence_penalty == MARK else found
+
+    monkeypatch.setattr(engine_module, "make_request_processors", processors)
+
+
+@pytest.mark.parametrize("how", ["raise", "shape"])
+def test_a_failing_logits_processor_fails_only_its_request(
+    replica: ModelReplica, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    sabotage_marked(monkeypatch, lambda: Sabotage(how))
+    events = run_with_victim(replica, request("ocean-prose", "victim", presence_penalty=MARK))
+    assert events[-1] == Failed(ErrorKind.INTERNAL, "generation failed for this request")
+
+
+def test_a_sampler_that_cannot_be_built_fails_only_its_request(
+    replica: ModelReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = engine_module.make_request_sampler
+
+    def sampler(params: SamplingParams) -> Any:
+        if params.presence_penalty == MARK:
+            raise OverflowError("seed out of range")
+        return real(params)
+
+    monkeypatch.setattr(engine_module, "make_request_sampler", sampler)
+    events = run_with_victim(replica, request("ocean-prose", "victim", presence_penalty=MARK))
+    assert [type(e) for e in events] == [Failed]
+
+
+def test_a_failing_output_pipeline_fails_only_its_request(
+    replica: ModelReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = Engine._on_token
+
+    def on_token(self: Engine, active: Any, response: Any) -> Any:
+        if active.sub.request_id == "victim":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken detokenizer")
+        return real(self, active, response)
+
+    monkeypatch.setattr(Engine, "_on_token", on_token)
+    events = run_with_victim(replica, request("ocean-prose", "victim"))
+    assert isinstance(events[-1], Failed)
+
+
+def test_any_integer_seed_is_accepted(replica: ModelReplica) -> None:
+    for seed in (-1, 2**64, -(2**63)):
+        events = asyncio.run(collect(replica.stream(
+            request("hello", f"seed{seed}", temperature=1.0, seed=seed, max_tokens=8))))
+        assert isinstance(events[-1], Finished), events[-1]
+
+
+def test_a_dead_engine_thread_fails_everything_at_once(replica: ModelReplica) -> None:
+    def boom(block: bool) -> Any:
+        raise RuntimeError("engine bug")
+
+    async def scenario() -> None:
+        running = replica.stream(endless(replica, "in-flight"))
+        assert isinstance((await running.__anext__())[0], TextDelta)
+        replica._engine._take_commands = boom  # type: ignore[method-assign]
+        rest = await asyncio.wait_for(collect(running), 5)
+        assert isinstance(rest[-1], Failed)
+        with pytest.raises(EngineDead):
+            replica.check_health()
+        start = time.monotonic()
+        later = await asyncio.wait_for(collect(replica.stream(request("hello", "later"))), 5)
+        assert later == [Failed(ErrorKind.INTERNAL,
+                                "the model is unavailable: the model engine stopped")]
+        assert time.monotonic() - start < 1
+
+    asyncio.run(scenario())
+
+
+def test_a_stuck_engine_fails_its_health_check_and_new_requests_fail_fast(
+    replica: ModelReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking() -> Callable[[mx.array, mx.array], mx.array]:
+        def block(tokens: mx.array, logits: mx.array) -> mx.array:
+            entered.set()
+            release.wait(30)
+            return logits
+        return block
+
+    sabotage_marked(monkeypatch, blocking)
+
+    async def scenario() -> None:
+        stuck = asyncio.ensure_future(collect(replica.stream(
+            request("hello", "stuck", presence_penalty=MARK))))
+        assert await asyncio.to_thread(entered.wait, 10)
+        await asyncio.sleep(0.5)  # past stuck_after_s
+        with pytest.raises(EngineDead, match="stuck"):
+            replica.check_health()
+        start = time.monotonic()
+        refused = await asyncio.wait_for(collect(replica.stream(request("hello", "new"))), 5)
+        assert [type(e) for e in refused] == [Failed] and time.monotonic() - start < 1
+        release.set()  # it comes unstuck: health and service return
+        assert isinstance((await asyncio.wait_for(stuck, 10))[-1], Finished)
+        replica.check_health()
+        ok = await collect(replica.stream(request("hello", "after")))
+        assert answer(ok) == script("hello").answer
+
+    asyncio.run(scenario())
+
+
+def test_a_request_cancelled_while_waiting_for_a_batch_slot_never_decodes(
+    replica: ModelReplica,
+) -> None:
+    async def scenario() -> None:
+        runners = [replica.stream(endless(replica, f"run{i}")) for i in range(4)]
+        for runner in runners:  # the batch (max_batch_size 4) is full
+            await runner.__anext__()
+        waiting = asyncio.ensure_future(collect(replica.stream(endless(replica, "waiting"))))
+        await asyncio.sleep(0.2)
+        assert replica.stats().active == 5 and not waiting.done()
+        waiting.cancel()  # what a client leaving does to its stream
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        for _ in range(200):
+            if replica.stats().active == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert replica.stats().active == 4
+        for runner in runners:
+            await runner.aclose()  # type: ignore[attr-defined]  # an async generator
+
+    asyncio.run(scenario())
+
+
+def test_the_deployment_health_check_fails_when_the_engine_dies() -> None:
+    cls = ModelDeployment.func_or_class  # type: ignore[attr-defined]  # the class Serve runs
+    deployment = cls({"id": "tiny", "source": "builtin:tiny"})
+    try:
+        deployment.check_health()
+        engine = deployment._replica._engine
+
+        def boom(block: bool) -> Any:
+            raise RuntimeError("engine bug")
+
+        engine._take_commands = boom  # type: ignore[method-assign]
+        engine.cancel("wake")  # the idle thread wakes, loops, and dies
+        engine._thread.join(5)
+        with pytest.raises(EngineDead):
+            deployment.check_health()  # Serve replaces a replica whose check raises
+    finally:
+        deployment._replica.shutdown()
