@@ -104,6 +104,9 @@ class IngressSettings(_Strict):
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed to "
                                     "call from a browser (`*` for any); empty: CORS off.")
+    replica_wait_s: float | None = Field(
+        15.0, gt=0, description="How long a request waits for a model replica to accept it "
+        "(none running, all busy starting) before a 503/529. null: wait without limit.")
 
 
 class AppArgs(_Strict):

@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ingress.client import ModelCard
 from replicas.contract import ErrorKind, Failed, GenerationRequest, OutputEvent, is_terminal
-from replicas.errors import InternalError, OverloadedError, error_for
+from replicas.errors import InternalError, OverloadedError, from_event
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class RayModelClient:
             _log_failure(request, exc)
             raise InternalError(f"the replica serving '{request.model}' failed") from exc
         if isinstance(result, Failed):
-            raise error_for(result.kind, result.message)
+            raise from_event(result)
         return int(result)
 
 

@@ -58,7 +58,8 @@ class Ingress:
                  edge: EdgeArgs = EdgeArgs()) -> None:
         model_cards = [ModelCard(**card) for card in cards]
         by_id = {card.id: handle for card, handle in zip(model_cards, handles)}
-        self._client = RayModelClient(model_cards, by_id)
+        self._client = RayModelClient(model_cards, by_id,
+                                      replica_wait_s=edge.ingress.replica_wait_s)
         self._options = edge.options(os.environ)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

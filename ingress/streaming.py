@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 from ingress.client import ModelClient
 from replicas.contract import Failed, GenerationRequest, OutputEvent
-from replicas.errors import error_for
+from replicas.errors import from_event
 
 
 @dataclass
@@ -48,7 +48,7 @@ async def open_stream(client: ModelClient, request: GenerationRequest) -> Opened
         first = []
     if first and isinstance(first[0], Failed):
         await _close(rest)
-        raise error_for(first[0].kind, first[0].message)
+        raise from_event(first[0])
     return OpenedStream(first, rest)
 
 

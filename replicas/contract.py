@@ -147,6 +147,7 @@ class Finished:
 class Failed:
     kind: ErrorKind
     message: str
+    param: str | None = None  # the request field at fault, when one is
 
 
 OutputEvent = Union[TextDelta, Finished, Failed]

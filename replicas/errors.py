@@ -17,7 +17,7 @@ class ReplicaError(Exception):
         self.param = param
 
     def as_event(self) -> Failed:
-        return Failed(self.kind, self.message)
+        return Failed(self.kind, self.message, self.param)
 
 
 class InvalidRequestError(ReplicaError):
@@ -48,5 +48,6 @@ _BY_KIND = {cls.kind: cls for cls in (InvalidRequestError, NotFoundError, Contex
                                       OverloadedError, UnauthorizedError, InternalError)}
 
 
-def error_for(kind: ErrorKind, message: str) -> ReplicaError:
-    return _BY_KIND[kind](message)
+def from_event(failed: Failed) -> ReplicaError:
+    """The exception for a failure that arrived as an event (e.g. across a Ray handle)."""
+    return _BY_KIND[failed.kind](failed.message, param=failed.param)

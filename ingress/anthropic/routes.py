@@ -24,7 +24,7 @@ from ingress.client import ModelClient, require_model
 from ingress.sse import SSE_HEADERS, event_frame
 from ingress.streaming import OpenedStream, open_stream
 from replicas.contract import OutputEvent
-from replicas.errors import ReplicaError, error_for
+from replicas.errors import ReplicaError, from_event
 
 # Seconds without events before a `ping` event, so proxies and clients do not time out
 # while a long prompt is processed. Tests shrink it.
@@ -61,7 +61,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         await opened.aclose()
     renderer.finish()
     if renderer.failure is not None:
-        raise error_for(renderer.failure.kind, renderer.failure.message)
+        raise from_event(renderer.failure)
     return JSONResponse(renderer.message)
 
 

@@ -15,7 +15,7 @@ from ingress.openai.render import ResponseBuilder, ResponseMeta
 from ingress.sse import DONE_FRAME, SSE_HEADERS, data_frame
 from ingress.streaming import OpenedStream, open_stream
 from replicas.contract import Failed, GenerationRequest
-from replicas.errors import error_for
+from replicas.errors import from_event
 
 router = APIRouter()
 
@@ -50,7 +50,7 @@ async def _respond(client: ModelClient, gen: GenerationRequest, meta: ResponseMe
     try:
         async for event in opened.events():
             if isinstance(event, Failed):
-                raise error_for(event.kind, event.message)
+                raise from_event(event)
             builder.feed(event)
     finally:
         await opened.aclose()  # a client that left cancels its generation

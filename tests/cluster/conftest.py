@@ -47,10 +47,6 @@ START_TIMEOUT_S = 120
 MARKER = "ORCHARD_CLUSTER_NODE"  # on every process of a node (actors too), to sweep them up
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cluster: starts a two-node local Ray cluster (slow)")
-
-
 def _exe(name: str) -> str:
     sibling = Path(sys.executable).with_name(name)
     return str(sibling) if sibling.exists() else shutil.which(name) or name

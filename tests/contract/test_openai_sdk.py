@@ -181,3 +181,13 @@ def test_invalid_requests_name_the_field(body: dict[str, Any], param: str) -> No
 def test_models_list_includes_aliases() -> None:
     client, _ = sdk(FakeClient())
     assert [m.id for m in client.models.list().data] == ["orchard-tiny", "tiny"]
+
+
+def test_a_replica_failure_event_keeps_the_offending_field() -> None:
+    failed = Failed(ErrorKind.CONTEXT_LENGTH, "prompt plus max_tokens is too long", "max_tokens")
+    _, http = sdk(FakeClient([failed]))
+    r = http.post("/v1/chat/completions", json={
+        "model": "orchard-tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
