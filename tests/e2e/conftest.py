@@ -52,7 +52,7 @@ def _ready(client: httpx.Client) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # torn down before the suites that start their own Ray
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ensure_builtin("tiny")  # build once here rather than inside a replica's constructor
     log_path = ROOT / ".pytest_cache" / "serve_run.log"
