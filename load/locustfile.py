@@ -1,0 +1,348 @@
+"""Locust users that stream from Orchard's OpenAI and Anthropic APIs and time every token.
+
+    locust -f load/locustfile.py --host http://127.0.0.1:8000 [OpenAIChatUser MixedUser ...]
+
+User classes (pick them by name on the command line; all run by default, by weight):
+OpenAIChatUser, OpenAICompletionsUser, AnthropicMessagesUser, and MixedUser (plain, stop
+strings, response_format json_schema/json_object, reasoning with and without a thinking
+budget, across both APIs). Their prompts and bodies are data in load/payloads.json.
+
+Each request is one Locust "POST" entry named after its payload (its time is the time to
+the HTTP status line, which Orchard sends with the first token) that fails on a non-200, a
+stream error event, a stream cut short (no finish reason, no usage, no `[DONE]` or
+`message_stop`) or an output that breaks the payload's `expect`. Each successful stream then
+reports metrics as further request events of that name:
+
+    TTFT      request sent -> first generated text (answer or reasoning), ms
+    ITL       gap between consecutive text-carrying SSE frames, ms (one sample per gap)
+    TPOT      (E2E - TTFT) / (output tokens - 1), ms per token
+    E2E       request sent -> end of stream, ms
+    TOKENS    output tokens from the response's usage (a count, not ms)
+    TOKENS/S  output tokens / E2E for that stream (a rate, not ms)
+
+With --csv, an aggregate (all output tokens / wall time from first request to last end)
+is written to <prefix>_summary.json when the test stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import requests
+import urllib3
+from locust import HttpUser, events, task
+from locust.argument_parser import LocustArgumentParser
+from locust.env import Environment
+from locust.exception import StopUser
+
+# Locust puts this file's folder on sys.path while it imports it.
+from run_load import loopback_error
+
+PAYLOADS_PATH = Path(__file__).with_name("payloads.json")
+API_PATHS = {
+    "openai_chat": "/v1/chat/completions",
+    "openai_completions": "/v1/completions",
+    "anthropic_messages": "/v1/messages",
+}
+
+
+@dataclass(frozen=True)
+class Payload:
+    name: str
+    api: str
+    weight: float
+    body: dict[str, Any]
+    expect: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str
+    defaults: dict[str, Any]
+    workloads: dict[str, list[Payload]]
+    max_tokens: int  # 0: each payload's own
+    think_time: float
+    check_output: bool
+
+    @classmethod
+    def from_options(cls, options: argparse.Namespace) -> Settings:
+        data = json.loads(Path(options.payloads).read_text(encoding="utf-8"))
+        workloads = {
+            name: [Payload(p["name"], p["api"], float(p.get("weight", 1)), p["body"], p.get("expect", {}))
+                   for p in items]
+            for name, items in data["workloads"].items()
+        }
+        unknown = {p.api for items in workloads.values() for p in items} - set(API_PATHS)
+        if unknown:
+            raise ValueError(f"{options.payloads}: unknown api {sorted(unknown)}")
+        return cls(options.model, data.get("defaults", {}), workloads, options.max_tokens,
+                   options.think_time, not options.no_output_checks)
+
+    def body(self, payload: Payload) -> dict[str, Any]:
+        body = {**self.defaults, **payload.body, "model": self.model, "stream": True}
+        if self.max_tokens:
+            body["max_tokens"] = self.max_tokens
+        if payload.api != "anthropic_messages":
+            body["stream_options"] = {"include_usage": True}  # usage is how tokens are counted
+        return body
+
+
+@dataclass
+class Stream:
+    """What the client saw of one streamed response."""
+
+    start: float
+    arrivals: list[float] = field(default_factory=list)  # when each text-carrying frame came
+    answer: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    finish: str | None = None
+    output_tokens: int | None = None
+    done: bool = False  # the protocol's terminal frame: `[DONE]` or `message_stop`
+    error: str | None = None
+
+    def text(self, answer: str, reasoning: str) -> None:
+        if answer or reasoning:
+            self.arrivals.append(time.perf_counter())
+            self.answer.append(answer)
+            self.reasoning.append(reasoning)
+
+    def problem(self) -> str | None:
+        if self.error is not None:
+            return f"error event: {self.error}"
+        if not self.done:
+            return "truncated stream: no [DONE] / message_stop"
+        if self.finish is None:
+            return "no terminal chunk with a finish/stop reason"
+        if self.output_tokens is None:
+            return "no usage in the stream"
+        return None
+
+
+def read_openai(lines: Iterable[str], s: Stream) -> None:
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            s.done = True
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            s.error = str(chunk["error"].get("message", chunk["error"]))
+            return
+        if chunk.get("usage"):
+            s.output_tokens = int(chunk["usage"]["completion_tokens"])
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            s.text(choice.get("text") or delta.get("content") or "", delta.get("reasoning_content") or "")
+            if choice.get("finish_reason"):
+                s.finish = choice["finish_reason"]
+
+
+def read_anthropic(lines: Iterable[str], s: Stream) -> None:
+    for line in lines:
+        if not line.startswith("data:"):
+            continue  # the `event:` line repeats the type the data carries
+        frame = json.loads(line[len("data:"):])
+        kind = frame.get("type")
+        if kind == "error":
+            s.error = str(frame["error"].get("message", frame["error"]))
+            return
+        if kind == "content_block_delta":
+            delta = frame["delta"]
+            s.text(delta.get("text", ""), delta.get("thinking", ""))
+        elif kind == "message_delta":
+            s.finish = frame["delta"]["stop_reason"]
+            s.output_tokens = int(frame["usage"]["output_tokens"])
+        elif kind == "message_stop":
+            s.done = True
+
+
+def sse_lines(raw: Any) -> Iterator[str]:
+    """Lines of an event stream as the bytes arrive.
+
+    `read1` returns whatever one socket read brings (chunked or not), so a frame never sits
+    in a buffer waiting for more bytes, and the time a frame is parsed is its arrival time.
+    requests' iter_lines would wait for 512 bytes, or for the end of a non-chunked body.
+    """
+    pending = b""
+    while chunk := raw.read1(65536):
+        *complete, pending = (pending + chunk).split(b"\n")
+        for line in complete:
+            yield line.decode("utf-8").rstrip("\r")
+    if pending:
+        yield pending.decode("utf-8")
+
+
+READERS: dict[str, Callable[[Iterable[str], Stream], None]] = {
+    "openai_chat": read_openai,
+    "openai_completions": read_openai,
+    "anthropic_messages": read_anthropic,
+}
+
+
+def check_output(s: Stream, expect: dict[str, Any]) -> str | None:
+    """The first way the output breaks the payload's expectations, or None."""
+    answer, reasoning = "".join(s.answer), "".join(s.reasoning)
+    if "finish" in expect and s.finish != expect["finish"]:
+        return f"finish {s.finish!r}, expected {expect['finish']!r}"
+    if "answer" in expect and answer != expect["answer"]:
+        return f"answer {answer[:80]!r} differs from the expected {expect['answer'][:80]!r}"
+    if "reasoning" in expect and reasoning != expect["reasoning"]:
+        return f"reasoning {reasoning[:80]!r} differs from the expected one"
+    if expect.get("has_reasoning") and not reasoning:
+        return "no reasoning"
+    leaked = [stop for stop in expect.get("excludes", []) if stop in answer]
+    if leaked:
+        return f"stop string(s) {leaked} leaked into the answer"
+    if expect.get("json"):
+        try:
+            if not isinstance(json.loads(answer), dict):
+                return "the answer is JSON but not an object"
+        except ValueError:
+            return f"the answer is not JSON: {answer[:80]!r}"
+    return None
+
+
+@dataclass
+class Totals:
+    """Across the run, for the aggregate tokens/s."""
+
+    first_start: float | None = None
+    last_end: float | None = None
+    output_tokens: int = 0
+    completed: int = 0
+    failed: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        seconds = (self.last_end or 0.0) - (self.first_start or 0.0)
+        return {"output_tokens": self.output_tokens, "seconds": seconds,
+                "output_tokens_per_s": self.output_tokens / seconds if seconds > 0 else 0.0,
+                "completed": self.completed, "failed": self.failed}
+
+
+_settings: Settings | None = None
+TOTALS = Totals()
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: LocustArgumentParser) -> None:
+    parser.add_argument("--model", default="orchard-tiny", env_var="ORCHARD_MODEL",
+                        help="model name sent in every request")
+    parser.add_argument("--payloads", default=str(PAYLOADS_PATH), help="payloads JSON file")
+    parser.add_argument("--max-tokens", type=int, default=0, help="override max_tokens (0: the payload's)")
+    parser.add_argument("--think-time", type=float, default=0.0, help="seconds between a user's requests")
+    parser.add_argument("--no-output-checks", action="store_true", default=False,
+                        help="skip the payloads' `expect` checks (for models other than orchard-tiny)")
+
+
+@events.init.add_listener
+def _init(environment: Environment, **_: Any) -> None:
+    global _settings
+    refused = loopback_error(environment.host) if environment.host else None
+    if refused:
+        print(refused, file=sys.stderr)
+        raise SystemExit(2)
+    assert environment.parsed_options is not None
+    _settings = Settings.from_options(environment.parsed_options)
+
+
+@events.test_stop.add_listener
+def _write_summary(environment: Environment, **_: Any) -> None:
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if prefix:
+        Path(f"{prefix}_summary.json").write_text(json.dumps(TOTALS.summary(), indent=2) + "\n")
+
+
+def _metric(env: Environment, kind: str, name: str, value: float) -> None:
+    env.events.request.fire(request_type=kind, name=name, response_time=value, response_length=0,
+                            exception=None, context={})
+
+
+def _report(env: Environment, name: str, s: Stream, end: float) -> None:
+    e2e = end - s.start
+    tokens = s.output_tokens or 0
+    _metric(env, "E2E", name, e2e * 1e3)
+    _metric(env, "TOKENS", name, tokens)
+    _metric(env, "TOKENS/S", name, tokens / e2e)
+    if s.arrivals:
+        ttft = s.arrivals[0] - s.start
+        _metric(env, "TTFT", name, ttft * 1e3)
+        for before, after in pairwise(s.arrivals):
+            _metric(env, "ITL", name, (after - before) * 1e3)
+        if tokens > 1:
+            _metric(env, "TPOT", name, (e2e - ttft) * 1e3 / (tokens - 1))
+
+
+class _StreamingUser(HttpUser):
+    abstract = True
+    workload = ""  # the payloads.json workload this user draws from
+
+    def wait_time(self) -> float:
+        return _settings.think_time if _settings else 0.0
+
+    def on_start(self) -> None:
+        if loopback_error(self.host or ""):  # the web UI can set a host after init
+            raise StopUser()
+
+    @task
+    def generate(self) -> None:
+        assert _settings is not None
+        payloads = _settings.workloads[self.workload]
+        payload = random.choices(payloads, weights=[p.weight for p in payloads])[0]
+        self.stream_once(_settings, payload)
+
+    def stream_once(self, settings: Settings, payload: Payload) -> None:
+        s = Stream(time.perf_counter())
+        TOTALS.first_start = TOTALS.first_start or s.start
+        with self.client.post(API_PATHS[payload.api], json=settings.body(payload), stream=True,
+                              catch_response=True, name=payload.name) as response:
+            problem = None
+            if response.status_code != 200:
+                problem = f"HTTP {response.status_code}: {response.text[:200]}"
+            else:
+                try:
+                    READERS[payload.api](sse_lines(response.raw), s)
+                    problem = s.problem() or (check_output(s, payload.expect) if settings.check_output else None)
+                except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError,
+                        KeyError, TypeError) as exc:
+                    problem = f"broken stream: {type(exc).__name__}: {exc}"
+            end = time.perf_counter()
+            TOTALS.last_end = end
+            if problem:
+                TOTALS.failed += 1
+                response.failure(problem)
+                return
+            response.success()
+        TOTALS.completed += 1
+        TOTALS.output_tokens += s.output_tokens or 0
+        _report(self.environment, payload.name, s, end)
+
+
+class OpenAIChatUser(_StreamingUser):
+    weight = 3
+    workload = "openai_chat"
+
+
+class OpenAICompletionsUser(_StreamingUser):
+    weight = 1
+    workload = "openai_completions"
+
+
+class AnthropicMessagesUser(_StreamingUser):
+    weight = 2
+    workload = "anthropic_messages"
+
+
+class MixedUser(_StreamingUser):
+    weight = 2
+    workload = "mixed"
