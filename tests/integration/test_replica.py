@@ -31,14 +31,6 @@ from replicas.replica import ModelReplica, ReplicaOptions
 GREEDY = SamplingParams(temperature=0.0, max_tokens=400)
 
 
-@pytest.fixture(scope="module")
-def replica() -> Any:
-    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny"))
-    rep.start()
-    yield rep
-    rep.shutdown()
-
-
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 

@@ -7,7 +7,6 @@ import re
 from typing import Any
 
 import jsonschema
-import pytest
 
 from replicas.builtin import script
 from replicas.contract import (
@@ -20,7 +19,7 @@ from replicas.contract import (
     SamplingParams,
     StopSpec,
 )
-from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.replica import ModelReplica
 from tests.integration.test_replica import collect, request_for, run, terminal, texts
 
 PROFILE_SCHEMA = {
@@ -33,14 +32,6 @@ PROFILE_SCHEMA = {
     "required": ["name", "age", "job"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def replica() -> Any:
-    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny"))
-    rep.start()
-    yield rep
-    rep.shutdown()
 
 
 def guided(replica: ModelReplica, sid: str, spec: GuidedSpec, **kw: Any) -> tuple[str, str, Finished]:
