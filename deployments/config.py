@@ -52,6 +52,8 @@ class ModelSettings(_Strict):
     channel_format: Literal["think_tags", "harmony", "none"] | None = Field(
         None, description="Reasoning format; detected from the tokenizer when unset.")
     thinking_budget: int | None = Field(None, ge=1, description="Default reasoning budget.")
+    stream_flush_ms: float = Field(5.0, ge=0, description="After the first event, stream "
+                                   "chunks leave at most this often (0: as soon as ready).")
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = Field(64, ge=1)

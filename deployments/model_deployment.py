@@ -23,6 +23,7 @@ def replica_options(settings: ModelSettings) -> ReplicaOptions:
         channel_format=settings.channel_format,
         thinking_budget=settings.thinking_budget,
         engine=EngineConfig(**settings.engine.model_dump()),
+        flush_interval_s=settings.stream_flush_ms / 1000,
     )
 
 

@@ -113,13 +113,14 @@ async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
     return Run(sum(t for t, _ in results), seconds, [f for _, f in results])
 
 
-def start_server(source: str, model: str) -> subprocess.Popen[bytes]:
+def start_server(source: str, model: str, flush_ms: float) -> subprocess.Popen[bytes]:
     config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": PORT},
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64}]},
+            "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
+                                 "stream_flush_ms": flush_ms}]},
         }],
     }
     path = Path(tempfile.mkdtemp()) / "bench_config.yaml"
@@ -161,18 +162,20 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:bench", help="model source")
     parser.add_argument("--tokens", type=int, default=128, help="max tokens per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--flush-ms", type=float, default=5.0, help="stream_flush_ms for Orchard")
     args = parser.parse_args()
 
     raw1 = raw_single(args.model, args.tokens)
     raw_batches = {c: raw_batched(args.model, args.tokens, c) for c in args.concurrency}
-    proc = start_server(args.model, "bench")
+    proc = start_server(args.model, "bench", args.flush_ms)
     try:
         http1 = asyncio.run(http_streams(1, args.tokens, "bench"))
         http_many = {c: asyncio.run(http_streams(c, args.tokens, "bench")) for c in args.concurrency}
     finally:
         stop_server(proc)
 
-    print(f"model {args.model}, {args.tokens} tokens per request, greedy")
+    print(f"model {args.model}, {args.tokens} tokens per request, greedy, "
+          f"stream_flush_ms {args.flush_ms:g}")
     print(f"{'run':<34}{'tokens/s':>10}{'ratio':>10}{'TTFT p50 ms':>14}")
     print(f"{'raw mlx_lm.stream_generate x1':<34}{raw1.tps:>10.1f}{1.0:>10.2f}{raw1.ttft[0]*1e3:>14.1f}")
     for c, run in raw_batches.items():

@@ -2,13 +2,13 @@
 
     python load/bench_vs_mlx_server.py --model builtin:bench --max-tokens 64
 
-Starts `mlx_lm.server` on 127.0.0.1:8101, then Orchard (`serve run`, 127.0.0.1:8100) with
-one replica and with two, never two servers at once, and drives each with the same streamed
-chat requests at each concurrency: a closed loop of N workers sending `rounds x N` requests
-(at least --min-requests), greedy, `max_tokens` each. Prints per level aggregate output
-tokens/s, TTFT p50/p99, inter-chunk latency (ITL) p50/p99, TPOT p50/p99 and errors, then the
-Orchard/mlx_lm.server ratios and Orchard's two-replica scale-out; writes
-load/out/bench_vs_mlx_server.json and .png.
+Starts `mlx_lm.server` on 127.0.0.1:8101 (as shipped, then with its prompt cache off), then
+Orchard (`serve run`, 127.0.0.1:8100) with one replica and with two, never two servers at
+once, and drives each with the same streamed chat requests at each concurrency: a closed
+loop of N workers sending `rounds x N` requests (at least --min-requests), greedy,
+`max_tokens` each. Prints per level aggregate output tokens/s, TTFT p50/p99, inter-chunk
+latency (ITL) p50/p99, TPOT p50/p99 and errors, then the Orchard/mlx_lm.server ratios and
+Orchard's two-replica scale-out; writes load/out/bench_vs_mlx_server.json and .png.
 
 Output tokens are counted from usage: both servers honour `stream_options.include_usage`.
 Every prompt starts with a unique hash, so no two requests share more than the chat
@@ -329,6 +329,7 @@ def chart(results: dict[str, list[Level]], path: Path) -> None:
         line, = ttft.plot(xs, [s["ttft_p50_ms"] for s in sums], marker="o", label=f"{label} p50")
         ttft.plot(xs, [s["ttft_p99_ms"] for s in sums], marker="x", linestyle="--",
                   color=line.get_color(), label=f"{label} p99")
+    ttft.set_yscale("log")  # TTFT spans seconds at c=1 to minutes at c=32 on a CPU
     for ax, title, unit in ((tps, "aggregate output tokens/s", "tokens/s"), (ttft, "time to first token", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])

@@ -72,6 +72,7 @@ class Settings:
     max_tokens: int  # 0: each payload's own
     think_time: float
     check_output: bool
+    headers: dict[str, str]  # the API key, when the server wants one
 
     @classmethod
     def from_options(cls, options: argparse.Namespace) -> Settings:
@@ -84,8 +85,10 @@ class Settings:
         unknown = {p.api for items in workloads.values() for p in items} - set(API_PATHS)
         if unknown:
             raise ValueError(f"{options.payloads}: unknown api {sorted(unknown)}")
+        # `Authorization: Bearer` is accepted on the Anthropic routes too.
+        headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         return cls(options.model, data.get("defaults", {}), workloads, options.max_tokens,
-                   options.think_time, not options.no_output_checks)
+                   options.think_time, not options.no_output_checks, headers)
 
     def body(self, payload: Payload) -> dict[str, Any]:
         body = {**self.defaults, **payload.body, "model": self.model, "stream": True}
@@ -241,6 +244,8 @@ def _options(parser: LocustArgumentParser) -> None:
     parser.add_argument("--payloads", default=str(PAYLOADS_PATH), help="payloads JSON file")
     parser.add_argument("--max-tokens", type=int, default=0, help="override max_tokens (0: the payload's)")
     parser.add_argument("--think-time", type=float, default=0.0, help="seconds between a user's requests")
+    parser.add_argument("--api-key", default="", env_var="ORCHARD_API_KEY", is_secret=True,
+                        help="API key for servers that require one (or $ORCHARD_API_KEY)")
     parser.add_argument("--no-output-checks", action="store_true", default=False,
                         help="skip the payloads' `expect` checks (for models other than orchard-tiny)")
 
@@ -304,8 +309,8 @@ class _StreamingUser(HttpUser):
     def stream_once(self, settings: Settings, payload: Payload) -> None:
         s = Stream(time.perf_counter())
         TOTALS.first_start = TOTALS.first_start or s.start
-        with self.client.post(API_PATHS[payload.api], json=settings.body(payload), stream=True,
-                              catch_response=True, name=payload.name) as response:
+        with self.client.post(API_PATHS[payload.api], json=settings.body(payload), headers=settings.headers,
+                              stream=True, catch_response=True, name=payload.name) as response:
             problem = None
             if response.status_code != 200:
                 problem = f"HTTP {response.status_code}: {response.text[:200]}"

@@ -51,6 +51,9 @@ class ReplicaOptions:
     thinking_budget: int | None = None  # default budget for reasoning, in tokens
     engine: EngineConfig = field(default_factory=EngineConfig)
     load_timeout_s: float = 600.0
+    # After the first flush, events are held at most this long so one message carries many
+    # tokens when decode is fast: every message costs a hop through Ray and HTTP.
+    flush_interval_s: float = 0.005
 
 
 class _QueueSink:
@@ -109,7 +112,8 @@ class ModelReplica:
     # ---- requests -----------------------------------------------------------------------
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
-        """Events in order, coalesced: each batch holds everything that arrived meanwhile."""
+        """Events in order, coalesced: the first batch leaves at once, later ones at most
+        every `flush_interval_s`, each holding everything that arrived meanwhile."""
         sink = _QueueSink(asyncio.get_running_loop())
         try:
             sub = await asyncio.to_thread(self._prepare, request, sink)
@@ -122,13 +126,19 @@ class ModelReplica:
             yield [Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}")]
             return
         done = False
+        loop = asyncio.get_running_loop()
+        next_flush = 0.0
         try:
             while not done:
                 batch = await sink.queue.get()
+                wait = next_flush - loop.time()
+                if wait > 0 and not any(is_terminal(e) for e in batch):
+                    await asyncio.sleep(wait)
                 while not sink.queue.empty():
                     batch.extend(sink.queue.get_nowait())
                 done = any(is_terminal(e) for e in batch)
                 yield batch
+                next_flush = loop.time() + self.options.flush_interval_s
         finally:
             if not done:  # the consumer left: free the batch slot
                 self._engine.cancel(request.request_id)
