@@ -10,10 +10,17 @@ from ray.serve import Application
 from deployments.config import AppArgs, ModelSettings
 from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
+from replicas.loading import BUILTIN_PREFIX, resolve_source
 
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppArgs.model_validate(args)
+    for model in config.models:
+        if model.source.startswith(BUILTIN_PREFIX):
+            # Build the project's own models here, once, before any replica starts: the app
+            # then comes up ready instead of answering 503 while replicas build them. A
+            # replica on another node still builds its own copy on first use.
+            resolve_source(model.source)
     created = int(time.time())
     cards = [
         {"id": m.id, "aliases": tuple(m.aliases), "created": created} for m in config.models
