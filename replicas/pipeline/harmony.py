@@ -44,6 +44,18 @@ def _message_rules(state: str) -> tuple[Rule, ...]:
     )
 
 
+# Outside a message: a new header starts, the header's `<|message|>` opens its channel, and
+# the end markers return to "between".
+_HEADER_RULES = (
+    Rule(START, "header"),
+    Rule(CHANNEL, "header"),
+    Rule(MESSAGE, _BY_CHANNEL),
+    Rule(END, "between"),
+    Rule(RETURN, "between"),
+    Rule(CALL, "between"),
+)
+
+
 HARMONY = ChannelFormat(
     name="harmony",
     states={
@@ -54,29 +66,8 @@ HARMONY = ChannelFormat(
         # Between messages nothing is content. `<|start|>` and `<|channel|>` re-enter the
         # header so the channel name is the first word read after the last of them;
         # `<|constrain|>json` stays inside the swallowed header text.
-        "between": State(
-            None,
-            (
-                Rule(START, "header"),
-                Rule(CHANNEL, "header"),
-                Rule(MESSAGE, _BY_CHANNEL),
-                Rule(END, "between"),
-                Rule(RETURN, "between"),
-                Rule(CALL, "between"),
-                Rule(CONSTRAIN, "between"),
-            ),
-        ),
-        "header": State(
-            None,
-            (
-                Rule(START, "header"),
-                Rule(CHANNEL, "header"),
-                Rule(MESSAGE, _BY_CHANNEL),
-                Rule(END, "between"),
-                Rule(RETURN, "between"),
-                Rule(CALL, "between"),
-            ),
-        ),
+        "between": State(None, (*_HEADER_RULES, Rule(CONSTRAIN, "between"))),
+        "header": State(None, _HEADER_RULES),
     },
     answer_state="answer",
     reasoning_state="analysis",
