@@ -5,14 +5,17 @@
 Prints single-stream tokens/s for raw `mlx_lm.stream_generate`, raw `BatchGenerator`
 aggregate tokens/s at 8 and 32 sequences, and Orchard (a real `serve run` on 127.0.0.1)
 single-stream and aggregate tokens/s at 8 and 32 concurrent streams, with the ratios, plus
-the serving path's per-token overhead. Raw runs first, then the server, so they never
-compete for the CPU.
+the serving path's per-token overhead. Raw batched runs come first, before the server starts.
+Single streams alternate, raw then HTTP, `--repeat` times, and the medians are reported;
+during each raw run the server's processes are paused (SIGSTOP), so raw mlx-lm never
+competes with them for the CPU, and the machine's drift hits both sides alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,50 +46,86 @@ class Run:
         return self.tokens / self.seconds
 
 
-def raw_single(source: str, max_tokens: int) -> Run:
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
-
-    from replicas.loading import load_model
-
-    loaded = load_model(source)
-    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                  add_generation_prompt=True)
-    sampler = make_sampler(temp=0.0)
-    for _ in mlx_lm.stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=8, sampler=sampler):
-        pass  # warm-up
-    start = time.perf_counter()
-    first = None
-    n = 0
-    for _ in mlx_lm.stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=max_tokens,
-                                    sampler=sampler):
-        first = first or time.perf_counter() - start
-        n += 1
-    return Run(n, time.perf_counter() - start, [first or 0.0])
+def median_run(runs: list[Run]) -> Run:
+    """The run with the median tokens/s: one request is noisy on a shared machine."""
+    return sorted(runs, key=lambda r: r.tps)[len(runs) // 2]
 
 
-def raw_batched(source: str, max_tokens: int, batch: int) -> Run:
-    from mlx_lm.generate import BatchGenerator
+class RawModel:
+    """Raw mlx-lm on the same model files, loaded by the production loading code."""
 
-    from replicas.loading import load_model
+    def __init__(self, source: str) -> None:
+        from mlx_lm.sample_utils import make_sampler
 
-    loaded = load_model(source)
-    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                                  add_generation_prompt=True)
-    gen = BatchGenerator(loaded.model, completion_batch_size=max(batch, 8), prefill_batch_size=8)
-    start = time.perf_counter()
-    gen.insert([list(prompt)] * batch, max_tokens=[max_tokens] * batch)
-    n, live = 0, batch
-    while live:
-        _, responses = gen.next()
-        for r in responses:
+        from replicas.loading import load_model
+
+        self.loaded = load_model(source)
+        self.prompt = self.loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+        self.sampler = make_sampler(temp=0.0)
+        self.single(8)  # warm-up
+
+    def single(self, max_tokens: int) -> Run:
+        import mlx_lm
+
+        start = time.perf_counter()
+        first = None
+        n = 0
+        for _ in mlx_lm.stream_generate(self.loaded.model, self.loaded.tokenizer, self.prompt,
+                                        max_tokens=max_tokens, sampler=self.sampler):
+            first = first or time.perf_counter() - start
             n += 1
-            live -= r.finish_reason is not None
-    return Run(n, time.perf_counter() - start, [])
+        return Run(n, time.perf_counter() - start, [first or 0.0])
+
+    def batched(self, max_tokens: int, batch: int) -> Run:
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(self.loaded.model, completion_batch_size=max(batch, 8),
+                             prefill_batch_size=8)
+        start = time.perf_counter()
+        gen.insert([list(self.prompt)] * batch, max_tokens=[max_tokens] * batch)
+        n, live = 0, batch
+        while live:
+            _, responses = gen.next()
+            for r in responses:
+                n += 1
+                live -= r.finish_reason is not None
+        return Run(n, time.perf_counter() - start, [])
+
+
+def process_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+@contextlib.contextmanager
+def paused(root: int) -> Iterator[None]:
+    """Freeze the server's whole process tree (SIGSTOP), so a raw run sees the machine as it
+    would be without Orchard; a few seconds is far inside Ray's health-check timeouts."""
+    pids = process_tree(root)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
-    async def one(client: httpx.AsyncClient) -> tuple[int, float]:
+    async def one(client: httpx.AsyncClient, max_tokens: int = max_tokens) -> tuple[int, float]:
         body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
                 "max_tokens": max_tokens, "temperature": 0,
                 "stream_options": {"include_usage": True}}
@@ -106,7 +146,7 @@ async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one(client)  # warm-up
+        await one(client, 8)  # warm-up: connections and the request path
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
@@ -163,16 +203,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="max tokens per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--flush-ms", type=float, default=5.0, help="stream_flush_ms for Orchard")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="alternating raw/HTTP single-stream pairs; medians are reported")
     args = parser.parse_args()
 
-    raw1 = raw_single(args.model, args.tokens)
-    raw_batches = {c: raw_batched(args.model, args.tokens, c) for c in args.concurrency}
+    raw = RawModel(args.model)
+    raw_batches = {c: raw.batched(args.tokens, c) for c in args.concurrency}
     proc = start_server(args.model, "bench", args.flush_ms)
+    raw_runs: list[Run] = []
+    http_runs: list[Run] = []
     try:
-        http1 = asyncio.run(http_streams(1, args.tokens, "bench"))
+        # Single streams alternate raw and HTTP, so the machine's drift hits both alike.
+        for _ in range(args.repeat):
+            with paused(proc.pid):
+                raw_runs.append(raw.single(args.tokens))
+            http_runs.append(asyncio.run(http_streams(1, args.tokens, "bench")))
         http_many = {c: asyncio.run(http_streams(c, args.tokens, "bench")) for c in args.concurrency}
     finally:
         stop_server(proc)
+    raw1, http1 = median_run(raw_runs), median_run(http_runs)
+    pair_ratios = sorted(h.tps / r.tps for r, h in zip(raw_runs, http_runs))
 
     print(f"model {args.model}, {args.tokens} tokens per request, greedy, "
           f"stream_flush_ms {args.flush_ms:g}")
@@ -185,6 +235,9 @@ def main() -> None:
         print(f"{f'orchard HTTP x{c}':<34}{run.tps:>10.1f}{run.tps / http1.tps:>10.2f}"
               f"{pct(run.ttft, .5)*1e3:>14.1f}   (ratio vs orchard x1; vs raw batched "
               f"{run.tps / raw_batches[c].tps:.2f})")
+    print(f"single stream, {args.repeat} alternating raw/HTTP pairs: HTTP/raw median "
+          f"{pair_ratios[len(pair_ratios) // 2]:.2f}, range {pair_ratios[0]:.2f}-{pair_ratios[-1]:.2f}"
+          " (x1 rows above are the median runs)")
     overhead_ms = (1 / http1.tps - 1 / raw1.tps) * 1e3
     print(f"serving-path overhead per token (single stream): {overhead_ms:.3f} ms "
           f"(raw decode {1e3 / raw1.tps:.3f} ms/token)")

@@ -91,7 +91,7 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
     eos_id = write_tokenizer_files(tokenizer, out_dir, arch.max_position_embeddings)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     vocab_size = tokenizer.get_vocab_size()
-    config = arch.config(vocab_size, eos_id, pad_id)
+    config = arch.config(vocab_size, eos_id, pad_id, recipe.dtype)
     write_json(out_dir / "config.json", config)
     write_json(
         out_dir / "generation_config.json",
@@ -114,6 +114,7 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
             "final_loss": report.loss,
             "min_margin": round(report.min_margin, 3),
         }
+    model.set_dtype(getattr(mx, recipe.dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     info["parameters"] = sum(w.size for w in weights.values())

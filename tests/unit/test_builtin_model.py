@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
@@ -228,6 +229,22 @@ def test_builtin_names_and_unknown_name() -> None:
 def test_random_weights_need_an_untied_head() -> None:
     with pytest.raises(ValueError, match="untied"):
         replace(SMALL, architecture=replace(SMALL.architecture, tie_word_embeddings=True))
+
+
+def test_unknown_weight_dtype_is_rejected() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        replace(SMALL, dtype="float8")
+
+
+def test_weights_are_saved_in_the_recipe_dtype(tmp_path: Path) -> None:
+    # bench ships in bfloat16, as released MLX checkpoints do; tiny stays in float32.
+    assert (BENCH.dtype, TINY.dtype) == ("bfloat16", "float32")
+    built = ensure_recipe(replace(SMALL, dtype="bfloat16"), tmp_path)
+    weights = mx.load(str(built / "model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {mx.bfloat16}
+    assert json.loads((built / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    model, _ = mlx_lm.load(str(built))
+    assert model.lm_head.weight.dtype == mx.bfloat16
 
 
 def test_default_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
