@@ -7,6 +7,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from deployments.colocated_deployment import ColocatedModel
 from deployments.config import AppArgs, ModelSettings
 from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
@@ -27,19 +28,36 @@ def build_app(args: dict[str, Any]) -> Application:
     ]
     # Each deployment gets its effective placement, so a replica can check Metal itself.
     settings = [m.with_placement(config.cluster.placement) for m in config.models]
+    edge = EdgeArgs.from_config(config)
+    if config.ingress.colocate:
+        # Serve's own limit sits above the replica's admission, so a full replica answers
+        # with the API's overloaded error instead of queueing in Ray's router.
+        only = settings[0]
+        colocated = ColocatedModel.options(
+            **_deployment_options(only, only.max_ongoing_requests + _COLOCATED_HEADROOM))
+        return colocated.bind(only.model_dump(), cards[0], edge=edge)
     models = [_model_deployment(m).bind(m.model_dump()) for m in settings]
     return Ingress.options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         # The ingress relays the models' streams: while it is replaced it must drain them too.
         graceful_shutdown_timeout_s=max(m.graceful_shutdown_timeout_s for m in settings),
-    ).bind(cards, *models, edge=EdgeArgs.from_config(config))
+    ).bind(cards, *models, edge=edge)
+
+
+# Requests a colocated replica takes beyond its generation limit: model lists, token counts
+# and the over-limit requests it answers with an overloaded error.
+_COLOCATED_HEADROOM = 16
 
 
 def _model_deployment(settings: ModelSettings) -> Any:
+    return ModelDeployment.options(**_deployment_options(settings, settings.max_ongoing_requests))
+
+
+def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": f"model:{settings.id}",
-        "max_ongoing_requests": settings.max_ongoing_requests,
+        "max_ongoing_requests": max_ongoing,
         "max_queued_requests": settings.max_queued_requests,
         "ray_actor_options": _actor_options(settings),
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
@@ -52,7 +70,7 @@ def _model_deployment(settings: ModelSettings) -> Any:
         options["autoscaling_config"] = settings.autoscaling_config
     else:
         options["num_replicas"] = settings.num_replicas
-    return ModelDeployment.options(**options)
+    return options
 
 
 def _actor_options(settings: ModelSettings) -> dict[str, Any]:

@@ -109,6 +109,10 @@ class IngressSettings(_Strict):
     replica_wait_s: float | None = Field(
         15.0, gt=0, description="How long a request waits for a model replica to accept it "
         "(none running, all busy starting) before a 503/529. null: wait without limit.")
+    colocate: bool = Field(False, description="Serve HTTP from the model's own replicas (one "
+                           "model only): one process and one Ray hop fewer per token. Scaling "
+                           "then follows the model's settings, and `num_replicas`, "
+                           "`max_ongoing_requests` and `replica_wait_s` here are unused.")
 
 
 class AppArgs(_Strict):
@@ -127,6 +131,13 @@ class AppArgs(_Strict):
         if any(not key.get_secret_value().strip() for key in keys):
             raise ValueError("api_keys must be non-empty strings")
         return keys
+
+    @model_validator(mode="after")
+    def _colocate_one_model(self) -> "AppArgs":
+        if self.ingress.colocate and len(self.models) != 1:
+            raise ValueError("ingress.colocate serves exactly one model; "
+                             f"{len(self.models)} are configured")
+        return self
 
     @model_validator(mode="after")
     def _names_unique(self) -> "AppArgs":

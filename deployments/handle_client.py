@@ -90,9 +90,13 @@ class RayModelClient:
         return int(result)
 
 
+def at_capacity(model: str) -> str:
+    return f"the model '{model}' is at capacity; retry later"
+
+
 def _overloaded(model: str, exc: Exception) -> str:
     if isinstance(exc, BackPressureError):
-        return f"the model '{model}' is at capacity; retry later"
+        return at_capacity(model)
     return f"the model '{model}' has no replica available right now; retry later"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -27,34 +28,41 @@ def replica_options(settings: ModelSettings) -> ReplicaOptions:
     )
 
 
-@serve.deployment
-class ModelDeployment:
-    def __init__(self, settings: dict[str, Any]) -> None:
-        config = ModelSettings.model_validate(settings)
+class ReplicaOwner:
+    """A deployment that owns one `ModelReplica`: startup, health, stats and shutdown."""
+
+    def __init__(self, config: ModelSettings) -> None:
         if config.placement is not None and config.placement.metal_required:
             require_metal(config.id)  # before loading: fail fast, with what to do about it
         self._replica = ModelReplica(replica_options(config))
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
         self._replica.start()
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
-        yield []  # accepted: the ingress bounds its wait for a replica on this (handle_client)
-        async for batch in self._replica.stream(request):
-            yield batch
-
-    async def count_tokens(self, request: GenerationRequest) -> int | Failed:
-        return await self._replica.count_tokens(request)
-
     def check_health(self) -> None:
         self._replica.check_health()  # raises when the engine thread died or is stuck
 
     def stats(self) -> dict[str, Any]:
         # The replica's actor name says which replica answered (a handle picks one).
-        replica = serve.get_replica_context().replica_id.to_full_id_str()
-        return {"replica": replica, **dataclasses.asdict(self._replica.stats())}
+        name = serve.get_replica_context().replica_id.to_full_id_str()
+        return {"replica": name, **dataclasses.asdict(self._replica.stats())}
 
     def __del__(self) -> None:
         replica = getattr(self, "_replica", None)  # unset when __init__ refused the node
         if replica is not None:
             replica.shutdown()
+
+
+@serve.deployment
+class ModelDeployment(ReplicaOwner):
+    def __init__(self, settings: dict[str, Any]) -> None:
+        super().__init__(ModelSettings.model_validate(settings))
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+        yield []  # accepted: the ingress bounds its wait for a replica on this (handle_client)
+        async with aclosing(self._replica.stream(request)) as events:  # closed with us: cancels
+            async for batch in events:
+                yield batch
+
+    async def count_tokens(self, request: GenerationRequest) -> int | Failed:
+        return await self._replica.count_tokens(request)
 

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ingress.anthropic import anthropic_validation_message
 from ingress.auth import ApiKeyMiddleware, ApiKeys
 from ingress.client import ModelClient
-from ingress.errors import Protocol, error_response, protocol_for_path
+from ingress.errors import Protocol, error_response, protocol_for
 from ingress.guard import GuardMiddleware
 from ingress.limits import BodyLimitMiddleware, LimitedClient
 from ingress.options import EdgeOptions
@@ -74,12 +74,12 @@ def _install_routes(app: FastAPI) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ReplicaError)
     async def replica_error(request: Request, exc: ReplicaError) -> Response:
-        return error_response(exc.kind, exc.message, protocol_for_path(request.url.path),
+        return error_response(exc.kind, exc.message, protocol_for(request.scope),
                               param=exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
-        protocol = protocol_for_path(request.url.path)
+        protocol = protocol_for(request.scope)
         if protocol is Protocol.ANTHROPIC:
             message, param = anthropic_validation_message(exc), None
         else:
@@ -89,7 +89,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = _HTTP_KIND.get(exc.status_code, ErrorKind.INVALID_REQUEST)
-        response = error_response(kind, str(exc.detail), protocol_for_path(request.url.path))
+        response = error_response(kind, str(exc.detail), protocol_for(request.scope))
         response.status_code = exc.status_code
         return response
 

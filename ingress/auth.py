@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ingress.errors import error_response, protocol_for_path
+from ingress.errors import error_response, protocol_for, route_path
 from replicas.contract import ErrorKind
 
 # Load balancers and orchestrators probe this without credentials.
@@ -67,7 +67,7 @@ class ApiKeyMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         presented = presented_keys(scope["headers"])
@@ -79,6 +79,6 @@ class ApiKeyMiddleware:
             else "an API key is required: send `Authorization: Bearer KEY` or `x-api-key: KEY`"
         )
         response = error_response(ErrorKind.UNAUTHORIZED, message,
-                                  protocol_for_path(scope["path"]))
+                                  protocol_for(scope))
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Any
+from typing import Any, Mapping
 
 from fastapi.responses import JSONResponse
 
@@ -47,8 +47,17 @@ _ANTHROPIC_TYPE = {
 RETRY_AFTER_SECONDS = 1
 
 
-def protocol_for_path(path: str) -> Protocol:
-    return Protocol.ANTHROPIC if path.startswith("/v1/messages") else Protocol.OPENAI
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The path the app routes on: Serve mounts an app under its route prefix, which the
+    ASGI scope carries as `root_path` and leaves in `path`."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def protocol_for(scope: Mapping[str, Any]) -> Protocol:
+    """Which API's error shape a request gets, by its route (`/v1/messages*`: Anthropic)."""
+    return Protocol.ANTHROPIC if route_path(scope).startswith("/v1/messages") else Protocol.OPENAI
 
 
 def status_for(kind: ErrorKind, protocol: Protocol) -> int:

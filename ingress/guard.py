@@ -25,7 +25,7 @@ from ingress.errors import (
     edge_error_response,
     error_body,
     error_response,
-    protocol_for_path,
+    protocol_for,
 )
 from ingress.sse import data_frame, event_frame
 from replicas.contract import ErrorKind
@@ -59,7 +59,7 @@ class GuardMiddleware:
                 progress.finished = True
             await send(message)
 
-        protocol = protocol_for_path(scope["path"])
+        protocol = protocol_for(scope)
         try:
             with anyio.move_on_after(self.timeout_s) as deadline:
                 await self.app(scope, receive, tracked)

@@ -12,7 +12,7 @@ from typing import AsyncIterator, Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingress.client import ModelCard, ModelClient
-from ingress.errors import edge_error_response, protocol_for_path
+from ingress.errors import edge_error_response, protocol_for
 from ingress.options import EdgeOptions
 from replicas.contract import GenerationRequest, OutputEvent
 from replicas.errors import InvalidRequestError
@@ -51,7 +51,7 @@ class BodyLimitMiddleware:
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the request body exceeds the limit of {self.max_bytes} bytes"
-        response = edge_error_response(413, message, protocol_for_path(scope["path"]))
+        response = edge_error_response(413, message, protocol_for(scope))
         response.headers["Connection"] = "close"  # the rest of the upload is not read
         await response(scope, receive, send)
 

@@ -153,14 +153,16 @@ async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
     return Run(sum(t for t, _ in results), seconds, [f for _, f in results])
 
 
-def start_server(source: str, model: str, flush_ms: float) -> subprocess.Popen[bytes]:
+def start_server(source: str, model: str, flush_ms: float,
+                 colocate: bool = False) -> subprocess.Popen[bytes]:
     config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": PORT},
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
-                                 "stream_flush_ms": flush_ms}]},
+                                 "stream_flush_ms": flush_ms}],
+                     "ingress": {"colocate": colocate}},
         }],
     }
     path = Path(tempfile.mkdtemp()) / "bench_config.yaml"
@@ -203,13 +205,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="max tokens per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--flush-ms", type=float, default=5.0, help="stream_flush_ms for Orchard")
+    parser.add_argument("--colocate", action="store_true",
+                        help="serve with ingress.colocate (HTTP from the model replica)")
     parser.add_argument("--repeat", type=int, default=5,
                         help="alternating raw/HTTP single-stream pairs; medians are reported")
     args = parser.parse_args()
 
     raw = RawModel(args.model)
     raw_batches = {c: raw.batched(args.tokens, c) for c in args.concurrency}
-    proc = start_server(args.model, "bench", args.flush_ms)
+    proc = start_server(args.model, "bench", args.flush_ms, args.colocate)
     raw_runs: list[Run] = []
     http_runs: list[Run] = []
     try:
@@ -225,7 +229,7 @@ def main() -> None:
     pair_ratios = sorted(h.tps / r.tps for r, h in zip(raw_runs, http_runs))
 
     print(f"model {args.model}, {args.tokens} tokens per request, greedy, "
-          f"stream_flush_ms {args.flush_ms:g}")
+          f"stream_flush_ms {args.flush_ms:g}, {'colocated' if args.colocate else 'ingress + model'}")
     print(f"{'run':<34}{'tokens/s':>10}{'ratio':>10}{'TTFT p50 ms':>14}")
     print(f"{'raw mlx_lm.stream_generate x1':<34}{raw1.tps:>10.1f}{1.0:>10.2f}{raw1.ttft[0]*1e3:>14.1f}")
     for c, run in raw_batches.items():

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from ingress.client import ModelCard, ModelClient
-from ingress.errors import error_response, protocol_for_path
+from ingress.errors import error_response, protocol_for
 from replicas.contract import ErrorKind, GenerationRequest, OutputEvent
 from replicas.errors import ReplicaError
 
@@ -103,12 +103,12 @@ def app_for(
 
     @app.exception_handler(ReplicaError)
     async def _replica_error(request: Request, exc: ReplicaError) -> JSONResponse:
-        protocol = protocol_for_path(request.url.path)
+        protocol = protocol_for(request.scope)
         return error_response(exc.kind, exc.message, protocol, param=exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        protocol = protocol_for_path(request.url.path)
+        protocol = protocol_for(request.scope)
         return error_response(ErrorKind.INVALID_REQUEST, validation_message(exc), protocol)
 
     return app

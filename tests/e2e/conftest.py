@@ -25,12 +25,15 @@ BASE_URL = f"http://127.0.0.1:{PORT}"
 STARTUP_TIMEOUT_S = 300
 
 
-def config_path(tmp_dir: Path) -> Path:
+def config_path(tmp_dir: Path, *, colocate: bool) -> Path:
     real = ROOT / "serve_config.yaml"
-    if PORT == 8000:
+    if PORT == 8000 and not colocate:
         return real
     config = yaml.safe_load(real.read_text())
     config["http_options"]["port"] = PORT
+    if colocate:
+        args = config["applications"][0]["args"]
+        args["ingress"] = {**args.get("ingress", {}), "colocate": True}
     copy = tmp_dir / "serve_config.yaml"
     copy.write_text(yaml.safe_dump(config))
     return copy
@@ -52,14 +55,17 @@ def _ready(client: httpx.Client) -> bool:
         return False
 
 
-@pytest.fixture(scope="package")  # torn down before the suites that start their own Ray
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+# Every end-to-end test runs against both layouts: the real config (ingress replica in front
+# of the model replica) and the same config with `ingress.colocate` (HTTP served from the
+# model replica). One server at a time; each is torn down before the next starts.
+@pytest.fixture(scope="package", params=["ingress", "colocated"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ensure_builtin("tiny")  # build once here rather than inside a replica's constructor
     log_path = ROOT / ".pytest_cache" / "serve_run.log"
     log_path.parent.mkdir(exist_ok=True)
     log = log_path.open("w")
     env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="1", PYTHONPATH=str(ROOT))
-    config = config_path(tmp_path_factory.mktemp("serve"))
+    config = config_path(tmp_path_factory.mktemp("serve"), colocate=request.param == "colocated")
     proc = subprocess.Popen([_serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

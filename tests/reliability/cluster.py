@@ -10,6 +10,9 @@ each sized for what the tests do to it:
 - `orchard-tight`: one replica admitting one running and one queued request
   (backpressure, a request that leaves while queued).
 - `orchard-tiny`: two replicas, one request each, two queued (replica death, the soak).
+
+A second application, under `/colo`, serves `orchard-colo` with `ingress.colocate`: HTTP
+from the model replica itself, admitting one generation at a time.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Pool:
     replicas: int
     max_ongoing: int
     max_queued: int
+    app: str = APP
+    prefix: str = ""  # the application's route prefix
 
     @property
     def capacity(self) -> int:
@@ -53,6 +58,10 @@ class Pool:
 SOLO = Pool("orchard-solo", replicas=1, max_ongoing=16, max_queued=16)
 TIGHT = Pool("orchard-tight", replicas=1, max_ongoing=1, max_queued=1)
 TINY = Pool("orchard-tiny", replicas=2, max_ongoing=1, max_queued=2)
+COLO_APP = "orchard-colo"
+COLO_PREFIX = "/colo"
+COLO = Pool("orchard-colo", replicas=1, max_ongoing=1, max_queued=-1, app=COLO_APP,
+            prefix=COLO_PREFIX)
 
 
 def app_args() -> dict[str, Any]:
@@ -64,6 +73,15 @@ def app_args() -> dict[str, Any]:
              "max_ongoing_requests": p.max_ongoing, "max_queued_requests": p.max_queued}
             for p in (SOLO, TIGHT, TINY)
         ],
+    }
+
+
+def colocated_args() -> dict[str, Any]:
+    return {
+        "api_keys_env": KEYS_ENV,
+        "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S, "colocate": True},
+        "models": [{"id": COLO.model, "source": "builtin:tiny",
+                    "max_ongoing_requests": COLO.max_ongoing}],
     }
 
 
@@ -83,6 +101,7 @@ def serve_cluster() -> Iterator[str]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         serve.run(build_app(app_args()), name=APP, route_prefix="/")
+        serve.run(build_app(colocated_args()), name=COLO_APP, route_prefix=COLO_PREFIX)
         yield BASE_URL
     finally:
         serve.shutdown()
@@ -93,9 +112,9 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-async def engine_stats(model: str) -> dict[str, Any]:
+async def engine_stats(model: str, app: str = APP) -> dict[str, Any]:
     """One replica's engine stats (the handle picks the replica; see `replica` in the result)."""
-    handle = serve.get_deployment_handle(f"model:{model}", app_name=APP)
+    handle = serve.get_deployment_handle(f"model:{model}", app_name=app)
     stats: dict[str, Any] = await handle.stats.remote()
     return stats
 
@@ -107,7 +126,7 @@ async def all_engine_stats(pool: Pool, timeout_s: float = 30.0) -> dict[str, dic
     while len(seen) < pool.replicas:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(seen)} of {pool.replicas} replicas answered")
-        stats = await engine_stats(pool.model)
+        stats = await engine_stats(pool.model, pool.app)
         seen[stats["replica"]] = stats
     return seen
 

@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 import pytest
 
-from tests.reliability.cluster import SOLO, TIGHT, Pool, auth_headers, engine_stats, wait_idle
+from tests.reliability.cluster import COLO, SOLO, TIGHT, Pool, auth_headers, engine_stats, wait_idle
 from tests.reliability.wire import anthropic_long, openai_chat, path_for
 
 pytestmark = pytest.mark.reliability
@@ -40,7 +40,7 @@ async def cancelled_since(pool: Pool, before: dict[str, Any]) -> tuple[float, di
     latest: dict[str, Any] = {}
 
     async def removed() -> bool:
-        latest.update(await engine_stats(pool.model))
+        latest.update(await engine_stats(pool.model, pool.app))
         grew = len(latest["cancel_latency_steps"]) > len(before["cancel_latency_steps"])
         return grew and latest["active"] == 0
 
@@ -54,39 +54,42 @@ def assert_cancelled_promptly(before: dict[str, Any], after: dict[str, Any],
     assert seconds < 5, seconds
 
 
+# The colocated app serves HTTP from the model replica itself; it must cancel the same way.
+@pytest.mark.parametrize("pool", [SOLO, COLO], ids=["ingress", "colocated"])
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_streaming_disconnect_stops_generation(cluster: str, protocol: str) -> None:
+def test_streaming_disconnect_stops_generation(cluster: str, protocol: str, pool: Pool) -> None:
     async def scenario() -> None:
-        async with client(cluster) as http:
-            before = await engine_stats(SOLO.model)
-            body = long_body(protocol, SOLO.model, stream=True)
+        async with client(cluster + pool.prefix) as http:
+            before = await engine_stats(pool.model, pool.app)
+            body = long_body(protocol, pool.model, stream=True)
             async with http.stream("POST", path_for(protocol), json=body) as response:
                 assert response.status_code == 200
                 async for line in response.aiter_lines():
                     if "delta" in line:
                         break  # generation is under way: leave mid-stream
-            seconds, after = await cancelled_since(SOLO, before)
+            seconds, after = await cancelled_since(pool, before)
             assert_cancelled_promptly(before, after, seconds)
 
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("pool", [SOLO, COLO], ids=["ingress", "colocated"])
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_non_streaming_disconnect_stops_generation(cluster: str, protocol: str) -> None:
+def test_non_streaming_disconnect_stops_generation(cluster: str, protocol: str, pool: Pool) -> None:
     async def scenario() -> None:
-        async with client(cluster) as http:
-            before = await engine_stats(SOLO.model)
-            body = long_body(protocol, SOLO.model, stream=False)
+        async with client(cluster + pool.prefix) as http:
+            before = await engine_stats(pool.model, pool.app)
+            body = long_body(protocol, pool.model, stream=False)
             request = asyncio.create_task(http.post(path_for(protocol), json=body))
 
             async def running() -> bool:
-                return bool((await engine_stats(SOLO.model))["active"])
+                return bool((await engine_stats(pool.model, pool.app))["active"])
 
             await until(running, 10, "the generation to start")
             request.cancel()  # closes the connection mid-request
             with pytest.raises(asyncio.CancelledError):
                 await request
-            seconds, after = await cancelled_since(SOLO, before)
+            seconds, after = await cancelled_since(pool, before)
             assert_cancelled_promptly(before, after, seconds)
 
     asyncio.run(scenario())

@@ -153,3 +153,17 @@ def test_keys_come_from_the_config_and_the_named_environment_variable() -> None:
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"models": [{"id": "m", "source": "builtin:tiny"}],
                                 "api_keys": [" "]})
+
+
+def test_under_a_route_prefix_health_is_open_and_errors_keep_their_shape() -> None:
+    # Serve mounts an app under its route_prefix: the ASGI scope's root_path, left in path.
+    mounted = TestClient(create_app(FakeClient(ANSWER), EdgeOptions(api_keys=frozenset({KEY}))),
+                         root_path="/colo")
+    assert mounted.get("/colo/health").status_code == 200
+    refused = mounted.post("/colo/v1/messages", json=MESSAGE)
+    assert refused.status_code == 401 and refused.json()["type"] == "error"  # Anthropic's
+    unknown = mounted.post("/colo/v1/messages", json={**MESSAGE, "model": "nope"},
+                           headers={"x-api-key": KEY})
+    assert unknown.status_code == 404 and unknown.json()["type"] == "error"
+    assert mounted.post("/colo/v1/chat/completions", json=CHAT,
+                        headers={"x-api-key": KEY}).json()["choices"][0]["message"]["content"] == "Hi"

@@ -1,0 +1,48 @@
+"""Colocated serving refuses past its admission limit at once, in each protocol's shape,
+and takes requests again once room is back (disconnects: test_disconnect.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.cluster import COLO, auth_headers, wait_idle
+from tests.reliability.wire import anthropic_message, openai_chat, send
+
+pytestmark = pytest.mark.reliability
+
+
+def test_a_full_colocated_replica_refuses_at_once_then_admits_again(cluster: str) -> None:
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=cluster + COLO.prefix, headers=auth_headers(),
+                                     timeout=60) as http:
+            await wait_idle(COLO)
+            runner = openai_chat(COLO.model, stream=True, max_tokens=300, endless=True)
+            async with http.stream("POST", "/v1/chat/completions", json=runner) as running:
+                lines = running.aiter_lines()
+                async for line in lines:
+                    if "delta" in line:
+                        break  # the one admitted generation is running
+                start = time.monotonic()
+                refused = await asyncio.gather(
+                    send(http, "/v1/chat/completions", openai_chat(COLO.model, stream=True)),
+                    send(http, "/v1/chat/completions", openai_chat(COLO.model, stream=False)),
+                    send(http, "/v1/messages", anthropic_message(COLO.model, stream=True)),
+                )
+                seconds = time.monotonic() - start
+                tail = [line async for line in lines]
+            assert running.status_code == 200 and "data: [DONE]" in tail  # it finished normally
+            assert seconds < 2, seconds  # refused at once, not queued behind the runner
+            for reply in refused:
+                assert reply.status == (529 if reply.path == "/v1/messages" else 503), reply
+                assert reply.headers.get("retry-after"), reply.headers
+                assert not reply.is_stream  # refused before any SSE byte
+                assert reply.error is not None and reply.error["type"] == "overloaded_error"
+            await wait_idle(COLO)
+            again = await send(http, "/v1/chat/completions", openai_chat(COLO.model, stream=False))
+            assert again.status == 200 and again.error is None, again
+
+    asyncio.run(scenario())
