@@ -65,4 +65,3 @@ class ModelDeployment(ReplicaOwner):
 
     async def count_tokens(self, request: GenerationRequest) -> int | Failed:
         return await self._replica.count_tokens(request)
-
