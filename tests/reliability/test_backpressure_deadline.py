@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.reliability.cluster import REQUEST_TIMEOUT_S, SOLO, TIGHT, auth_headers, wait_idle
-from tests.reliability.wire import Reply, anthropic_message, openai_chat, send
+from tests.reliability.wire import Reply, anthropic_message, openai_chat, running_stream, send
 
 pytestmark = pytest.mark.reliability
 
@@ -33,11 +33,9 @@ def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(cluster: s
         async with client(cluster) as http:
             await wait_idle(TIGHT)
             running_body = openai_chat(TIGHT.model, stream=True, max_tokens=300, endless=True)
-            async with http.stream("POST", "/v1/chat/completions", json=running_body) as running:
-                lines = running.aiter_lines()
-                async for line in lines:
-                    if "delta" in line:
-                        break
+            async with running_stream(http, "/v1/chat/completions", running_body) as (
+                running, lines
+            ):
                 results = await asyncio.gather(
                     timed(http, "/v1/chat/completions",
                           openai_chat(TIGHT.model, stream=True, max_tokens=50)),

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.reliability.cluster import COLO, auth_headers, wait_idle
-from tests.reliability.wire import anthropic_message, openai_chat, send
+from tests.reliability.wire import anthropic_message, openai_chat, running_stream, send
 
 pytestmark = pytest.mark.reliability
 
@@ -21,11 +21,8 @@ def test_a_full_colocated_replica_refuses_at_once_then_admits_again(cluster: str
                                      timeout=60) as http:
             await wait_idle(COLO)
             runner = openai_chat(COLO.model, stream=True, max_tokens=300, endless=True)
-            async with http.stream("POST", "/v1/chat/completions", json=runner) as running:
-                lines = running.aiter_lines()
-                async for line in lines:
-                    if "delta" in line:
-                        break  # the one admitted generation is running
+            # The one admitted generation is running.
+            async with running_stream(http, "/v1/chat/completions", runner) as (running, lines):
                 start = time.monotonic()
                 refused = await asyncio.gather(
                     send(http, "/v1/chat/completions", openai_chat(COLO.model, stream=True)),

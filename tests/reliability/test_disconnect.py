@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.reliability.cluster import COLO, SOLO, TIGHT, Pool, auth_headers, engine_stats, wait_idle
-from tests.reliability.wire import anthropic_long, openai_chat, path_for
+from tests.reliability.wire import anthropic_long, openai_chat, path_for, running_stream
 
 pytestmark = pytest.mark.reliability
 
@@ -105,12 +105,8 @@ def test_request_that_leaves_while_queued_never_reaches_the_engine(
             await wait_idle(TIGHT)
             submitted = (await engine_stats(TIGHT.model))["submitted"]
             runner = openai_chat(TIGHT.model, stream=True, max_tokens=3000, endless=True)
-            async with http.stream("POST", "/v1/chat/completions", json=runner) as running:
-                # Held until the block ends: an abandoned line iterator would hang up early.
-                lines = running.aiter_lines()
-                async for line in lines:
-                    if "delta" in line:
-                        break  # the only running slot is taken
+            async with running_stream(http, "/v1/chat/completions", runner):
+                # The only running slot is taken.
                 body = long_body(protocol, TIGHT.model, stream=stream)
                 queued = asyncio.create_task(http.post(path_for(protocol), json=body))
                 await asyncio.sleep(0.5)  # let it reach the handle's queue ...

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -123,3 +125,17 @@ async def send(client: httpx.AsyncClient, path: str, body: dict[str, Any],
     if reply.is_stream:
         reply.events = parse_sse(reply.body)
     return reply
+
+
+@asynccontextmanager
+async def running_stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> AsyncIterator[tuple[httpx.Response, AsyncIterator[str]]]:
+    """A streamed request, entered once its first delta arrived (it holds a batch slot), and
+    held open until the block ends: an abandoned line iterator would hang up early."""
+    async with client.stream("POST", path, json=body) as response:
+        lines = response.aiter_lines()
+        async for line in lines:
+            if "delta" in line:
+                break
+        yield response, lines
