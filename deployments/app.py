@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ray.serve import Application
+from ray.serve import Application, Deployment
 
 from deployments.colocated_deployment import ColocatedModel
 from deployments.config import AppArgs, ModelSettings
@@ -33,11 +33,11 @@ def build_app(args: dict[str, Any]) -> Application:
         # Serve's own limit sits above the replica's admission, so a full replica answers
         # with the API's overloaded error instead of queueing in Ray's router.
         only = settings[0]
-        colocated = ColocatedModel.options(
+        colocated = _deployment(ColocatedModel).options(
             **_deployment_options(only, only.max_ongoing_requests + _COLOCATED_HEADROOM))
         return colocated.bind(only.model_dump(), cards[0], edge=edge)
     models = [_model_deployment(m).bind(m.model_dump()) for m in settings]
-    return Ingress.options(
+    return _deployment(Ingress).options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         # The ingress relays the models' streams: while it is replaced it must drain them too.
@@ -50,8 +50,15 @@ def build_app(args: dict[str, Any]) -> Application:
 _COLOCATED_HEADROOM = 16
 
 
-def _model_deployment(settings: ModelSettings) -> Any:
-    return ModelDeployment.options(**_deployment_options(settings, settings.max_ongoing_requests))
+def _model_deployment(settings: ModelSettings) -> Deployment:
+    options = _deployment_options(settings, settings.max_ongoing_requests)
+    return _deployment(ModelDeployment).options(**options)
+
+
+def _deployment(decorated: object) -> Deployment:
+    # `@serve.deployment` turned the class into a Deployment; a type checker still sees the class.
+    assert isinstance(decorated, Deployment)
+    return decorated
 
 
 def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncGenerator, Protocol, Sequence
 
 from fastapi import FastAPI
 from ray import serve
@@ -28,7 +28,7 @@ from replicas.errors import from_event
 class LocalReplica(Protocol):
     """What the client needs of `ModelReplica`."""
 
-    def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]: ...
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]: ...
     async def count_tokens(self, request: GenerationRequest) -> int | Failed: ...
 
 
@@ -56,7 +56,7 @@ class LocalModelClient:
     def resolve(self, model: str) -> ModelCard | None:
         return self._card if model in (self._card.id, *self._card.aliases) else None
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
         if self._live >= self._max_ongoing:
             yield [Failed(ErrorKind.OVERLOADED, at_capacity(request.model))]
             return

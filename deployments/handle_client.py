@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, Sequence, cast
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -42,8 +42,9 @@ class RayModelClient:
     def resolve(self, model: str) -> ModelCard | None:
         return self._by_name.get(model)
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
-        gen = self._streams[request.model].stream.remote(request)
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
+        # A handle with stream=True answers with a generator; its type does not say so.
+        gen = cast(DeploymentResponseGenerator, self._streams[request.model].stream.remote(request))
         done = False
         try:
             if not await self._accepted(gen):

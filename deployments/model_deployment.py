@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from ray import serve
 
@@ -57,7 +57,7 @@ class ModelDeployment(ReplicaOwner):
     def __init__(self, settings: dict[str, Any]) -> None:
         super().__init__(ModelSettings.model_validate(settings))
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
         yield []  # accepted: the ingress bounds its wait for a replica on this (handle_client)
         async with aclosing(self._replica.stream(request)) as events:  # closed with us: cancels
             async for batch in events:

@@ -69,7 +69,7 @@ class RequestController:
             return logits
         try:
             if self._started:
-                self._on_token(int(tokens[-1].item()))
+                self._on_token(_item_int(tokens[-1]))
             self._started = True
             return self._constrain(logits)
         except Exception as exc:  # noqa: BLE001 - isolate this request from the batch
@@ -116,7 +116,7 @@ class RequestController:
         if self._first_step and self._open_ids:
             # The model opens a reasoning block only if that is its own first choice;
             # otherwise the grammar owns the first token.
-            top = int(mx.argmax(logits, axis=-1).item())
+            top = _item_int(mx.argmax(logits, axis=-1))
             if top in self._open_ids:
                 return _only(logits, top)
         return self._grammar.mask(logits)
@@ -131,3 +131,9 @@ def _without(logits: mx.array, ids: tuple[int, ...]) -> mx.array:
 def _only(logits: mx.array, token: int) -> mx.array:
     keep = mx.arange(logits.shape[-1]) == token
     return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def _item_int(scalar: mx.array) -> int:
+    value = scalar.item()
+    assert isinstance(value, int)  # token ids: an integer dtype gives a Python int
+    return value

@@ -114,6 +114,16 @@ class _Active:
     guard: _GuardedProcessors | None
 
 
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+    step: int  # the engine step when the cancel was asked for
+
+
+# What the engine thread is told; None only wakes it (to see `_stopping`).
+_Command = Submission | _Cancel | None
+
+
 @dataclass
 class _Commands:
     submits: list[Submission] = field(default_factory=list)
@@ -132,7 +142,7 @@ class Engine:
     def __init__(self, loader: Callable[[], LoadedModel], config: EngineConfig) -> None:
         self._loader = loader
         self._config = config
-        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._loaded: LoadedModel | None = None
@@ -166,14 +176,14 @@ class Engine:
         """Queue a request for the batch; raises `EngineDead` if the engine cannot run it."""
         with self._lock:
             self.check_health()
-            self._commands.put(("submit", sub))
+            self._commands.put(sub)
 
     def cancel(self, request_id: str) -> None:
-        self._commands.put(("cancel", (request_id, self._steps)))
+        self._commands.put(_Cancel(request_id, self._steps))
 
     def shutdown(self) -> None:
         self._stopping = True
-        self._commands.put(("wake", None))
+        self._commands.put(None)
         self._thread.join(timeout=10)
 
     def check_health(self) -> None:
@@ -225,12 +235,11 @@ class Engine:
             queued: list[tuple[EventSink, list[OutputEvent]]] = []
             while True:
                 try:
-                    kind, payload = self._commands.get_nowait()
+                    command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "submit":
-                    assert isinstance(payload, Submission)
-                    queued.append((payload.sink, [Failed(ErrorKind.INTERNAL, reason)]))
+                if isinstance(command, Submission):
+                    queued.append((command.sink, [Failed(ErrorKind.INTERNAL, reason)]))
         _deliver(queued)
         self._fail_all(reason)
 
@@ -249,13 +258,10 @@ class Engine:
         try:
             item = self._commands.get(block=block)
             while True:
-                kind, payload = item
-                if kind == "submit":
-                    assert isinstance(payload, Submission)
-                    commands.submits.append(payload)
-                elif kind == "cancel":
-                    request_id, step = payload  # type: ignore[misc]
-                    commands.cancels[request_id] = step
+                if isinstance(item, Submission):
+                    commands.submits.append(item)
+                elif isinstance(item, _Cancel):
+                    commands.cancels[item.request_id] = item.step
                 item = self._commands.get_nowait()
         except queue.Empty:
             pass
@@ -368,7 +374,8 @@ class Engine:
         self._by_rid.pop(active.sub.request_id, None)
 
     def _fail_all(self, message: str) -> None:
-        outbox = [(a.sub.sink, [Failed(ErrorKind.INTERNAL, message)]) for a in self._by_uid.values()]
+        outbox: list[tuple[EventSink, list[OutputEvent]]] = [
+            (a.sub.sink, [Failed(ErrorKind.INTERNAL, message)]) for a in self._by_uid.values()]
         self._by_uid.clear()
         self._by_rid.clear()
         _deliver(outbox)

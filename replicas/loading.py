@@ -47,7 +47,9 @@ def resolve_source(source: str) -> Path | str:
 
 def load_model(source: str) -> LoadedModel:
     resolved = resolve_source(source)
-    model, tokenizer, config = mlx_load(str(resolved), return_config=True)
+    loaded = mlx_load(str(resolved), return_config=True)
+    assert len(loaded) == 3  # model, tokenizer, config: what return_config=True asks for
+    model, tokenizer, config = loaded
     path = Path(resolved) if isinstance(resolved, Path) else Path(getattr(model, "model_path", "."))
     eos = set(tokenizer.eos_token_ids)
     eos |= _generation_config_eos(resolved)

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from replicas.contract import (
     Channel,
@@ -23,7 +23,7 @@ from replicas.contract import (
     SamplingParams,
     is_terminal,
 )
-from replicas.control import RequestController
+from replicas.control import Grammar, RequestController
 from replicas.decoding import RequestDecoder
 from replicas.detokenizer import Decode, make_decode
 from replicas.engine import Engine, EngineConfig, EngineDead, EngineStats, Submission
@@ -39,6 +39,9 @@ from replicas.pipeline.channels import (
 from replicas.pipeline.stops import merge_stops
 from replicas.prompt import RenderedPrompt, render_prompt
 from replicas.sampling import validate as validate_sampling
+
+if TYPE_CHECKING:  # imported on first guided request: llguidance is only loaded when used
+    from replicas.guided import GuidedTokenizer
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class ModelReplica:
         self._format: ChannelFormat = get_format("none")
         self._decode: Decode | None = None
         self._guided_lock = threading.Lock()
-        self._guided_tokenizer: object | None = None
+        self._guided_tokenizer: GuidedTokenizer | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -111,7 +114,7 @@ class ModelReplica:
 
     # ---- requests -----------------------------------------------------------------------
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
         """Events in order, coalesced: the first batch leaves at once, later ones at most
         every `flush_interval_s`, each holding everything that arrived meanwhile."""
         sink = _QueueSink(asyncio.get_running_loop())
@@ -245,20 +248,21 @@ class ModelReplica:
                                       param="thinking_budget")
         return budget
 
-    def _grammar(self, request: GenerationRequest) -> object:
+    def _grammar(self, request: GenerationRequest) -> Grammar:
         from replicas.guided import GuidedMatcher, GuidedTokenizer, compile_guided
 
         assert request.guided is not None
         grammar = compile_guided(request.guided)
         with self._guided_lock:  # built once per model, on first use
-            if self._guided_tokenizer is None:
+            tokenizer = self._guided_tokenizer
+            if tokenizer is None:
                 model = self.model
-                self._guided_tokenizer = GuidedTokenizer.from_hf(
+                tokenizer = self._guided_tokenizer = GuidedTokenizer.from_hf(
                     model.hf_tokenizer,
                     vocab_size=model.vocab_size,
                     eos_token_ids=sorted(model.eos_token_ids),
                 )
-        return GuidedMatcher(self._guided_tokenizer, grammar)  # type: ignore[arg-type]
+        return GuidedMatcher(tokenizer, grammar)
 
     def _encode(self, text: str) -> tuple[int, ...]:
         if not text:

@@ -31,6 +31,7 @@ from .tokenizer_files import (
     SPECIAL_TOKENS,
     completion_ids,
     prompt_ids,
+    token_id,
     train_tokenizer,
     training_texts,
     write_json,
@@ -89,7 +90,7 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
     tokenizer = train_tokenizer(training_texts(scripts), recipe.max_vocab, recipe.min_frequency)
     arch = recipe.architecture
     eos_id = write_tokenizer_files(tokenizer, out_dir, arch.max_position_embeddings)
-    pad_id = tokenizer.token_to_id(PAD_TOKEN)
+    pad_id = token_id(tokenizer, PAD_TOKEN)
     vocab_size = tokenizer.get_vocab_size()
     config = arch.config(vocab_size, eos_id, pad_id, recipe.dtype)
     write_json(out_dir / "config.json", config)
@@ -103,7 +104,7 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
     info: dict[str, Any] = {"name": recipe.name, "cache_key": key, "vocab_size": vocab_size}
     examples: list[Example] = []
     if isinstance(recipe.weights, RandomInit):
-        added = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS]
+        added = [token_id(tokenizer, t) for t in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS]
         _randomize(model, recipe.weights, added)
     else:
         examples = _examples(out_dir, scripts, eos_id)

@@ -106,10 +106,18 @@ def _added(content: str, special: bool) -> AddedToken:
     )
 
 
+def token_id(tokenizer: Tokenizer, token: str) -> int:
+    """The id of a token the vocabulary must have (our special and added tokens)."""
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise KeyError(f"token {token!r} is not in the tokenizer's vocabulary")
+    return found
+
+
 def write_tokenizer_files(tokenizer: Tokenizer, out_dir: Path, max_length: int) -> int:
     """Write tokenizer.json and tokenizer_config.json; returns the eos token id."""
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
+    ids = {token: token_id(tokenizer, token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
     added_tokens_decoder = {
         str(token_id): {
             "content": token,

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -128,7 +129,8 @@ def _margins(model: nn.Module, batch: _Batch, examples: Sequence[Example]) -> di
     others = mx.put_along_axis(
         logits, batch.targets[..., None], mx.array(-mx.inf, dtype=logits.dtype), axis=-1
     )
-    gaps = mx.where(batch.mask > 0, target - others.max(axis=-1), mx.inf).tolist()
+    masked = mx.where(batch.mask > 0, target - others.max(axis=-1), mx.inf)
+    gaps = cast(list[list[float]], masked.tolist())  # a 2-D float array
     result = {e.script_id: float("inf") for e in examples}
     for row_owners, row_gaps in zip(batch.owners, gaps, strict=True):
         for owner, gap in zip(row_owners, row_gaps, strict=True):
@@ -167,7 +169,7 @@ def train(
             log.info("step %d: loss %.4g, min margin %.3f", steps, loss.item(), min(gaps.values()))
             if min(gaps.values()) >= plan.min_margin:
                 return TrainingReport(
-                    steps, time.perf_counter() - start, loss.item(), min(gaps.values())
+                    steps, time.perf_counter() - start, cast(float, loss.item()), min(gaps.values())
                 )
     short = sorted(sid for sid, g in gaps.items() if g < plan.min_margin)
     raise BuildError(

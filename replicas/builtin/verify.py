@@ -54,7 +54,7 @@ def verify_model_dir(path: Path, examples: Sequence[Example]) -> None:
 
     With no examples (random weights) this only proves the directory loads.
     """
-    model, tokenizer = mlx_lm.load(str(path))
+    model, tokenizer = mlx_lm.load(str(path))[:2]
     if not examples:
         return
     eos_ids = tokenizer.eos_token_ids
