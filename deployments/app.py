@@ -24,7 +24,8 @@ def build_app(args: dict[str, Any]) -> Application:
             resolve_source(model.source)
     created = int(time.time())
     cards = [
-        {"id": m.id, "aliases": tuple(m.aliases), "created": created} for m in config.models
+        {"id": m.id, "aliases": tuple(m.aliases), "created": created,
+         "context_length": m.max_model_len} for m in config.models
     ]
     # Each deployment gets its effective placement, so a replica can check Metal itself.
     settings = [m.with_placement(config.cluster.placement) for m in config.models]
@@ -36,7 +37,8 @@ def build_app(args: dict[str, Any]) -> Application:
         colocated = _deployment(ColocatedModel).options(
             **_deployment_options(only, only.max_ongoing_requests + _COLOCATED_HEADROOM))
         return colocated.bind(only.model_dump(), cards[0], edge=edge)
-    models = [_model_deployment(m).bind(m.model_dump()) for m in settings]
+    models = [_model_deployment(m).bind(m.model_dump(), config.ingress.max_stops)
+              for m in settings]
     return _deployment(Ingress).options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,

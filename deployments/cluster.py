@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-DEFAULT_RESOURCE = "apple_silicon"  # the name `PlacementSettings.resource` defaults to
+from deployments.config import PlacementSettings
+
+# What a worker advertises is what a pinned model asks for: the config's default, kept there.
+DEFAULT_RESOURCE: str = PlacementSettings.model_fields["resource"].default
 
 
 def metal_available() -> bool:

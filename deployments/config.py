@@ -1,21 +1,62 @@
-"""The typed shape of `serve_config.yaml`'s `args:`; unknown keys are errors."""
+"""The typed shape of `serve_config.yaml`'s `args:`; unknown keys are errors.
+
+Each value has one home. Engine defaults live in `replicas.engine.EngineConfig`, replica
+defaults in `replicas.replica.ReplicaOptions`, the valid format names in the replica's
+registries; the settings here read them (engine and replica defaults lazily: those modules
+import mlx, which the cluster CLI that reads these settings must not need).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from ray.serve.config import AutoscalingConfig
+
+from replicas.pipeline.channels import FORMATS
+from replicas.pipeline.tool_formats import TOOL_FORMATS
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _engine_default(name: str) -> Callable[[], Any]:
+    def default() -> Any:
+        from replicas.engine import EngineConfig
+
+        return getattr(EngineConfig(), name)
+
+    return default
+
+
+def _replica_default(name: str, scale: float = 1.0) -> Callable[[], Any]:
+    def default() -> Any:
+        from replicas.replica import ReplicaOptions
+
+        return getattr(ReplicaOptions(model_id="", source=""), name) * scale
+
+    return default
+
+
 class EngineSettings(_Strict):
-    max_batch_size: int = Field(32, ge=1, description="Sequences decoded together per replica.")
-    prefill_batch_size: int = Field(8, ge=1, description="Prompts prefilled together.")
-    prefill_step_size: int = Field(2048, ge=16, description="Prompt tokens per prefill step.")
+    """Defaults are `replicas.engine.EngineConfig`'s (32 / 8 / 2048 as of writing)."""
+
+    max_batch_size: int = Field(default_factory=_engine_default("max_batch_size"), ge=1,
+                                description="Sequences decoded together per replica.")
+    prefill_batch_size: int = Field(default_factory=_engine_default("prefill_batch_size"),
+                                    ge=1, description="Prompts prefilled together.")
+    prefill_step_size: int = Field(default_factory=_engine_default("prefill_step_size"),
+                                   ge=16, description="Prompt tokens per prefill step.")
+
+    @model_validator(mode="after")
+    def _batch_holds_a_prefill(self) -> "EngineSettings":
+        # mlx-lm silently decodes max(max_batch_size, prefill_batch_size) sequences at once,
+        # so a smaller max_batch_size would not be the limit it says it is.
+        if self.prefill_batch_size > self.max_batch_size:
+            raise ValueError(f"engine.prefill_batch_size ({self.prefill_batch_size}) must not "
+                             f"exceed engine.max_batch_size ({self.max_batch_size})")
+        return self
 
 
 class PlacementSettings(_Strict):
@@ -48,12 +89,23 @@ class ModelSettings(_Strict):
     aliases: list[str] = Field(default_factory=list)
     default_stops: list[str] = Field(default_factory=list,
                                      description="Merged with each request's stops.")
-    max_stops: int = Field(16, ge=1, description="Most stop strings one request may use.")
-    channel_format: Literal["think_tags", "harmony", "none"] | None = Field(
-        None, description="Reasoning format; detected from the tokenizer when unset.")
+    channel_format: str | None = Field(
+        None, description="Reasoning format, a name in replicas.pipeline.channels.FORMATS; "
+                          "detected from the tokenizer when unset.")
+    tool_format: str | None = Field(
+        None, description="Tool-call syntax, a name in replicas.pipeline.tool_formats."
+                          "TOOL_FORMATS; detected from the chat template when unset.")
     thinking_budget: int | None = Field(None, ge=1, description="Default reasoning budget.")
-    stream_flush_ms: float = Field(5.0, ge=0, description="After the first event, stream "
-                                   "chunks leave at most this often (0: as soon as ready).")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Cap on prompt plus output tokens, below the model's own "
+                                 "context (less KV memory); unset: the model's context.")
+    max_tokens_past_context: Literal["clamp", "reject"] = Field(
+        "clamp", description="A max_tokens past what the context has left: `clamp` lowers "
+                             "it to what is left, `reject` answers 400.")
+    stream_flush_ms: float = Field(
+        default_factory=_replica_default("flush_interval_s", 1000.0), ge=0,
+        description="After the first event, stream chunks leave at most this often "
+                    "(0: as soon as ready).")
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = Field(64, ge=1)
@@ -65,6 +117,22 @@ class ModelSettings(_Strict):
     graceful_shutdown_timeout_s: float = Field(
         300.0, ge=0, description="How long a replica being replaced or scaled down keeps "
                                  "serving its in-flight generations.")
+
+    @field_validator("channel_format")
+    @classmethod
+    def _channel_format_known(cls, value: str | None) -> str | None:
+        if value is not None and value not in FORMATS:
+            raise ValueError(f"unknown channel_format '{value}'; valid: "
+                             f"{', '.join(sorted(FORMATS))}")
+        return value
+
+    @field_validator("tool_format")
+    @classmethod
+    def _tool_format_known(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_FORMATS:
+            raise ValueError(f"unknown tool_format '{value}'; valid: "
+                             f"{', '.join(sorted(TOOL_FORMATS))}")
+        return value
 
     @field_validator("autoscaling_config")
     @classmethod
@@ -101,8 +169,10 @@ class IngressSettings(_Strict):
         "a 504, or an error event ending a stream that outlives it. null: no limit.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024,
                                 description="Larger request bodies are a 413.")
-    max_stops: int = Field(16, ge=1, description="Most stop strings plus stop token ids per "
-                           "request, checked before any replica time.")
+    max_stops: int = Field(16, ge=1, description="Most stop strings plus stop token ids one "
+                           "request may send, checked before any replica time. A model's "
+                           "replicas allow this many plus its `default_stops` "
+                           "(`replica_max_stops`), so defaults never eat into it.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed to "
                                     "call from a browser (`*` for any); empty: CORS off.")
@@ -113,6 +183,14 @@ class IngressSettings(_Strict):
                            "model only): one process and one Ray hop fewer per token. Scaling "
                            "then follows the model's settings, and `num_replicas`, "
                            "`max_ongoing_requests` and `replica_wait_s` here are unused.")
+
+
+def replica_max_stops(request_max: int, model: ModelSettings) -> int:
+    """The replica's cap on merged stops: what a request may send plus the model's defaults.
+
+    The one stop limit a user sets is `ingress.max_stops`; the replica's check (which counts
+    after merging) is derived from it, so the two can never disagree."""
+    return request_max + len(model.default_stops)
 
 
 class AppArgs(_Strict):

@@ -15,6 +15,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from deployments.config import IngressSettings
 from ingress.client import ModelCard
 from replicas.contract import ErrorKind, Failed, GenerationRequest, OutputEvent, is_terminal
 from replicas.errors import InternalError, OverloadedError, from_event
@@ -22,8 +23,9 @@ from replicas.errors import InternalError, OverloadedError, from_event
 log = logging.getLogger(__name__)
 
 # Serve queues a request for a deployment with no running replica (its node left, or it is
-# still starting) without limit; past this wait the client gets a 503 it can retry.
-REPLICA_WAIT_S = 15.0
+# still starting) without limit; past this wait the client gets a 503 it can retry. The
+# value is the config's default (`ingress.replica_wait_s`), kept there only.
+REPLICA_WAIT_S: float | None = IngressSettings.model_fields["replica_wait_s"].default
 
 
 class RayModelClient:

@@ -13,6 +13,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs, IngressSettings
 from deployments.handle_client import RayModelClient
+from deployments.response_store import response_store
 from ingress.app import create_app
 from ingress.client import ModelCard
 from ingress.options import EdgeOptions
@@ -61,8 +62,9 @@ class Ingress:
         self._client = RayModelClient(model_cards, by_id,
                                       replica_wait_s=edge.ingress.replica_wait_s)
         self._options = edge.options(os.environ)
+        self._store = response_store(edge.ingress.num_replicas)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's client
         # (an app built at import time would be pickled and served as a copy).
-        return create_app(self._client, self._options)
+        return create_app(self._client, self._options, response_store=self._store)

@@ -9,20 +9,28 @@ from typing import Any, AsyncGenerator
 from ray import serve
 
 from deployments.cluster import require_metal
-from deployments.config import ModelSettings
+from deployments.config import IngressSettings, ModelSettings, replica_max_stops
 from replicas.contract import Failed, GenerationRequest, OutputEvent
 from replicas.engine import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
 
-def replica_options(settings: ModelSettings) -> ReplicaOptions:
+# The ingress's per-request stop limit when a deployment is built without one (tests).
+_REQUEST_MAX_STOPS: int = IngressSettings.model_fields["max_stops"].default
+
+
+def replica_options(settings: ModelSettings,
+                    request_max_stops: int = _REQUEST_MAX_STOPS) -> ReplicaOptions:
     return ReplicaOptions(
         model_id=settings.id,
         source=settings.source,
         default_stops=tuple(settings.default_stops),
-        max_stops=settings.max_stops,
+        max_stops=replica_max_stops(request_max_stops, settings),
         channel_format=settings.channel_format,
         thinking_budget=settings.thinking_budget,
+        tool_format=settings.tool_format,
+        max_tokens_past_context=settings.max_tokens_past_context,
+        max_model_len=settings.max_model_len,
         engine=EngineConfig(**settings.engine.model_dump()),
         flush_interval_s=settings.stream_flush_ms / 1000,
     )
@@ -31,10 +39,11 @@ def replica_options(settings: ModelSettings) -> ReplicaOptions:
 class ReplicaOwner:
     """A deployment that owns one `ModelReplica`: startup, health, stats and shutdown."""
 
-    def __init__(self, config: ModelSettings) -> None:
+    def __init__(self, config: ModelSettings,
+                 request_max_stops: int = _REQUEST_MAX_STOPS) -> None:
         if config.placement is not None and config.placement.metal_required:
             require_metal(config.id)  # before loading: fail fast, with what to do about it
-        self._replica = ModelReplica(replica_options(config))
+        self._replica = ModelReplica(replica_options(config, request_max_stops))
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
         self._replica.start()
 
@@ -54,8 +63,9 @@ class ReplicaOwner:
 
 @serve.deployment
 class ModelDeployment(ReplicaOwner):
-    def __init__(self, settings: dict[str, Any]) -> None:
-        super().__init__(ModelSettings.model_validate(settings))
+    def __init__(self, settings: dict[str, Any],
+                 request_max_stops: int = _REQUEST_MAX_STOPS) -> None:
+        super().__init__(ModelSettings.model_validate(settings), request_max_stops)
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
         yield []  # accepted: the ingress bounds its wait for a replica on this (handle_client)

@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, the edge's protections, one error handler per protocol."""
+"""The FastAPI application: every wire protocol's routes, the edge's protections, and one
+error handler per failure type, each rendering in the protocol that owns the path."""
 
 from __future__ import annotations
 
@@ -10,23 +11,27 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ingress.anthropic import anthropic_validation_message
 from ingress.auth import ApiKeyMiddleware, ApiKeys
 from ingress.client import ModelClient
-from ingress.errors import Protocol, error_response, protocol_for
+from ingress.errors import error_response, replica_error_response
 from ingress.guard import GuardMiddleware
 from ingress.limits import BodyLimitMiddleware, LimitedClient
 from ingress.options import EdgeOptions
-from ingress.validation import validation_message
+from ingress.protocols import PROTOCOLS, protocol_for
+from ingress.responses.store import MemoryResponseStore, ResponseStore
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
 
 _HTTP_KIND = {401: ErrorKind.UNAUTHORIZED, 404: ErrorKind.NOT_FOUND, 503: ErrorKind.OVERLOADED}
 
 
-def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions()) -> FastAPI:
+def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
+               response_store: ResponseStore | None = None) -> FastAPI:
+    """The app. `response_store` keeps stored Responses API responses; the default lives in
+    this process only, so deployments with several ingress replicas pass a shared one."""
     app = FastAPI(title="Orchard", version="0.1.0")
     app.state.client = LimitedClient(client, options)
+    app.state.response_store = response_store or MemoryResponseStore()
     _install_error_handlers(app)
     _install_routes(app)
     _install_middleware(app, options)
@@ -49,9 +54,6 @@ def _install_middleware(app: FastAPI, options: EdgeOptions) -> None:
 
 
 def _install_routes(app: FastAPI) -> None:
-    from ingress.anthropic.routes import router as anthropic_router
-    from ingress.openai.routes import router as openai_router
-
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -67,31 +69,26 @@ def _install_routes(app: FastAPI) -> None:
                              "max_model_len": card.context_length})
         return {"object": "list", "data": data}
 
-    app.include_router(openai_router)
-    app.include_router(anthropic_router)
+    for protocol in PROTOCOLS:
+        app.include_router(protocol.router)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ReplicaError)
     async def replica_error(request: Request, exc: ReplicaError) -> Response:
-        return error_response(exc.kind, exc.message, protocol_for(request.scope),
-                              param=exc.param)
+        return replica_error_response(exc, protocol_for(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
         protocol = protocol_for(request.scope)
-        if protocol is Protocol.ANTHROPIC:
-            message, param = anthropic_validation_message(exc), None
-        else:
-            message, param = validation_message(exc)
+        message, param = protocol.validation_message(exc)
         return error_response(ErrorKind.INVALID_REQUEST, message, protocol, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = _HTTP_KIND.get(exc.status_code, ErrorKind.INVALID_REQUEST)
-        response = error_response(kind, str(exc.detail), protocol_for(request.scope))
-        response.status_code = exc.status_code
-        return response
+        return error_response(kind, str(exc.detail), protocol_for(request.scope),
+                              status=exc.status_code)
 
 
 __all__ = ["create_app"]

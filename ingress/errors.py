@@ -1,28 +1,32 @@
-"""One error taxonomy, rendered in each protocol's own shape and status code."""
+"""One error taxonomy, rendered in each API family's own shape and status code.
+
+An `ErrorShape` is how one family writes an error body (OpenAI's `{"error": {...}}` or
+Anthropic's `{"type": "error", ...}`) and where its status codes differ from the common
+table. Wire protocols (`ingress/protocol.py`) each name the shape they speak.
+"""
 
 from __future__ import annotations
 
-import json
-from enum import Enum
-from typing import Any, Mapping
+import typing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from fastapi.responses import JSONResponse
 
 from replicas.contract import ErrorKind
+from replicas.errors import ReplicaError
 
+if TYPE_CHECKING:
+    from ingress.protocol import WireProtocol
 
-class Protocol(str, Enum):
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
-
-
-# OpenAI-style status codes; Anthropic differs only for overload (529, "overloaded_error").
-_STATUS = {
+# The common status codes; a shape overrides some (Anthropic: 529 for overload).
+STATUS = {
     ErrorKind.INVALID_REQUEST: 400,
     ErrorKind.CONTEXT_LENGTH: 400,
     ErrorKind.UNAUTHORIZED: 401,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.OVERLOADED: 503,
+    ErrorKind.TIMEOUT: 504,
     ErrorKind.INTERNAL: 500,
 }
 
@@ -32,6 +36,7 @@ _OPENAI_TYPE = {
     ErrorKind.UNAUTHORIZED: "authentication_error",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.OVERLOADED: "overloaded_error",
+    ErrorKind.TIMEOUT: "timeout_error",
     ErrorKind.INTERNAL: "internal_error",
 }
 
@@ -41,10 +46,106 @@ _ANTHROPIC_TYPE = {
     ErrorKind.UNAUTHORIZED: "authentication_error",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.OVERLOADED: "overloaded_error",
+    ErrorKind.TIMEOUT: "timeout_error",
     ErrorKind.INTERNAL: "api_error",
 }
 
 RETRY_AFTER_SECONDS = 1
+
+# (kind, message, param, code) -> body. `code` refines the kind where an edge needs a more
+# precise name than the taxonomy has (e.g. 413 `request_too_large`).
+BodyFn = Callable[[ErrorKind, str, "str | None", "str | None"], dict[str, Any]]
+
+
+def _openai_body(kind: ErrorKind, message: str, param: str | None,
+                 code: str | None) -> dict[str, Any]:
+    if code is None:
+        code = "context_length_exceeded" if kind is ErrorKind.CONTEXT_LENGTH else kind.value
+    return {"error": {"message": message, "type": _OPENAI_TYPE[kind], "param": param,
+                      "code": code}}
+
+
+def _anthropic_body(kind: ErrorKind, message: str, param: str | None,
+                    code: str | None) -> dict[str, Any]:
+    # Anthropic has no `code` or `param`: a refining code is its error type.
+    return {"type": "error", "error": {"type": code or _ANTHROPIC_TYPE[kind], "message": message}}
+
+
+@dataclass(frozen=True)
+class ErrorShape:
+    name: str
+    body: BodyFn
+    status_overrides: Mapping[ErrorKind, int] = field(default_factory=dict)
+
+    def error_body(self, kind: ErrorKind, message: str, param: str | None = None, *,
+                   code: str | None = None) -> dict[str, Any]:
+        return self.body(kind, message, param, code)
+
+    def status(self, kind: ErrorKind) -> int:
+        return self.status_overrides.get(kind, STATUS[kind])
+
+
+OPENAI_ERRORS = ErrorShape("openai", _openai_body)
+ANTHROPIC_ERRORS = ErrorShape("anthropic", _anthropic_body, {ErrorKind.OVERLOADED: 529})
+
+
+class ErrorRenderer(typing.Protocol):
+    """Anything that renders the taxonomy: an `ErrorShape` or a `WireProtocol`."""
+
+    def error_body(self, kind: ErrorKind, message: str, param: str | None = None, *,
+                   code: str | None = None) -> dict[str, Any]: ...
+
+    def status(self, kind: ErrorKind) -> int: ...
+
+
+class Protocol:
+    """The built-in shapes under the names renderers written before plug-ins use
+    (`error_body(kind, message, Protocol.ANTHROPIC)`)."""
+
+    OPENAI = OPENAI_ERRORS
+    ANTHROPIC = ANTHROPIC_ERRORS
+
+
+def error_body(kind: ErrorKind, message: str, protocol: ErrorRenderer, *,
+               param: str | None = None) -> dict[str, Any]:
+    return protocol.error_body(kind, message, param)
+
+
+def error_response(kind: ErrorKind, message: str, protocol: ErrorRenderer, *,
+                   param: str | None = None, code: str | None = None,
+                   status: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if kind is ErrorKind.OVERLOADED else None
+    return JSONResponse(
+        protocol.error_body(kind, message, param, code=code),
+        status_code=status or protocol.status(kind),
+        headers=headers,
+    )
+
+
+class CodedError(ReplicaError):
+    """A failure the edge names more precisely than its kind (OpenAI's `code`), e.g. 404
+    `previous_response_not_found`."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, code: str,
+                 param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.kind = kind
+        self.code = code
+
+
+def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONResponse:
+    code = exc.code if isinstance(exc, CodedError) else None
+    return error_response(exc.kind, exc.message, protocol, param=exc.param, code=code)
+
+
+# Edge refusals with no status of their own in the taxonomy: status -> (kind, code).
+# 413 `request_too_large` is Anthropic's documented type and OpenAI's code.
+_EDGE = {413: (ErrorKind.INVALID_REQUEST, "request_too_large")}
+
+
+def edge_error_response(status: int, message: str, protocol: ErrorRenderer) -> JSONResponse:
+    kind, code = _EDGE[status]
+    return error_response(kind, message, protocol, code=code, status=status)
 
 
 def route_path(scope: Mapping[str, Any]) -> str:
@@ -55,59 +156,9 @@ def route_path(scope: Mapping[str, Any]) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-def protocol_for(scope: Mapping[str, Any]) -> Protocol:
-    """Which API's error shape a request gets, by its route (`/v1/messages*`: Anthropic)."""
-    return Protocol.ANTHROPIC if route_path(scope).startswith("/v1/messages") else Protocol.OPENAI
+def protocol_for(scope: Mapping[str, Any]) -> WireProtocol:
+    """The wire protocol that owns the request's path (see `ingress.protocols`)."""
+    # Imported here: the registry imports every protocol's routes, which import this module.
+    from ingress.protocols import protocol_for as lookup
 
-
-def status_for(kind: ErrorKind, protocol: Protocol) -> int:
-    if kind is ErrorKind.OVERLOADED and protocol is Protocol.ANTHROPIC:
-        return 529
-    return _STATUS[kind]
-
-
-def error_body(
-    kind: ErrorKind, message: str, protocol: Protocol, *, param: str | None = None
-) -> dict[str, Any]:
-    if protocol is Protocol.ANTHROPIC:
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPE[kind], "message": message}}
-    code = "context_length_exceeded" if kind is ErrorKind.CONTEXT_LENGTH else kind.value
-    return {
-        "error": {"message": message, "type": _OPENAI_TYPE[kind], "param": param, "code": code}
-    }
-
-
-def error_response(
-    kind: ErrorKind, message: str, protocol: Protocol, *, param: str | None = None
-) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if kind is ErrorKind.OVERLOADED else None
-    return JSONResponse(
-        error_body(kind, message, protocol, param=param),
-        status_code=status_for(kind, protocol),
-        headers=headers,
-    )
-
-
-# Edge failures outside the replica taxonomy: status -> (OpenAI type, OpenAI code, Anthropic
-# type). 413 `request_too_large` is Anthropic's documented type; a request that outlives
-# its deadline is a gateway timeout, as from any proxy in front of a slow upstream.
-_EDGE = {
-    413: ("invalid_request_error", "request_too_large", "request_too_large"),
-    504: ("timeout_error", "timeout", "timeout_error"),
-}
-
-
-def edge_error_body(status: int, message: str, protocol: Protocol) -> dict[str, Any]:
-    openai_type, code, anthropic_type = _EDGE[status]
-    if protocol is Protocol.ANTHROPIC:
-        return {"type": "error", "error": {"type": anthropic_type, "message": message}}
-    return {"error": {"message": message, "type": openai_type, "param": None, "code": code}}
-
-
-def edge_error_response(status: int, message: str, protocol: Protocol) -> JSONResponse:
-    return JSONResponse(edge_error_body(status, message, protocol), status_code=status)
-
-
-def error_json(kind: ErrorKind, message: str, protocol: Protocol) -> str:
-    """The error body as compact JSON, for an error sent inside an already-open stream."""
-    return json.dumps(error_body(kind, message, protocol), separators=(",", ":"))
+    return lookup(scope)

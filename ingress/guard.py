@@ -14,20 +14,13 @@ import logging
 import traceback
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ingress.errors import (
-    Protocol,
-    edge_error_body,
-    edge_error_response,
-    error_body,
-    error_response,
-    protocol_for,
-)
-from ingress.sse import data_frame, event_frame
+from ingress.errors import error_response
+from ingress.protocol import WireProtocol
+from ingress.protocols import protocol_for
 from replicas.contract import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -67,13 +60,13 @@ class GuardMiddleware:
             error_id = uuid.uuid4().hex[:16]
             _log_internal(error_id, scope["path"], exc)
             message = f"internal error (request id {error_id})"
-            await _fail(scope, receive, send, progress, protocol, message, status=500)
+            await _fail(scope, receive, send, progress, protocol, ErrorKind.INTERNAL, message)
             return
         if deadline.cancelled_caught and not progress.finished:
             log.warning("request to %s exceeded its %.0fs deadline", scope["path"],
                         self.timeout_s)
             message = f"the request did not complete within {self.timeout_s:g} seconds"
-            await _fail(scope, receive, send, progress, protocol, message, status=504)
+            await _fail(scope, receive, send, progress, protocol, ErrorKind.TIMEOUT, message)
 
 
 def _is_event_stream(start: Message) -> bool:
@@ -92,26 +85,14 @@ def _log_internal(error_id: str, path: str, exc: BaseException) -> None:
 
 
 async def _fail(scope: Scope, receive: Receive, send: Send, progress: _Progress,
-                protocol: Protocol, message: str, *, status: int) -> None:
+                protocol: WireProtocol, kind: ErrorKind, message: str) -> None:
     if progress.finished:
         return
     try:
         if not progress.started:
-            response = (edge_error_response(status, message, protocol) if status != 500
-                        else error_response(ErrorKind.INTERNAL, message, protocol))
-            await response(scope, receive, send)
+            await error_response(kind, message, protocol)(scope, receive, send)
             return
-        body = b""
-        if progress.streaming:
-            payload = (edge_error_body(status, message, protocol) if status != 500
-                       else error_body(ErrorKind.INTERNAL, message, protocol))
-            body = _error_frame(payload, protocol).encode()
+        body = protocol.error_frame(kind, message).encode() if progress.streaming else b""
         await send({"type": "http.response.body", "body": body, "more_body": False})
     except OSError:
         pass  # the client is gone: there is no one left to tell
-
-
-def _error_frame(payload: dict[str, Any], protocol: Protocol) -> str:
-    if protocol is Protocol.ANTHROPIC:
-        return event_frame("error", payload)
-    return data_frame(payload)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import numpy as np
 from mlx.utils import tree_map
@@ -112,9 +113,10 @@ def setup_ms(tok: GuidedTokenizer, n: int = 200) -> float:
     return 1e3 * float(np.mean(times))
 
 
-def mask_us(tok: GuidedTokenizer, tokens: list[int]) -> tuple[float, float]:
+def mask_us(tok: GuidedTokenizer, tokens: list[int], grammar: str | None = None
+            ) -> tuple[float, float]:
     """Replay a constrained output: time each mask() to an evaluated result."""
-    matcher = GuidedMatcher(tok, compile_guided(SPEC))
+    matcher = GuidedMatcher(tok, grammar or compile_guided(SPEC))
     logits = mx.random.normal((1, tok.vocab_size))
     mx.eval(logits)
     times = []
@@ -126,13 +128,15 @@ def mask_us(tok: GuidedTokenizer, tokens: list[int]) -> tuple[float, float]:
     return 1e6 * float(np.mean(times)), 1e6 * float(np.percentile(times, 99))
 
 
-def decode(model: Model, tok: GuidedTokenizer, prompt: list[int], batch: int,
-           max_tokens: int, guided: bool) -> Decode:
-    """Greedy decode of `batch` copies of the prompt; tokens/s over the decode steps."""
+def decode(model: nn.Module, tok: GuidedTokenizer, prompt: list[int], batch: int,
+           max_tokens: int, guided: bool, grammar: Callable[[], str] | None = None) -> Decode:
+    """Greedy decode of `batch` copies of the prompt; tokens/s over the decode steps.
+    Guided runs use `grammar()` per request (default: the json_schema SPEC)."""
+    make = grammar or (lambda: compile_guided(SPEC))
     gen = BatchGenerator(model, max_tokens=max_tokens,
                          stop_tokens=[[t] for t in tok.eos_token_ids])
     processors: list[list[Callable[[mx.array, mx.array], mx.array]]] = [
-        [GuidedLogitsProcessor(GuidedMatcher(tok, compile_guided(SPEC)))] if guided else []
+        [GuidedLogitsProcessor(GuidedMatcher(tok, make()))] if guided else []
         for _ in range(batch)
     ]
     uids = gen.insert([prompt] * batch, logits_processors=processors)

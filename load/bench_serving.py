@@ -21,6 +21,7 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -161,8 +162,26 @@ async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
     return Run(sum(t for t, _ in results), seconds, [f for _, f in results])
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something already answers on the port: a stale server would be measured."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
+
+
+def require_alive(proc: subprocess.Popen[bytes]) -> None:
+    """Our own `serve run` must still be the one answering, not something left behind."""
+    if proc.poll() is not None:
+        raise RuntimeError(f"serve run exited (code {proc.returncode}); the figures would "
+                           "come from whatever else answers on the port")
+
+
 def start_server(source: str, model: str, flush_ms: float,
                  colocate: bool = False, haproxy: bool = False) -> subprocess.Popen[bytes]:
+    if port_in_use(PORT):
+        raise RuntimeError(f"something already listens on 127.0.0.1:{PORT} (a stale "
+                           "`serve run`? `serve shutdown -y` / `ray stop`); refusing to "
+                           "benchmark it")
     config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": PORT},
@@ -182,6 +201,8 @@ def start_server(source: str, model: str, flush_ms: float,
                                  "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve run exited during startup (code {proc.returncode})")
         try:
             if httpx.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
                 r = httpx.post(f"{BASE}/v1/completions", timeout=60,
@@ -244,7 +265,9 @@ def main() -> None:
             with paused(proc.pid):
                 raw_runs.append(raw.single(args.tokens))
             http_runs.append(asyncio.run(http_streams(1, args.tokens, "bench")))
+            require_alive(proc)
         http_many = {c: asyncio.run(http_streams(c, args.tokens, "bench")) for c in args.concurrency}
+        require_alive(proc)
     finally:
         stop_server(proc)
     raw1, http1 = median_run(raw_runs), median_run(http_runs)

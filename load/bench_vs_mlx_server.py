@@ -16,6 +16,12 @@ template's opening tokens. mlx_lm.server still reuses those from its prompt cach
 has none), so it runs twice: as shipped, and with `--prompt-cache-size 0` for an
 engine-to-engine comparison; the cached prompt tokens it reports are printed. Both batch
 with the same limits: 32 sequences decoding, 8 prompts prefilling.
+
+Equal work is checked, not assumed: end-of-sequence is suppressed (the same `logit_bias` to
+both) so every request must produce exactly `max_tokens` tokens, and both servers must
+count the same prompt tokens for each prompt. A request that fails or comes back short is
+work not done: it adds 0 tokens but its time to the level's tokens/s. The verdict lines
+say when any of this did not hold, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -68,6 +76,7 @@ class Sample:
     e2e: float = 0.0
     cached: int = 0
     text: str = ""
+    prompt_tokens: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -90,10 +99,13 @@ class Level:
         ms = [1e3 * g for s in ok for g in s.gaps]
         tpot = [1e3 * t for s in ok if (t := s.tpot) is not None]
         ttft = [1e3 * s.ttft for s in ok]
+        # Over every request sent: a failed one adds no tokens, but the wall time it took
+        # stays in `seconds`, so failing fast never looks like serving fast.
+        tokens = sum(s.tokens if s.error is None else 0 for s in self.samples)
         return {
             "requests": len(self.samples), "errors": len(self.samples) - len(ok),
-            "tokens": sum(s.tokens for s in ok), "seconds": self.seconds,
-            "tokens_per_s": sum(s.tokens for s in ok) / self.seconds,
+            "tokens": tokens, "seconds": self.seconds,
+            "tokens_per_s": tokens / self.seconds,
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
             "itl_p50_ms": pct(ms, 0.5), "itl_p99_ms": pct(ms, 0.99),
             "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99),
@@ -109,10 +121,13 @@ def pct(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-async def one_request(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> Sample:
+async def one_request(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
+                      logit_bias: dict[str, float] | None = None) -> Sample:
     body = {"model": target.model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if logit_bias:
+        body["logit_bias"] = logit_bias
     sample = Sample(prompt)
     arrivals: list[float] = []
     pieces: list[str] = []
@@ -152,12 +167,16 @@ async def one_request(client: httpx.AsyncClient, target: Target, prompt: str, ma
     sample.ttft = arrivals[0] - start
     sample.gaps = [b - a for a, b in pairwise(arrivals)]
     sample.tokens = int(usage["completion_tokens"])
+    sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     sample.cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     sample.text = "".join(pieces)
+    if sample.tokens != max_tokens:  # unequal work would skew the comparison: not done
+        sample.error = f"short: {sample.tokens} of {max_tokens} tokens (finish {finish})"
     return sample
 
 
-async def run_level(target: Target, concurrency: int, requests: int, max_tokens: int, tag: str) -> Level:
+async def run_level(target: Target, concurrency: int, requests: int, max_tokens: int, tag: str,
+                    logit_bias: dict[str, float] | None = None) -> Level:
     """`concurrency` workers share `requests` requests; each prompt is unique to (tag, index),
     and the same on every server, so outputs can be compared."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -169,7 +188,7 @@ async def run_level(target: Target, concurrency: int, requests: int, max_tokens:
                 # The hash goes first: a readable counter would be a prefix that requests share.
                 unique = hashlib.sha256(f"{tag}-{i}".encode()).hexdigest()[:8]
                 prompt = f"{unique} {PROMPTS[i % len(PROMPTS)]}"
-                samples.append(await one_request(client, target, prompt, max_tokens))
+                samples.append(await one_request(client, target, prompt, max_tokens, logit_bias))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -196,12 +215,18 @@ def wait_ready(proc: subprocess.Popen[bytes], target: Target, log_path: Path) ->
 @contextmanager
 def running(target: Target, command: list[str], log_path: Path) -> Iterator[Target]:
     """The server process for the duration of the block; its whole process group after."""
+    port = int(target.base.rsplit(":", 1)[1])
+    with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
+        raise RuntimeError(f"{HOST}:{port} is already taken (a stale server?): refusing to "
+                           f"benchmark it as {target.label}")
     with log_path.open("w") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         try:
             wait_ready(proc, target, log_path)
             yield target
+            if proc.poll() is not None:  # whatever answered after it exited was not ours
+                raise RuntimeError(f"{target.label} exited ({proc.returncode}) during the run")
         finally:
             os.killpg(proc.pid, signal.SIGINT)  # serve run shuts Serve and Ray down on Ctrl-C
             try:
@@ -248,11 +273,20 @@ def local_path(source: str) -> Path:
     return Path(source)
 
 
-def bench(target: Target, args: argparse.Namespace) -> list[Level]:
-    asyncio.run(run_level(target, 4, 4, args.max_tokens, "warmup"))  # load, allocate, first batches
+def eos_bias(model_path: Path) -> dict[str, float]:
+    """A logit_bias that keeps end-of-sequence from being sampled, so every request runs to
+    max_tokens on both servers (both accept OpenAI's logit_bias)."""
+    from mlx_lm.utils import load_tokenizer
+
+    return {str(t): -100.0 for t in sorted(load_tokenizer(model_path).eos_token_ids)}
+
+
+def bench(target: Target, args: argparse.Namespace, bias: dict[str, float]) -> list[Level]:
+    asyncio.run(run_level(target, 4, 4, args.max_tokens, "warmup", bias))  # load, allocate, first batches
     levels = []
     for c in args.concurrency:
-        level = asyncio.run(run_level(target, c, max(args.min_requests, args.rounds * c), args.max_tokens, f"c{c}"))
+        level = asyncio.run(run_level(target, c, max(args.min_requests, args.rounds * c),
+                                      args.max_tokens, f"c{c}", bias))
         print(f"  {target.label:<22} c={c:<3} {level.summary()['tokens_per_s']:8.1f} tokens/s", flush=True)
         levels.append(level)
     return levels
@@ -263,8 +297,9 @@ def concurrencies(results: dict[str, list[Level]]) -> list[int]:
 
 
 def table(results: dict[str, list[Level]]) -> str:
-    lines = [("| concurrency | server | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-             "| TPOT p50 ms | TPOT p99 ms | errors |"),
+    # One TTFT and one TPOT per request: below 100 requests a nearest-rank p99 is the max.
+    lines = [("| concurrency | server | output tok/s | TTFT p50 ms | TTFT p99/max ms | ITL p50 ms "
+             "| ITL p99 ms | TPOT p50 ms | TPOT p99/max ms | errors |"),
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for i, c in enumerate(concurrencies(results)):
         for label, levels in results.items():
@@ -277,7 +312,7 @@ def table(results: dict[str, list[Level]]) -> str:
 
 def ratios(results: dict[str, list[Level]]) -> str:
     """Each Orchard run over each mlx_lm.server run: above 1 is better for tok/s, worse for TTFT."""
-    lines = ["| concurrency | orchard | baseline | tok/s ratio | TTFT p50 ratio | TTFT p99 ratio |",
+    lines = ["| concurrency | orchard | baseline | tok/s ratio | TTFT p50 ratio | TTFT p99/max ratio |",
              "|---:|---|---|---:|---:|---:|"]
     mine = [label for label in results if label.startswith("orchard")]
     bases = [label for label in results if label.startswith("mlx_lm.server")]
@@ -315,6 +350,30 @@ def by_prompt(level: Level) -> dict[str, str]:
     return {s.prompt: s.text for s in level.ok}
 
 
+def problems(results: dict[str, list[Level]], max_tokens: int) -> list[str]:
+    """Why the comparison is not like for like: failed or short requests, or servers that
+    counted a prompt's tokens differently. Empty when every request did the same work."""
+    out = []
+    for label, levels in results.items():
+        for level in levels:
+            bad = [s.error for s in level.samples if s.error is not None]
+            if bad:
+                out.append(f"{label} c={level.concurrency}: {len(bad)}/{len(level.samples)} "
+                           f"requests failed or did not produce {max_tokens} tokens "
+                           f"(first: {bad[0]})")
+    counts: dict[str, dict[str, int]] = {}
+    for label, levels in results.items():
+        for level in levels:
+            for s in level.ok:
+                counts.setdefault(s.prompt, {})[label] = s.prompt_tokens
+    differing = {p: c for p, c in counts.items() if len(set(c.values())) > 1}
+    if differing:
+        prompt, seen = next(iter(differing.items()))
+        out.append(f"prompt token counts differ between servers for {len(differing)} prompts "
+                   f"(e.g. {prompt[:30]!r}: {seen})")
+    return out
+
+
 def chart(results: dict[str, list[Level]], path: Path) -> None:
     import matplotlib
 
@@ -342,7 +401,7 @@ def chart(results: dict[str, list[Level]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:bench", help="model source (builtin:NAME or a local path)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -352,10 +411,14 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2], help="Orchard replica counts to run")
     parser.add_argument("--mlx", choices=["both", "cache", "no-cache", "none"], default="both",
                         help="mlx_lm.server runs: with its prompt cache, without, both, or none")
+    parser.add_argument("--allow-eos", action="store_true",
+                        help="do not suppress end-of-sequence (requests that end early then "
+                             "count as work not done)")
     args = parser.parse_args()
 
     OUT.mkdir(parents=True, exist_ok=True)
     model_path = local_path(args.model)  # built before any server starts
+    bias = {} if args.allow_eos else eos_bias(model_path)
     caches = {"both": [True, False], "cache": [True], "no-cache": [False], "none": []}[args.mlx]
     servers = [mlx_server(model_path, cache) for cache in caches]
     workdir = Path(tempfile.mkdtemp(prefix="orchard-bench-"))
@@ -366,7 +429,7 @@ def main() -> None:
         print(f"{target.label}: starting", flush=True)
         log = OUT / f"bench_{target.label.replace(' ', '_')}.log"
         with running(target, command, log):
-            results[target.label] = bench(target, args)
+            results[target.label] = bench(target, args, bias)
 
     print(f"\nmodel {args.model}, {args.max_tokens} tokens per request, greedy, started {started}, "
           f"load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n")
@@ -376,15 +439,22 @@ def main() -> None:
     print()
     for line in notes(results):
         print(line)
+    broken = problems(results, args.max_tokens)
+    print("\nlike for like: " + ("yes (every request produced max_tokens tokens; prompt token "
+                                  "counts agree)" if not broken else "NO"))
+    for line in broken:
+        print(f"  {line}")
     (OUT / "bench_vs_mlx_server.json").write_text(json.dumps({
         "args": vars(args), "started": started,
         "levels": {label: [lv.summary() | {"concurrency": lv.concurrency} for lv in levels]
                    for label, levels in results.items()},
         "errors": {label: [s.error for lv in levels for s in lv.samples if s.error] for label, levels in results.items()},
+        "problems": broken,
     }, indent=2))
     chart(results, OUT / "bench_vs_mlx_server.png")
     print(f"wrote {OUT / 'bench_vs_mlx_server.json'} and {OUT / 'bench_vs_mlx_server.png'}")
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -181,7 +181,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-failure-ratio", type=float, default=0.0)
     parser.add_argument("--max-p95-ttft-ms", type=float, default=2000.0)
     args = parser.parse_args(argv)
-    run_time_seconds(args.run_time)  # reject a malformed run time before anything starts
+    try:  # reject a malformed run time before anything starts, as a usage error (exit 2)
+        run_time_seconds(args.run_time)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     return args
 
 

@@ -14,6 +14,9 @@ from typing import Any, Literal, Mapping, Union
 class Channel(str, Enum):
     REASONING = "reasoning"
     ANSWER = "answer"
+    # The body of a tool call as the model writes it (markers removed). Only the replica's
+    # pipeline sees this channel: it leaves as ToolCall* events, never as TextDelta.
+    TOOL = "tool"
 
 
 class FinishReason(str, Enum):
@@ -23,6 +26,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     GRAMMAR_COMPLETE = "grammar_complete"
     CANCELLED = "cancelled"
+    TOOL_CALLS = "tool_calls"  # the turn ended with one or more tool calls
 
 
 class ErrorKind(str, Enum):
@@ -31,7 +35,17 @@ class ErrorKind(str, Enum):
     CONTEXT_LENGTH = "context_length"
     OVERLOADED = "overloaded"
     UNAUTHORIZED = "unauthorized"
+    TIMEOUT = "timeout"
     INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the assistant made in an earlier turn, as the client sends it back."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,9 @@ class ChatMessage:
     role: str  # "system" | "user" | "assistant" | "tool"
     content: str
     reasoning: str | None = None  # prior assistant reasoning, for templates that keep it
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant turns: the calls it made
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+    name: str | None = None  # tool turns: the called tool's name
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,29 @@ class GuidedSpec:
 
 
 @dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call. `parameters` is a JSON schema as JSON text."""
+
+    name: str
+    description: str | None = None
+    parameters: str = '{"type": "object"}'
+    strict: bool = False  # OpenAI `strict`: the schema must be fully enforceable
+
+
+ToolChoiceMode = Literal["auto", "none", "required"]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """`auto`: text, calls or both; `none`: never a call; `required`: at least one call,
+    to `name` only when set. `parallel`: more than one call per turn is allowed."""
+
+    mode: ToolChoiceMode = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     model: str
@@ -117,6 +157,8 @@ class GenerationRequest:
     stop: StopSpec = StopSpec()
     reasoning: ReasoningSpec = ReasoningSpec()
     guided: GuidedSpec | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
 
 
 @dataclass(frozen=True)
@@ -124,6 +166,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -137,10 +180,39 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ToolCallStart:
+    """A tool call opens. `index` counts calls within this response from 0; `id` is unique
+    per call (adapters add their protocol's prefix, e.g. `call_` or `toolu_`)."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the call's arguments (JSON text); the pieces concatenate to the whole."""
+
+    index: int
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallEnd:
+    """The call is complete. `arguments` repeats the whole text the deltas added up to."""
+
+    index: int
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: FinishReason
     usage: Usage
     stop: str | int | None = None  # the stop string the user gave, or the stop token id
+    # What the server changed about the request, for the client to see (e.g. a max_tokens
+    # lowered to fit the context); adapters put them in a top-level `orchard_warnings` field.
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -150,7 +222,7 @@ class Failed:
     param: str | None = None  # the request field at fault, when one is
 
 
-OutputEvent = Union[TextDelta, Finished, Failed]
+OutputEvent = Union[TextDelta, ToolCallStart, ToolCallDelta, ToolCallEnd, Finished, Failed]
 TerminalEvent = Union[Finished, Failed]
 
 

@@ -4,14 +4,17 @@ mlx-lm calls a request's logits processors once per decode step, with the token 
 ending in the token just sampled. This controller tracks the channel at token level (its
 own detokenizer and channel router, so it agrees with the output pipeline), forces the
 format's end-of-reasoning tokens once the budget is spent, and hands answer-channel tokens
-to the guided matcher. It runs on the engine thread inside the batch step, so it never
-raises: a failure is recorded in `error` and the engine ends just this request.
+to the guided matcher (tool-call bodies, Channel.TOOL, count as answer here: the tool
+grammar began before the call opened). It can also ban ids at every step (the token that
+opens a tool call, under `tool_choice: none`). It runs on the engine thread inside the batch
+step, so it never raises: a failure is recorded in `error` and the engine ends just this
+request.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Literal, Protocol
 
 import mlx.core as mx
 
@@ -42,13 +45,21 @@ class RequestController:
         grammar: Grammar | None,
         reasoning_open_ids: frozenset[int] = frozenset(),
         eos_ids: frozenset[int] = frozenset(),
+        banned_ids: tuple[int, ...] = (),
+        grammar_start: Literal["answer", "reasoning_end"] = "answer",
     ) -> None:
+        """`grammar_start`: when the grammar takes over after reasoning. "answer": at the
+        first answer (or tool) token, for grammars over the answer text. "reasoning_end": as
+        soon as the reasoning block closes, for grammars that also cover the headers that
+        follow it (harmony tool calls); forced tokens after that point go to the grammar."""
         self._detok = Detokenizer(decode)
         self._router = ChannelRouter(fmt, initial, state=state)
         self._budget = budget
         self._forced_end_ids = forced_end_ids
         self._forcing: deque[int] = deque()
         self._grammar = grammar
+        self._banned = tuple(sorted(set(banned_ids)))
+        self._after_reasoning = grammar_start == "reasoning_end"
         # With the answer channel first, the model may still open a reasoning block with its
         # first token; the grammar starts once it is clear that it did not.
         self._grammar_on = initial is Channel.ANSWER
@@ -81,12 +92,22 @@ class RequestController:
         if forced:
             self._forcing.popleft()
         before = self._router.channel
+        ended_before = self._router.reasoning_ended
         self._router.feed(self._detok.feed(token))
         after = self._router.channel
-        if Channel.REASONING in (before, after):
+        # Harmony's channel stays REASONING in the headers after the analysis message; a
+        # grammar that covers those headers makes them answer tokens.
+        reasoning = after is Channel.REASONING and not (
+            self._after_reasoning and self._router.reasoning_ended
+        )
+        # The token that closes reasoning counts as reasoning, unless it opens a tool call.
+        if reasoning or (before is Channel.REASONING and after is Channel.ANSWER):
             self.reasoning_tokens += 1
-        # Forced end-of-reasoning tokens are the format's, not the answer's: never the grammar's.
-        if self._grammar is not None and self._grammar_on and not forced:
+        # Forced end-of-reasoning tokens are the format's, not the answer's: not the grammar's,
+        # unless the grammar covers what follows the reasoning block.
+        if self._grammar is not None and self._grammar_on and (
+            not forced or self._after_reasoning
+        ):
             if self._first_step and token in self._open_ids:
                 self._grammar_on = False  # the model opened a reasoning block after all
             else:
@@ -94,12 +115,15 @@ class RequestController:
                 if self._grammar.error is not None:
                     self.error = self._grammar.error
         self._first_step = False
-        if before is Channel.REASONING and after is Channel.ANSWER:
-            self._grammar_on = True  # reasoning closed: the grammar owns the next token
+        if self._after_reasoning:
+            if self._router.reasoning_ended and not ended_before:
+                self._grammar_on = True  # reasoning closed: the grammar owns the next token
+        elif before is Channel.REASONING and after in _ANSWERS:
+            self._grammar_on = True
         if (
             self._budget is not None
             and not self.forced
-            and after is Channel.REASONING
+            and reasoning
             and self.reasoning_tokens >= self._budget
         ):
             self.forced = True
@@ -108,6 +132,7 @@ class RequestController:
     def _constrain(self, logits: mx.array) -> mx.array:
         if self._forcing:
             return _only(logits, self._forcing[0])
+        logits = _without(logits, self._banned)
         if self._grammar is None:
             return logits
         if not self._grammar_on:
@@ -120,6 +145,9 @@ class RequestController:
             if top in self._open_ids:
                 return _only(logits, top)
         return self._grammar.mask(logits)
+
+
+_ANSWERS = (Channel.ANSWER, Channel.TOOL)
 
 
 def _without(logits: mx.array, ids: tuple[int, ...]) -> mx.array:

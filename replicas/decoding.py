@@ -1,18 +1,47 @@
 """The per-request output pipeline: token ids in, output events out.
 
-detokenizer -> channel router -> stop matcher (answer channel only) -> TextDelta events.
-Like each stage it is `feed()` plus `finish()`; non-streaming is the same calls.
+detokenizer -> channel router -> stop matcher (answer channel only) -> TextDelta events,
+and, with tool parsing on, the router's TOOL channel -> tool-call parser -> ToolCall*
+events. Like each stage it is `feed()` plus `finish()`; non-streaming is the same calls.
 """
 
 from __future__ import annotations
 
-from replicas.contract import Channel, Finished, FinishReason, OutputEvent, TextDelta, Usage
+import logging
+
+from replicas.contract import (
+    Channel,
+    Finished,
+    FinishReason,
+    OutputEvent,
+    TextDelta,
+    ToolCallStart,
+    Usage,
+)
 from replicas.detokenizer import Decode, Detokenizer
-from replicas.pipeline.channels import ChannelFormat, ChannelRouter
+from replicas.pipeline.channels import ChannelFormat, ChannelRouter, Routed
 from replicas.pipeline.stops import StopMatcher
+from replicas.pipeline.tool_calls import ToolCallParser, ToolParsing
+from replicas.pipeline.tool_formats import with_tools
+
+_log = logging.getLogger(__name__)
+
+# A turn that ends by itself after a call ended to let the tools run.
+_CALL_ENDINGS = (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.GRAMMAR_COMPLETE)
 
 
 class RequestDecoder:
+    """One request's output pipeline.
+
+    `tools`: None keeps tool-call markup as plain text. With a `ToolParsing` (e.g.
+    `ToolParsing.from_specs(get_tool_format(name), request.tools)`), `fmt` is composed with
+    its tool format (`tool_formats.with_tools`; pass the base format, or the composed one);
+    each call's text leaves as ToolCallStart/Delta/End events and never reaches the stop
+    matcher, text after the first call is dropped (the contract's event order), and
+    a turn that ends by itself after a call finishes with `FinishReason.TOOL_CALLS`.
+    A `RequestController` for the same request should route with the same composed format.
+    """
+
     def __init__(
         self,
         decode: Decode,
@@ -22,10 +51,16 @@ class RequestDecoder:
         stops: tuple[str, ...],
         include_stop: bool,
         prompt_tokens: int,
+        tools: ToolParsing | None = None,
     ) -> None:
         self._detok = Detokenizer(decode)
+        if tools is not None:
+            fmt = with_tools(fmt, tools.format)
         self._router = ChannelRouter(fmt, initial, state=state)
         self._stops = StopMatcher(stops, include_stop)
+        self._calls = ToolCallParser(tools) if tools is not None else None
+        self._answer_closed = False  # a call started: no more text, stops are done
+        self._dropped = False
         self._prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.reasoning_tokens = 0
@@ -34,6 +69,11 @@ class RequestDecoder:
     def matched_stop(self) -> str | None:
         """Set once a stop string completed; the request must end now."""
         return self._stops.matched
+
+    @property
+    def tool_calls(self) -> int:
+        """How many tool calls have started so far."""
+        return self._calls.calls if self._calls is not None else 0
 
     def count(self, token_id: int) -> None:
         """A generated token that produces no text (EOS, a stop token id)."""
@@ -54,13 +94,20 @@ class RequestDecoder:
         if self._stops.matched is None and reason is not FinishReason.CANCELLED:
             events = self._route(self._detok.finish())
             if self._stops.matched is None:
-                events.extend(self._answer_or_reasoning(self._router.finish()))
-            if self._stops.matched is None:
+                if self._calls is None:
+                    events.extend(self._answer_or_reasoning(self._router.finish()))
+                else:
+                    events.extend(self._dispatch(self._router.finish_with_calls()))
+                    if self._stops.matched is None:
+                        events.extend(self._tool_events(self._calls.finish()))
+            if self._stops.matched is None and not self._answer_closed:
                 tail = self._stops.finish(reason)
                 if tail:
                     events.append(TextDelta(Channel.ANSWER, tail))
         if self._stops.matched is not None:
             reason, stop = FinishReason.STOP_SEQUENCE, self._stops.matched
+        elif self.tool_calls and reason in _CALL_ENDINGS:
+            reason = FinishReason.TOOL_CALLS
         usage = Usage(self._prompt_tokens, self.completion_tokens, self.reasoning_tokens)
         events.append(Finished(reason, usage, stop))
         return _merge(events)
@@ -68,7 +115,9 @@ class RequestDecoder:
     def _route(self, text: str) -> list[OutputEvent]:
         if not text or self._stops.matched is not None:
             return []
-        return self._answer_or_reasoning(self._router.feed(text))
+        if self._calls is None:
+            return self._answer_or_reasoning(self._router.feed(text))
+        return self._dispatch(self._router.feed_with_calls(text))
 
     def _answer_or_reasoning(self, pieces: list[TextDelta]) -> list[OutputEvent]:
         events: list[OutputEvent] = []
@@ -83,9 +132,51 @@ class RequestDecoder:
                 break  # nothing after a stop is ever emitted, in any channel
         return events
 
+    def _dispatch(self, pieces: list[Routed]) -> list[OutputEvent]:
+        """Router output with tool parsing on: TOOL text and boundaries to the parser."""
+        assert self._calls is not None
+        events: list[OutputEvent] = []
+        for piece in pieces:
+            if isinstance(piece, TextDelta) and piece.channel is not Channel.TOOL:
+                events.extend(self._text(piece))
+            else:
+                events.extend(self._tool_events(self._calls.feed(
+                    piece.text if isinstance(piece, TextDelta) else piece
+                )))
+            if self._stops.matched is not None:
+                break
+        return events
+
+    def _tool_events(self, events: list[OutputEvent]) -> list[OutputEvent]:
+        """The parser's events; its text (malformed markup) is answer text like any other."""
+        out: list[OutputEvent] = []
+        for event in events:
+            if isinstance(event, TextDelta):
+                out.extend(self._text(event))
+                if self._stops.matched is not None:
+                    break
+                continue
+            if isinstance(event, ToolCallStart) and not self._answer_closed:
+                # The answer can only end here: a held possible stop prefix is answer text.
+                self._answer_closed = True
+                tail = self._stops.finish(FinishReason.EOS)
+                if tail:
+                    out.append(TextDelta(Channel.ANSWER, tail))
+            out.append(event)
+        return out
+
+    def _text(self, piece: TextDelta) -> list[OutputEvent]:
+        if self._answer_closed:  # the contract: all text comes before the first call
+            if piece.text.strip() and not self._dropped:
+                self._dropped = True  # once per request: a runaway model must not flood the log
+                _log.warning("%s text after a tool call is dropped", piece.channel.value)
+            return []
+        return self._answer_or_reasoning([piece])
+
 
 def _merge(events: list[OutputEvent]) -> list[OutputEvent]:
-    """Join adjacent deltas of one channel, so a flush does not become many tiny chunks."""
+    """Join adjacent deltas of one channel, so a flush does not become many tiny chunks.
+    Tool-call events are never merged: each one is its own protocol event."""
     merged: list[OutputEvent] = []
     for event in events:
         last = merged[-1] if merged else None

@@ -40,12 +40,19 @@ class UnauthorizedError(ReplicaError):
     kind = ErrorKind.UNAUTHORIZED
 
 
+class DeadlineError(ReplicaError):
+    """A deadline passed (the request's own, or the wait for a replica)."""
+
+    kind = ErrorKind.TIMEOUT
+
+
 class InternalError(ReplicaError):
     kind = ErrorKind.INTERNAL
 
 
 _BY_KIND = {cls.kind: cls for cls in (InvalidRequestError, NotFoundError, ContextLengthError,
-                                      OverloadedError, UnauthorizedError, InternalError)}
+                                      OverloadedError, UnauthorizedError, DeadlineError,
+                                      InternalError)}
 
 
 def from_event(failed: Failed) -> ReplicaError:

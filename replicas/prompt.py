@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from replicas.contract import ChatPrompt, Prompt, ReasoningSpec, TextPrompt, TokenPrompt
+from replicas.contract import (
+    ChatMessage,
+    ChatPrompt,
+    Prompt,
+    ReasoningSpec,
+    TextPrompt,
+    TokenPrompt,
+    ToolSpec,
+)
 from replicas.errors import InvalidRequestError
 
 
@@ -16,10 +25,14 @@ class RenderedPrompt:
 
 
 def render_prompt(
-    hf_tokenizer: Any, prompt: Prompt, reasoning: ReasoningSpec, vocab_size: int
+    hf_tokenizer: Any,
+    prompt: Prompt,
+    reasoning: ReasoningSpec,
+    vocab_size: int,
+    tools: tuple[ToolSpec, ...] = (),
 ) -> RenderedPrompt:
     if isinstance(prompt, ChatPrompt):
-        text = render_chat_text(hf_tokenizer, prompt, reasoning)
+        text = render_chat_text(hf_tokenizer, prompt, reasoning, tools)
         ids = hf_tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(prompt, TextPrompt):
         text = prompt.text
@@ -40,17 +53,15 @@ def render_prompt(
     return RenderedPrompt(tuple(ids), text)
 
 
-def render_chat_text(hf_tokenizer: Any, prompt: ChatPrompt, reasoning: ReasoningSpec) -> str:
+def render_chat_text(
+    hf_tokenizer: Any, prompt: ChatPrompt, reasoning: ReasoningSpec,
+    tools: tuple[ToolSpec, ...] = (),
+) -> str:
     if getattr(hf_tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "this model has no chat template; use /v1/completions", param="messages"
         )
-    messages: list[dict[str, str]] = []
-    for message in prompt.messages:
-        entry = {"role": message.role, "content": message.content}
-        if message.reasoning:
-            entry["reasoning_content"] = message.reasoning
-        messages.append(entry)
+    messages = [template_message(m) for m in prompt.messages]
     # A trailing assistant message is a prefill: the model continues it.
     prefill = bool(messages) and messages[-1]["role"] == "assistant"
     kwargs = dict(reasoning.template_kwargs)
@@ -58,6 +69,9 @@ def render_chat_text(hf_tokenizer: Any, prompt: ChatPrompt, reasoning: Reasoning
         kwargs["enable_thinking"] = reasoning.enabled
     if reasoning.effort is not None:
         kwargs["reasoning_effort"] = reasoning.effort
+    # Only when there are tools: templates test `tools is defined` as well as truthiness.
+    if tools:
+        kwargs["tools"] = [template_tool(t) for t in tools]
     try:
         return str(
             hf_tokenizer.apply_chat_template(
@@ -71,3 +85,52 @@ def render_chat_text(hf_tokenizer: Any, prompt: ChatPrompt, reasoning: Reasoning
     except Exception as exc:  # jinja raises for e.g. roles that do not alternate
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message in the shape transformers' chat templates take (as in its docs:
+    call arguments as a dict, tool results with their call id and tool name)."""
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.reasoning:
+        entry["reasoning_content"] = message.reasoning
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    # Set only when known: templates test these with `is defined`.
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        entry["name"] = message.name
+    return entry
+
+
+def template_tool(tool: ToolSpec) -> dict[str, Any]:
+    """A tool as transformers passes it to templates: an OpenAI function tool."""
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    try:
+        function["parameters"] = json.loads(tool.parameters)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"tool {tool.name!r}: parameters is not valid JSON: {exc}", param="tools"
+        ) from exc
+    return {"type": "function", "function": function}
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"tool call arguments must be a JSON object, got {text[:80]!r}", param="messages"
+        )
+    return value

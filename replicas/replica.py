@@ -18,6 +18,7 @@ from replicas.contract import (
     ChatPrompt,
     ErrorKind,
     Failed,
+    Finished,
     GenerationRequest,
     OutputEvent,
     SamplingParams,
@@ -37,8 +38,15 @@ from replicas.pipeline.channels import (
     initial_state,
 )
 from replicas.pipeline.stops import merge_stops
+from replicas.pipeline.tool_formats import (
+    ToolFormat,
+    detect_tool_format,
+    get_tool_format,
+    with_tools,
+)
 from replicas.prompt import RenderedPrompt, render_prompt
 from replicas.sampling import validate as validate_sampling
+from replicas.tool_plan import ToolPlan, plan_tools
 
 if TYPE_CHECKING:  # imported on first guided request: llguidance is only loaded when used
     from replicas.guided import GuidedTokenizer
@@ -52,6 +60,12 @@ class ReplicaOptions:
     max_stops: int = 16
     channel_format: str | None = None  # None: detected from the tokenizer
     thinking_budget: int | None = None  # default budget for reasoning, in tokens
+    tool_format: str | None = None  # None: detected from the chat template and vocabulary
+    # Caps the model's context (vLLM's max_model_len): KV memory grows with it, and a Mac
+    # with little memory can serve a long-context model at a shorter length.
+    max_model_len: int | None = None
+    # A max_tokens past the context: "clamp" lowers it to what is left, "reject" is a 400.
+    max_tokens_past_context: str = "clamp"
     engine: EngineConfig = field(default_factory=EngineConfig)
     load_timeout_s: float = 600.0
     # After the first flush, events are held at most this long so one message carries many
@@ -78,7 +92,8 @@ class ModelReplica:
         self._format: ChannelFormat = get_format("none")
         self._decode: Decode | None = None
         self._guided_lock = threading.Lock()
-        self._guided_tokenizer: GuidedTokenizer | None = None
+        self._guided_tokenizer_: GuidedTokenizer | None = None
+        self._tool_format: ToolFormat = get_tool_format("none")
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -92,6 +107,13 @@ class ModelReplica:
             model.chat_template, model.hf_tokenizer.get_vocab().keys()
         )
         self._format = get_format(name)
+        vocab = model.hf_tokenizer.get_vocab().keys()
+        tool_name = self.options.tool_format or detect_tool_format(model.chat_template, vocab)
+        self._tool_format = get_tool_format(tool_name)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        return self._tool_format
 
     def shutdown(self) -> None:
         self._engine.shutdown()
@@ -109,6 +131,13 @@ class ModelReplica:
         return self._model
 
     @property
+    def context_length(self) -> int:
+        """Prompt plus output tokens one request may use."""
+        limit = self.options.max_model_len
+        native = self.model.context_length
+        return native if limit is None else min(native, limit)
+
+    @property
     def channel_format(self) -> ChannelFormat:
         return self._format
 
@@ -119,7 +148,7 @@ class ModelReplica:
         every `flush_interval_s`, each holding everything that arrived meanwhile."""
         sink = _QueueSink(asyncio.get_running_loop())
         try:
-            sub = await asyncio.to_thread(self._prepare, request, sink)
+            sub, warnings = await asyncio.to_thread(self._prepare, request, sink)
         except ReplicaError as exc:
             yield [exc.as_event()]
             return
@@ -140,6 +169,8 @@ class ModelReplica:
                 while not sink.queue.empty():
                     batch.extend(sink.queue.get_nowait())
                 done = any(is_terminal(e) for e in batch)
+                if done and warnings:
+                    batch = [_with_warnings(e, warnings) for e in batch]
                 yield batch
                 next_flush = loop.time() + self.options.flush_interval_s
         finally:
@@ -156,54 +187,72 @@ class ModelReplica:
 
     def _render(self, request: GenerationRequest) -> RenderedPrompt:
         model = self.model
-        return render_prompt(model.hf_tokenizer, request.prompt, request.reasoning, model.vocab_size)
+        return render_prompt(model.hf_tokenizer, request.prompt, request.reasoning, model.vocab_size,
+                             tools=request.tools)
 
-    def _prepare(self, request: GenerationRequest, sink: _QueueSink) -> Submission:
+    def _prepare(self, request: GenerationRequest,
+                 sink: _QueueSink) -> tuple[Submission, tuple[str, ...]]:
         model = self.model
         assert self._decode is not None
         validate_sampling(request.sampling, model.vocab_size)
         stops = self._stops(request)
         rendered = self._render(request)
-        max_tokens = self._max_tokens(request, len(rendered.token_ids))
-        # Completions are raw continuations: channels only apply to chat.
+        max_tokens, clamp_warning = self._max_tokens(request, len(rendered.token_ids))
+        # Completions are raw continuations: channels and tool calls only apply to chat.
         chat = isinstance(request.prompt, ChatPrompt)
-        fmt = self._format if chat else get_format("none")
-        initial = initial_channel(fmt, rendered.text)
-        state = initial_state(fmt, rendered.text)
-        grammar = self._grammar(request) if request.guided is not None else None
+        base = self._format if chat else get_format("none")
+        initial = initial_channel(base, rendered.text)
+        state = initial_state(base, rendered.text)
+        tools = self._tool_plan(request, chat)
+        fmt = with_tools(base, tools.parsing.format) if tools.parsing is not None else base
+        if tools.grammar is not None:
+            grammar: Grammar | None = self._matcher(tools.grammar)
+        elif request.guided is not None:
+            from replicas.guided import compile_guided
+
+            grammar = self._matcher(compile_guided(request.guided))
+        else:
+            grammar = None
+        # A response_format grammar decides where the text ends; a tool grammar leaves the
+        # text before a call free, so stops still apply to it.
+        text_grammar = grammar is not None and tools.grammar is None
         decoder = RequestDecoder(
             self._decode,
             fmt,
             initial,
             state,
-            stops=() if grammar is not None else stops,  # the grammar decides where it ends
+            stops=() if text_grammar else stops,
             include_stop=request.stop.include_in_output,
             prompt_tokens=len(rendered.token_ids),
+            tools=tools.parsing,
         )
         budget = self._budget(request) if chat else None
         controller = None
-        if grammar is not None or budget is not None:
+        if grammar is not None or budget is not None or tools.banned_ids:
             controller = RequestController(
                 self._decode,
                 fmt,
                 initial,
                 state,
                 budget=budget,
-                forced_end_ids=self._encode(fmt.reasoning_end),
+                forced_end_ids=self._encode(tools.forced_end or fmt.reasoning_end),
                 grammar=grammar,
                 reasoning_open_ids=self._open_ids(fmt),
                 eos_ids=model.eos_token_ids,
+                banned_ids=tools.banned_ids,
+                grammar_start=tools.grammar_start,
             )
-        return Submission(
+        sub = Submission(
             request_id=request.request_id,
             prompt_ids=list(rendered.token_ids),
             max_tokens=max_tokens,
             sampling=_unsigned_seed(request.sampling),
-            stop_token_ids=frozenset() if grammar is not None else frozenset(request.stop.token_ids),
+            stop_token_ids=frozenset() if text_grammar else frozenset(request.stop.token_ids),
             decoder=decoder,
             controller=controller,
             sink=sink,
         )
+        return sub, (clamp_warning,) if clamp_warning else ()
 
     def _stops(self, request: GenerationRequest) -> tuple[str, ...]:
         for stop in request.stop.strings:
@@ -223,19 +272,29 @@ class ModelReplica:
                 )
         return stops
 
-    def _max_tokens(self, request: GenerationRequest, prompt_tokens: int) -> int:
-        context = self.model.context_length
+    def _max_tokens(self, request: GenerationRequest, prompt_tokens: int) -> tuple[int, str | None]:
+        """The generation limit, and a warning when a too-large max_tokens was clamped.
+
+        Clients such as Claude Code ask for a fixed max_tokens (32000) whatever the model's
+        context; refusing that would fail every request on a small model, so by default it
+        is lowered to what is left. A prompt that itself leaves no room is always a 400.
+        """
+        context = self.context_length
         room = context - prompt_tokens
         wanted = request.sampling.max_tokens
         if wanted is not None and wanted < 1:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        if room < 1 or (wanted is not None and wanted > room):
+        if room < 1 or (wanted is not None and wanted > room
+                        and self.options.max_tokens_past_context == "reject"):
             raise ContextLengthError(
                 f"this model's maximum context length is {context} tokens; the prompt has "
                 f"{prompt_tokens} tokens and max_tokens asks for {wanted or 1} more",
                 param="max_tokens",
             )
-        return wanted if wanted is not None else room
+        if wanted is not None and wanted > room:
+            return room, (f"max_tokens lowered from {wanted} to {room}: the prompt has "
+                          f"{prompt_tokens} tokens of this model's {context}-token context")
+        return (wanted if wanted is not None else room), None
 
     def _budget(self, request: GenerationRequest) -> int | None:
         if request.reasoning.enabled is False or not self._format.reasoning_end:
@@ -248,21 +307,29 @@ class ModelReplica:
                                       param="thinking_budget")
         return budget
 
-    def _grammar(self, request: GenerationRequest) -> Grammar:
-        from replicas.guided import GuidedMatcher, GuidedTokenizer, compile_guided
+    def _tool_plan(self, request: GenerationRequest, chat: bool) -> ToolPlan:
+        if request.tools and not chat:
+            raise InvalidRequestError("tools need a chat request", param="tools")
+        return plan_tools(request, self._tool_format, self._guided_tokenizer, self._encode)
 
-        assert request.guided is not None
-        grammar = compile_guided(request.guided)
+    def _matcher(self, grammar: str) -> Grammar:
+        from replicas.guided import GuidedMatcher
+
+        return GuidedMatcher(self._guided_tokenizer(), grammar)
+
+    def _guided_tokenizer(self) -> GuidedTokenizer:
+        from replicas.guided import GuidedTokenizer
+
         with self._guided_lock:  # built once per model, on first use
-            tokenizer = self._guided_tokenizer
+            tokenizer = self._guided_tokenizer_
             if tokenizer is None:
                 model = self.model
-                tokenizer = self._guided_tokenizer = GuidedTokenizer.from_hf(
+                tokenizer = self._guided_tokenizer_ = GuidedTokenizer.from_hf(
                     model.hf_tokenizer,
                     vocab_size=model.vocab_size,
                     eos_token_ids=sorted(model.eos_token_ids),
                 )
-        return GuidedMatcher(tokenizer, grammar)
+        return tokenizer
 
     def _encode(self, text: str) -> tuple[int, ...]:
         if not text:
@@ -281,6 +348,12 @@ class ModelReplica:
             if len(encoded) == 1:
                 ids.add(encoded[0])
         return frozenset(ids)
+
+
+def _with_warnings(event: OutputEvent, warnings: tuple[str, ...]) -> OutputEvent:
+    if isinstance(event, Finished):
+        return dataclasses.replace(event, warnings=event.warnings + warnings)
+    return event
 
 
 def _unsigned_seed(sampling: SamplingParams) -> SamplingParams:

@@ -12,12 +12,33 @@ from fastapi.responses import JSONResponse
 
 from ingress.client import ModelCard, ModelClient
 from ingress.errors import error_response, protocol_for
-from replicas.contract import ErrorKind, GenerationRequest, OutputEvent
+from replicas.contract import (
+    ErrorKind,
+    GenerationRequest,
+    OutputEvent,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from replicas.errors import ReplicaError
 
 # A script item is an event to yield or an error to raise at that point of the stream.
 Step = OutputEvent | ReplicaError
 Script = Sequence[Step] | Callable[[GenerationRequest], Sequence[Step]]
+
+
+def tool_call(index: int, call_id: str, name: str, *pieces: str) -> list[OutputEvent]:
+    """One call as the replica emits it: Start, a Delta per piece of the arguments, End.
+
+    `pieces` concatenate to the arguments' JSON text; none means `{}` in one piece. Put the
+    calls of a turn after any text and before `Finished(FinishReason.TOOL_CALLS, ...)`.
+    """
+    pieces = pieces or ("{}",)
+    return [
+        ToolCallStart(index, call_id, name),
+        *(ToolCallDelta(index, piece) for piece in pieces),
+        ToolCallEnd(index, "".join(pieces)),
+    ]
 
 
 class FakeClient:

@@ -2,7 +2,7 @@
 
 Checks the rules pydantic cannot express (role order, emptiness, prefill, block types) with
 Anthropic's wording where the real API has one; every failure is a `ReplicaError`, which the
-app renders as an Anthropic error body.
+app renders as an Anthropic error body. Tool definitions and tool blocks are in `tools.py`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 from ingress.anthropic.models import (
     ContentBlock,
     CountTokensRequest,
+    Message,
     MessagesRequest,
     TextBlock,
     ThinkingAdaptive,
     ThinkingBlock,
     ThinkingEnabled,
+    ToolResultBlock,
+    ToolUseBlock,
 )
+from ingress.anthropic.tools import tool_call, tool_choice, tool_result, tool_specs
 from ingress.client import ModelCard
 from replicas.contract import (
     ChatMessage,
@@ -27,6 +31,7 @@ from replicas.contract import (
     ReasoningSpec,
     SamplingParams,
     StopSpec,
+    ToolCall,
 )
 from replicas.errors import InvalidRequestError
 
@@ -34,6 +39,15 @@ from replicas.errors import InvalidRequestError
 # joined like paragraphs. Blocks inside one message are concatenated as-is, since clients
 # split one text into blocks (e.g. for cache breakpoints) without meaning a separator.
 TURN_SEPARATOR = "\n\n"
+
+# `output_config.effort` as a thinking budget for adaptive thinking. Anthropic publishes no
+# token numbers for its levels; these are ours: low 1024, medium 4096, high 16384,
+# xhigh 32768, and max None, i.e. no cap but the served model's own default budget.
+EFFORT_BUDGET: dict[str, int | None] = {
+    "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None,
+}
+# Chat templates know OpenAI's three `reasoning_effort` levels; the two above "high" are "high".
+TEMPLATE_EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 def new_message_id() -> str:
@@ -46,6 +60,7 @@ def to_generation_request(body: MessagesRequest, card: ModelCard) -> GenerationR
         raise InvalidRequestError(
             "`max_tokens` must be greater than `thinking.budget_tokens`", param="max_tokens"
         )
+    tools = tool_specs(body.tools)
     return GenerationRequest(
         request_id=new_message_id(),
         model=card.id,
@@ -59,26 +74,43 @@ def to_generation_request(body: MessagesRequest, card: ModelCard) -> GenerationR
         ),
         stop=StopSpec(strings=tuple(body.stop_sequences or ())),
         reasoning=_reasoning(body),
+        tools=tools,
+        tool_choice=tool_choice(body.tool_choice, tools),
     )
 
 
 def to_count_request(body: CountTokensRequest, card: ModelCard) -> GenerationRequest:
-    """The request whose prompt would be counted; thinking matters, as it changes the template."""
+    """The request whose prompt would be counted; thinking and tools change the template."""
+    tools = tool_specs(body.tools)
     return GenerationRequest(
         request_id=new_message_id(),
         model=card.id,
         prompt=to_prompt(body),
         reasoning=_reasoning(body),
+        tools=tools,
+        tool_choice=tool_choice(body.tool_choice, tools),
     )
+
+
+def omits_thinking(body: CountTokensRequest) -> bool:
+    """`thinking.display: "omitted"`: thinking blocks are sent with empty text, as Anthropic
+    does (the model still reasons; only the text is withheld)."""
+    thinking = body.thinking
+    return isinstance(thinking, (ThinkingEnabled, ThinkingAdaptive)) and (
+        thinking.display == "omitted")
 
 
 def _reasoning(body: CountTokensRequest) -> ReasoningSpec:
     # Anthropic does not think unless asked, whatever the model's template would default to.
-    if isinstance(body.thinking, ThinkingEnabled):
-        return ReasoningSpec(enabled=True, budget_tokens=body.thinking.budget_tokens)
+    effort = body.output_config.effort if body.output_config else None
+    template_effort = TEMPLATE_EFFORT[effort] if effort else None
+    if isinstance(body.thinking, ThinkingEnabled):  # an explicit budget beats the effort's
+        return ReasoningSpec(enabled=True, budget_tokens=body.thinking.budget_tokens,
+                             effort=template_effort)
     if isinstance(body.thinking, ThinkingAdaptive):
-        return ReasoningSpec(enabled=True)
-    return ReasoningSpec(enabled=False)
+        budget = EFFORT_BUDGET[effort] if effort else None
+        return ReasoningSpec(enabled=True, budget_tokens=budget, effort=template_effort)
+    return ReasoningSpec(enabled=False, effort=template_effort)
 
 
 @dataclass
@@ -86,76 +118,134 @@ class _Turn:
     role: str
     texts: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    result: ChatMessage | None = None  # a tool turn: the message as is
 
     def message(self) -> ChatMessage:
+        if self.result is not None:
+            return self.result
         reasoning = TURN_SEPARATOR.join(self.reasoning) or None
-        return ChatMessage(self.role, TURN_SEPARATOR.join(self.texts), reasoning=reasoning)
+        return ChatMessage(self.role, TURN_SEPARATOR.join(self.texts), reasoning=reasoning,
+                           tool_calls=tuple(self.calls))
+
+
+@dataclass
+class _Parts:
+    """What one message holds, by kind."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    results: list[ChatMessage] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.text or self.reasoning or self.calls or self.results)
 
 
 def to_prompt(body: CountTokensRequest) -> ChatPrompt:
-    """System first, then one message per turn.
+    """System first, then one message per turn; each tool_result is a `tool` message.
 
-    A final assistant message is a prefill: it stays the last message, and the replica
-    continues that message instead of opening a new assistant turn.
+    Leading `system` messages join the `system` prompt; later ones stay system turns. A final
+    assistant message is a prefill: it stays the last message, and the replica continues that
+    message instead of opening a new assistant turn.
     """
-    if body.tools:
-        raise InvalidRequestError("tools: tool use is not supported by this server", param="tools")
-    if body.messages[0].role != "user":
+    leading = next((i for i, m in enumerate(body.messages) if m.role != "system"), None)
+    if leading is None or body.messages[leading].role != "user":
         raise InvalidRequestError('messages: first message must use the "user" role')
 
+    called: dict[str, str] = {}  # tool_use id -> tool name, for the results that follow
     last = len(body.messages) - 1
     turns: list[_Turn] = []
     for index, message in enumerate(body.messages):
-        where = f"messages.{index}"
-        text, reasoning = _message_parts(message.content, message.role, where)
-        if not (text or reasoning) and not (index == last and message.role == "assistant"):
-            raise InvalidRequestError(
-                f"{where}: all messages must have non-empty content except for the optional "
-                "final assistant message"
-            )
-        if index == last and message.role == "assistant" and text != text.rstrip():
-            raise InvalidRequestError(
-                "messages: final assistant content cannot end with trailing whitespace"
-            )
-        if not turns or turns[-1].role != message.role:
-            turns.append(_Turn(message.role))
-        if text:
-            turns[-1].texts.append(text)
-        if reasoning:
-            turns[-1].reasoning.append(reasoning)
+        parts = _message_parts(message, f"messages.{index}", called)
+        _check_content(parts, message.role, index, last)
+        _add(turns, message.role, parts)
 
-    # An empty final assistant message asks for nothing to continue: no prefill.
-    messages = [turn.message() for turn in turns if turn.texts or turn.reasoning]
-    system = _system_text(body.system)
-    if system:
-        messages.insert(0, ChatMessage("system", system))
+    messages = [turn.message() for turn in turns]
+    system = [_system_text(body.system)]
+    if leading:  # the leading system messages, merged into one turn
+        system.append(messages.pop(0).content)
+    system_text = TURN_SEPARATOR.join(text for text in system if text)
+    if system_text:
+        messages.insert(0, ChatMessage("system", system_text))
     return ChatPrompt(tuple(messages))
 
 
-def _message_parts(blocks: list[ContentBlock], role: str, where: str) -> tuple[str, str]:
-    """The message's text and its reasoning (thinking blocks of an earlier assistant turn)."""
+def _check_content(parts: _Parts, role: str, index: int, last: int) -> None:
+    prefill = index == last and role == "assistant"
+    if parts.empty() and not prefill:
+        raise InvalidRequestError(
+            f"messages.{index}: all messages must have non-empty content except for the "
+            "optional final assistant message"
+        )
+    if prefill and not parts.calls and parts.text != parts.text.rstrip():
+        raise InvalidRequestError(
+            "messages: final assistant content cannot end with trailing whitespace"
+        )
+
+
+def _add(turns: list[_Turn], role: str, parts: _Parts) -> None:
+    """Merges the message into the open turn of its role; tool results never merge."""
+    turns.extend(_Turn("tool", result=result) for result in parts.results)
+    if not (parts.text or parts.reasoning or parts.calls):
+        return  # results only; or an empty final assistant message: no prefill to continue
+    if not turns or turns[-1].role != role:
+        turns.append(_Turn(role))
+    turn = turns[-1]
+    if parts.text:
+        turn.texts.append(parts.text)
+    if parts.reasoning:
+        turn.reasoning.append(parts.reasoning)
+    turn.calls.extend(parts.calls)
+
+
+def _message_parts(message: Message, where: str, called: dict[str, str]) -> _Parts:
+    parts = _Parts()
     texts: list[str] = []
     thoughts: list[str] = []
-    for position, block in enumerate(blocks):
+    for position, block in enumerate(message.content):
         at = f"{where}.content.{position}"
+        _check_role(block, message.role, at)
         if isinstance(block, TextBlock):
             texts.append(_non_empty(block, at))
-        elif isinstance(block, ThinkingBlock) and role == "assistant":
-            thoughts.append(block.thinking)
         elif isinstance(block, ThinkingBlock):
-            raise InvalidRequestError(
-                f"{at}: thinking blocks are only allowed in assistant messages"
-            )
+            thoughts.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            parts.calls.append(tool_call(block))
+        elif isinstance(block, ToolResultBlock):
+            parts.results.append(tool_result(block, at, called))
         else:
             raise InvalidRequestError(
                 f"{at}: content blocks of type {block.type!r} are not supported by this server; "
-                "only text (and thinking in assistant messages) is"
+                "only text, tool_use and tool_result (and thinking in assistant messages) are"
             )
-    return "".join(texts), "".join(thoughts)
+    called.update((call.id, call.name) for call in parts.calls)
+    parts.text, parts.reasoning = "".join(texts), "".join(thoughts)
+    return parts
+
+
+# Which role each block type belongs to (text goes anywhere).
+_BLOCK_ROLE = {ThinkingBlock: "assistant", ToolUseBlock: "assistant", ToolResultBlock: "user"}
+
+
+def _check_role(block: ContentBlock, role: str, at: str) -> None:
+    allowed = _BLOCK_ROLE.get(type(block))
+    if allowed is not None and allowed != role:
+        raise InvalidRequestError(
+            f"{at}: {block.type} blocks are only allowed in {allowed} messages"
+        )
+
+
+# Claude Code puts its billing attribution in a system block ("x-anthropic-billing-header:
+# cc_version=...; ..."), a value that changes between requests. Anthropic's API reads it as
+# a header, not as prompt text; kept, it would make every turn's prompt (and so its prefix)
+# differ from the last.
+_BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _system_text(blocks: list[TextBlock]) -> str:
-    return "".join(_non_empty(block, f"system.{index}") for index, block in enumerate(blocks))
+    return "".join(_non_empty(block, f"system.{index}") for index, block in enumerate(blocks)
+                   if not block.text.startswith(_BILLING_HEADER))
 
 
 def _non_empty(block: TextBlock, at: str) -> str:

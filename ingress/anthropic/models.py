@@ -1,8 +1,9 @@
 """Wire models for the Anthropic Messages API request side.
 
 What pydantic can check lives here, so malformed input is a 400 before any work. Rules that
-span fields or messages (role order, prefill, unsupported block types) live in `convert.py`.
-Unknown fields are ignored, as Anthropic does, so newer clients keep working.
+span fields or messages (role order, prefill, unsupported block types, tool ids) live in
+`convert.py` and `tools.py`. Unknown fields (`cache_control`, `context_management`, betas'
+additions) are ignored, as Anthropic does, so newer clients keep working.
 """
 
 from __future__ import annotations
@@ -30,8 +31,17 @@ class ThinkingBlock(_Wire):
     signature: str = ""  # Anthropic signs its thinking; this server has nothing to verify
 
 
+class ToolUseBlock(_Wire):
+    """A call from an earlier assistant turn."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class OtherBlock(_Wire):
-    """Any other block type (image, document, tool_use, ...).
+    """Any other block type (image, document, server tool blocks, ...).
 
     Parsed rather than rejected here so `convert.py` can answer with a 400 that names the
     type, instead of a union error listing every type this server does not support.
@@ -42,14 +52,17 @@ class OtherBlock(_Wire):
 
 def _block_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("text", "thinking") else "other"
+    return kind if kind in ("text", "thinking", "tool_use", "tool_result") else "other"
 
 
-ContentBlock = Annotated[
-    Annotated[TextBlock, Tag("text")]
-    | Annotated[ThinkingBlock, Tag("thinking")]
-    | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_block_kind),
+def _result_kind(value: Any) -> str:
+    return "text" if _block_kind(value) == "text" else "other"
+
+
+# What a tool_result may hold: text, or another type that tools.py names in its 400.
+ResultBlock = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_result_kind),
 ]
 
 
@@ -64,23 +77,92 @@ def _text_as_blocks(value: Any) -> Any:
     return value
 
 
+class ToolResultBlock(_Wire):
+    """A tool's output, in the user message after the assistant's call."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: list[ResultBlock] = []
+    is_error: bool = False
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_blocks(cls, value: Any) -> Any:
+        return [] if value is None else _text_as_blocks(value)  # a result may have no content
+
+
+ContentBlock = Annotated[
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_kind),
+]
+
+
 class Message(_Wire):
-    role: Literal["user", "assistant"]
+    # "system" inside `messages` is what current clients (Claude Code 2.x) send.
+    role: Literal["user", "assistant", "system"]
     content: list[ContentBlock]
 
     _content_blocks = field_validator("content", mode="before")(_text_as_blocks)
+
+
+class Tool(_Wire):
+    """A tool definition. Server tools (`web_search_20250305`, ...) parse too, so
+    `tools.py` can name them in its 400; custom tools have no type or `custom`."""
+
+    type: str | None = None
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceAuto(_Wire):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(_Wire):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Wire):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(_Wire):
+    type: Literal["none"]
+
+
+ToolChoiceIn = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+]
+
+
+# "summarized" (the default) shows the reasoning, "omitted" sends thinking blocks with empty
+# text. Any other value is accepted and shows it, so a newer client is never refused.
+ThinkingDisplay = str | None
 
 
 class ThinkingEnabled(_Wire):
     type: Literal["enabled"]
     # Anthropic's service requires >= 1024; local models have no such floor.
     budget_tokens: int = Field(ge=1)
+    display: ThinkingDisplay = None
 
 
 class ThinkingAdaptive(_Wire):
-    """The model decides whether to think, within the served model's default budget."""
+    """The model decides whether to think, within a budget set by `output_config.effort`
+    or else the served model's default."""
 
     type: Literal["adaptive"]
+    display: ThinkingDisplay = None
 
 
 class ThinkingDisabled(_Wire):
@@ -98,6 +180,13 @@ class Metadata(_Wire):
     user_id: str | None = None
 
 
+Effort = Literal["low", "medium", "high", "xhigh", "max"]
+
+
+class OutputConfig(_Wire):
+    effort: Effort | None = None
+
+
 class CountTokensRequest(_Wire):
     """`POST /v1/messages/count_tokens`: the prompt-shaping part of a messages request."""
 
@@ -105,9 +194,11 @@ class CountTokensRequest(_Wire):
     messages: list[Message] = Field(min_length=1)
     system: list[TextBlock] = []
     thinking: Thinking | None = None
-    # Declared only so a request that relies on tools gets a clear 400 (see convert.py)
-    # rather than a silent answer without them.
-    tools: list[dict[str, Any]] | None = None
+    output_config: OutputConfig | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    # Accepted and ignored: this server keeps no state between requests to edit.
+    context_management: dict[str, Any] | None = None
 
     @field_validator("system", mode="before")
     @classmethod

@@ -3,14 +3,17 @@
 `MessageRenderer` is the one mapping: each `feed()` returns the stream events it causes, and
 the same calls build the non-streaming message, so concatenated deltas always equal the
 non-streamed content. Non-streaming is "start, feed everything, finish, read `message`".
+Tool calls are `tool_use` blocks whose arguments stream as `input_json_delta` pieces.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from ingress.errors import Protocol, error_body
+from ingress.protocol import WARNINGS_FIELD
 from replicas.contract import (
     Channel,
     ErrorKind,
@@ -19,6 +22,10 @@ from replicas.contract import (
     FinishReason,
     OutputEvent,
     TextDelta,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
 )
 
 # An Anthropic stream event: its name (the SSE `event:` line) and its JSON payload.
@@ -34,6 +41,7 @@ STOP_REASONS: dict[FinishReason, str] = {
     FinishReason.LENGTH: "max_tokens",
     FinishReason.GRAMMAR_COMPLETE: "end_turn",
     FinishReason.CANCELLED: "end_turn",
+    FinishReason.TOOL_CALLS: "tool_use",
 }
 
 _BLOCK_TYPE = {Channel.REASONING: "thinking", Channel.ANSWER: "text"}
@@ -48,8 +56,35 @@ def stop_fields(finished: Finished) -> tuple[str, str | None]:
     return reason, None
 
 
+def tool_use_id(bare: str) -> str:
+    """The wire id of a call the model made (the replica's ids are bare)."""
+    return f"toolu_{bare}"
+
+
+def usage_body(usage: Usage) -> dict[str, int]:
+    # No prompt cache writes here; reads are whatever the replica reports.
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": usage.cached_tokens,
+    }
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """The call's arguments as the object Anthropic sends; {} if they are not one."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 class MessageRenderer:
-    def __init__(self, message_id: str, model: str) -> None:
+    """`omit_thinking` (`thinking.display: "omitted"`): thinking blocks open and close as
+    usual, with a signature, but carry no text and send no `thinking_delta`."""
+
+    def __init__(self, message_id: str, model: str, *, omit_thinking: bool = False) -> None:
         self._message: dict[str, Any] = {
             "id": message_id,
             "type": "message",
@@ -59,9 +94,11 @@ class MessageRenderer:
             "stop_reason": None,
             "stop_sequence": None,
             # Prompt tokens are only known once the replica finishes; message_delta has them.
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": usage_body(Usage(0, 0)),
         }
+        self._omit_thinking = omit_thinking
         self._open: str | None = None  # type of the content block being streamed
+        self._arguments: list[str] = []  # the open tool_use block's input, as JSON pieces
         self.failure: Failed | None = None
         self.done = False
 
@@ -79,6 +116,15 @@ class MessageRenderer:
             return []  # the contract ends a stream at its terminal event
         if isinstance(event, TextDelta):
             return self._text(event)
+        if isinstance(event, ToolCallStart):
+            return self._close_block() + self._open_block("tool_use", event)
+        if isinstance(event, ToolCallDelta):
+            return self._tool_delta(event)
+        if isinstance(event, ToolCallEnd):
+            if self._open != "tool_use":
+                return []
+            self._arguments = [event.arguments]  # the whole text is authoritative
+            return self._close_block()
         if isinstance(event, Finished):
             return self._finished(event)
         return self._failed(event)
@@ -94,18 +140,35 @@ class MessageRenderer:
             return []  # an empty delta must not open an empty block
         kind = _BLOCK_TYPE[delta.channel]
         frames = [] if self._open == kind else self._close_block() + self._open_block(kind)
+        if kind == "thinking" and self._omit_thinking:
+            return frames
         index = len(self._message["content"]) - 1
         self._message["content"][index][kind] += delta.text
         frames.append(_delta(index, {"type": _DELTA_TYPE[kind], kind: delta.text}))
         return frames
 
-    def _open_block(self, kind: str) -> list[Frame]:
-        # Thinking blocks carry a signature in Anthropic's schema; this server signs nothing.
-        block = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
+    def _tool_delta(self, delta: ToolCallDelta) -> list[Frame]:
+        if self._open != "tool_use" or not delta.arguments:
+            return []
+        self._arguments.append(delta.arguments)
+        index = len(self._message["content"]) - 1
+        return [_delta(index, {"type": "input_json_delta", "partial_json": delta.arguments})]
+
+    def _open_block(self, kind: str, call: ToolCallStart | None = None) -> list[Frame]:
+        block: dict[str, Any]
+        if call is not None:
+            block = {"type": kind, "id": tool_use_id(call.id), "name": call.name, "input": {}}
+            self._arguments = []
+        elif kind == "thinking":
+            # Thinking blocks carry a signature in Anthropic's schema; this server signs nothing.
+            block = {"type": kind, kind: "", "signature": ""}
+        else:
+            block = {"type": kind, kind: ""}
         self._message["content"].append(block)
         self._open = kind
         index = len(self._message["content"]) - 1
-        start = {"type": "content_block_start", "index": index, "content_block": dict(block)}
+        start = {"type": "content_block_start", "index": index,
+                 "content_block": copy.deepcopy(block)}
         return [("content_block_start", start)]
 
     def _close_block(self) -> list[Frame]:
@@ -113,6 +176,8 @@ class MessageRenderer:
             return []
         index = len(self._message["content"]) - 1
         frames: list[Frame] = []
+        if self._open == "tool_use":
+            self._message["content"][index]["input"] = tool_input("".join(self._arguments))
         if self._open == "thinking":
             # Anthropic ends every thinking block with its signature; clients expect the event.
             frames.append(_delta(index, {"type": "signature_delta", "signature": ""}))
@@ -123,14 +188,14 @@ class MessageRenderer:
     def _finished(self, finished: Finished) -> list[Frame]:
         self.done = True
         reason, sequence = stop_fields(finished)
-        usage = {
-            "input_tokens": finished.usage.prompt_tokens,
-            "output_tokens": finished.usage.completion_tokens,
-        }
+        usage = usage_body(finished.usage)
         self._message.update(stop_reason=reason, stop_sequence=sequence, usage=usage)
         delta = {"stop_reason": reason, "stop_sequence": sequence}
+        message_delta = {"type": "message_delta", "delta": delta, "usage": dict(usage)}
+        if finished.warnings:
+            self._message[WARNINGS_FIELD] = message_delta[WARNINGS_FIELD] = list(finished.warnings)
         return self._close_block() + [
-            ("message_delta", {"type": "message_delta", "delta": delta, "usage": dict(usage)}),
+            ("message_delta", message_delta),
             ("message_stop", {"type": "message_stop"}),
         ]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from ingress.openai.tools import chat_messages, tool_choice, tool_specs
 from replicas.contract import (
-    ChatMessage,
     ChatPrompt,
     GenerationRequest,
     GuidedSpec,
@@ -23,18 +24,11 @@ from replicas.errors import InvalidRequestError
 
 def chat_request(body: ChatCompletionRequest, model: str) -> GenerationRequest:
     _common_checks(body)
-    if body.tools:
-        raise InvalidRequestError("tool calling is not supported yet", param="tools")
     if body.top_logprobs:
         raise InvalidRequestError("logprobs are not supported yet", param="top_logprobs")
-    messages = tuple(
-        ChatMessage(
-            role="system" if m.role == "developer" else m.role,
-            content=m.text(),
-            reasoning=m.reasoning_content,
-        )
-        for m in body.messages
-    )
+    messages = chat_messages(body.messages)
+    tools = tool_specs(body)
+    choice = tool_choice(body, tools)
     kwargs = dict(body.chat_template_kwargs or {})
     enabled = kwargs.pop("enable_thinking", None)
     reasoning = ReasoningSpec(
@@ -44,8 +38,9 @@ def chat_request(body: ChatCompletionRequest, model: str) -> GenerationRequest:
         template_kwargs=kwargs,
     )
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _request("chatcmpl", body, model, ChatPrompt(messages), reasoning, max_tokens,
-                    _guided(body, body.response_format))
+    request = _request("chatcmpl", body, model, ChatPrompt(messages), reasoning, max_tokens,
+                       _guided(body, body.response_format))
+    return replace(request, tools=tools, tool_choice=choice)
 
 
 def completion_request(body: CompletionRequest, model: str) -> GenerationRequest:

@@ -17,10 +17,26 @@ class TextPart(_Wire):
     text: str
 
 
+class FunctionCallIn(_Wire):
+    name: str
+    arguments: str  # JSON text of an object, checked in tools.py
+
+
+class ToolCallIn(_Wire):
+    """A call from an earlier assistant turn, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -28,6 +44,32 @@ class ChatMessageIn(_Wire):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDef(_Wire):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Wire):
+    # Any type parses, so tools.py can answer a hosted tool (web_search, ...) with a 400
+    # that names it rather than a union error.
+    type: str
+    function: FunctionDef | None = None
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoiceField = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
 
 
 class StreamOptions(_Wire):
@@ -97,7 +139,9 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget: int | None = Field(default=None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoiceField = None
+    parallel_tool_calls: bool | None = None
     top_logprobs: int | None = None
 
 

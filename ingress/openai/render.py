@@ -11,7 +11,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from replicas.contract import Channel, Finished, FinishReason, OutputEvent, TextDelta, Usage
+from ingress.protocol import WARNINGS_FIELD
+from replicas.contract import (
+    Channel,
+    Finished,
+    FinishReason,
+    OutputEvent,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
 
 # The one table from finish reasons to OpenAI's finish_reason.
 FINISH_REASON = {
@@ -21,6 +32,7 @@ FINISH_REASON = {
     FinishReason.GRAMMAR_COMPLETE: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "stop",
+    FinishReason.TOOL_CALLS: "tool_calls",
 }
 
 Kind = Literal["chat", "completion"]
@@ -44,7 +56,13 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+def call_id(bare: str) -> str:
+    """The wire id of a call the model made (the replica's ids are bare)."""
+    return f"call_{bare}"
 
 
 class ResponseBuilder:
@@ -53,6 +71,7 @@ class ResponseBuilder:
         self._include_usage = include_usage
         self._answer: list[str] = []
         self._reasoning: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}  # message.tool_calls by call index
         self.finished: Finished | None = None
         self._sent_role = False
 
@@ -63,8 +82,14 @@ class ResponseBuilder:
         chunks: list[dict[str, Any]] = []
         if self.meta.kind == "chat" and not self._sent_role:
             self._sent_role = True
+            if isinstance(event, ToolCallStart):
+                # A turn that opens with a call has no content, as OpenAI streams it.
+                return [self._chunk({"role": "assistant", "content": None,
+                                     "tool_calls": [self._start_call(event)]})]
             chunks.append(self._chunk({"role": "assistant", "content": ""}))
-        if isinstance(event, TextDelta) and event.text:
+        if isinstance(event, (ToolCallStart, ToolCallDelta, ToolCallEnd)):
+            chunks.extend(self._tool_event(event))
+        elif isinstance(event, TextDelta) and event.text:
             if event.channel is Channel.ANSWER:
                 self._answer.append(event.text)
                 chunks.append(self._text_chunk("content", event.text))
@@ -77,6 +102,30 @@ class ResponseBuilder:
             if self._include_usage:
                 chunks.append(self._usage_chunk(event.usage))
         return chunks
+
+    def _tool_event(self, event: ToolCallStart | ToolCallDelta | ToolCallEnd) -> list[dict[str, Any]]:
+        if self.meta.kind != "chat":
+            return []  # completions have no tools
+        if isinstance(event, ToolCallStart):
+            return [self._chunk({"tool_calls": [self._start_call(event)]})]
+        function = self._calls[event.index]["function"]
+        if isinstance(event, ToolCallEnd):
+            # The whole text is authoritative for the body; the stream already has every piece.
+            function["arguments"] = event.arguments
+            return []
+        if not event.arguments:
+            return []
+        function["arguments"] += event.arguments
+        piece = {"index": event.index, "function": {"arguments": event.arguments}}
+        return [self._chunk({"tool_calls": [piece]})]
+
+    def _start_call(self, start: ToolCallStart) -> dict[str, Any]:
+        """Records the call for the body; returns its first stream delta."""
+        function = {"name": start.name, "arguments": ""}
+        self._calls[start.index] = {"id": call_id(start.id), "type": "function",
+                                    "function": function}
+        return {"index": start.index, "id": call_id(start.id), "type": "function",
+                "function": dict(function)}
 
     def _base(self, obj: str) -> dict[str, Any]:
         base: dict[str, Any] = {
@@ -105,7 +154,7 @@ class ResponseBuilder:
         return self._chunk({field: text})
 
     def _final_chunk(self, finished: Finished) -> dict[str, Any]:
-        return self._chunk({}, finished)
+        return _with_warnings(self._chunk({}, finished), finished)
 
     def _usage_chunk(self, usage: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.meta.kind == "chat" else "text_completion"
@@ -122,22 +171,31 @@ class ResponseBuilder:
         answer = "".join(self._answer)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, **_finish_fields(finished)}
         if self.meta.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": answer}
+            content = None if self._calls and not answer else answer
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             if self._reasoning:
                 message["reasoning_content"] = "".join(self._reasoning)
+            if self._calls:
+                message["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
             choice = {"index": 0, "message": message, **{k: v for k, v in choice.items() if k != "index"}}
             obj = "chat.completion"
         else:
             choice["text"] = answer
             obj = "text_completion"
-        return {
+        return _with_warnings({
             "id": self.meta.id,
             "object": obj,
             "created": self.meta.created,
             "model": self.meta.model,
             "choices": [choice],
             "usage": usage_body(finished.usage),
-        }
+        }, finished)
+
+
+def _with_warnings(body: dict[str, Any], finished: Finished) -> dict[str, Any]:
+    if finished.warnings:
+        body[WARNINGS_FIELD] = list(finished.warnings)
+    return body
 
 
 def _finish_fields(finished: Finished) -> dict[str, Any]:

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ingress.client import ModelClient, require_model
-from ingress.errors import Protocol, error_json
+from ingress.errors import OPENAI_ERRORS
 from ingress.openai.convert import chat_request, completion_request
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest
 from ingress.openai.render import ResponseBuilder, ResponseMeta
+from ingress.protocol import WireProtocol
 from ingress.sse import DONE_FRAME, SSE_HEADERS, data_frame
-from ingress.streaming import OpenedStream, open_stream
-from replicas.contract import Failed, GenerationRequest
+from ingress.streaming import open_stream, sse_stream
+from replicas.contract import ErrorKind, Failed, GenerationRequest, OutputEvent
 from replicas.errors import from_event
 
 router = APIRouter()
+
+OPENAI = WireProtocol(
+    name="openai",
+    prefixes=("/v1/chat/completions", "/v1/completions"),
+    router=router,
+    errors=OPENAI_ERRORS,
+)
 
 
 @router.post("/v1/chat/completions")
@@ -45,8 +51,8 @@ async def _respond(client: ModelClient, gen: GenerationRequest, meta: ResponseMe
     opened = await open_stream(client, gen)  # an early failure raises: a proper 4xx/5xx
     builder = ResponseBuilder(meta, include_usage)
     if stream:
-        return StreamingResponse(_sse(opened, builder), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        frames = sse_stream(opened, ChunkWriter(builder), OPENAI.ping_frame)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async for event in opened.events():
             if isinstance(event, Failed):
@@ -54,21 +60,37 @@ async def _respond(client: ModelClient, gen: GenerationRequest, meta: ResponseMe
             builder.feed(event)
     finally:
         await opened.aclose()  # a client that left cancels its generation
+    if builder.finished is None:
+        raise from_event(_CUT_SHORT)
     return JSONResponse(builder.body())
 
 
-async def _sse(opened: OpenedStream, builder: ResponseBuilder) -> AsyncIterator[str]:
-    try:
-        async for batch in opened.batches():
-            frames: list[str] = []
-            for event in batch:
-                if isinstance(event, Failed):
-                    frames.append(f"data: {error_json(event.kind, event.message, Protocol.OPENAI)}\n\n")
-                    yield "".join(frames)
-                    return
-                frames.extend(data_frame(chunk) for chunk in builder.feed(event))
-            if frames:
-                yield "".join(frames)  # one write per batch of events
-        yield DONE_FRAME
-    finally:
-        await opened.aclose()
+_CUT_SHORT = Failed(ErrorKind.INTERNAL, "the model stream ended unexpectedly")
+
+
+class ChunkWriter:
+    """`ResponseBuilder` chunks as `data:` frames; `[DONE]` only after a clean finish."""
+
+    def __init__(self, builder: ResponseBuilder) -> None:
+        self._builder = builder
+        self._failed = False
+
+    @property
+    def done(self) -> bool:
+        return self._failed or self._builder.finished is not None
+
+    def start(self) -> list[str]:
+        return []
+
+    def feed(self, event: OutputEvent) -> list[str]:
+        if isinstance(event, Failed):
+            self._failed = True
+            return [OPENAI.error_frame(event.kind, event.message, event.param)]
+        return [data_frame(chunk) for chunk in self._builder.feed(event)]
+
+    def finish(self) -> list[str]:
+        if self._failed:
+            return []
+        if self._builder.finished is None:
+            return self.feed(_CUT_SHORT)
+        return [DONE_FRAME]

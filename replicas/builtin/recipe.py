@@ -104,6 +104,8 @@ TINY = Recipe(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
+        # Coding-agent clients send prompts of ~15k tokens; RoPE needs no training for that.
+        max_position_embeddings=32768,
     ),
     weights=Training(
         learning_rate=3e-3,

@@ -1,8 +1,8 @@
 """The built-in models' tokenizer: a byte-level BPE trained offline on the scripts.
 
 The pipeline (NFC, Qwen2 split regex, byte-level alphabet) and the token layout
-(ChatML markers as special tokens, `<think>`/`</think>` as plain added tokens) copy
-Qwen3, so every code path that handles a real Qwen3 tokenizer handles this one.
+(ChatML markers as special tokens; the think and tool-call markers as plain added
+tokens) copy Qwen3, so every code path that handles a real Qwen3 tokenizer handles this one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tokenizers import (
     trainers,
 )
 
-from .chat_template import CHAT_TEMPLATE
+from .chat_template import CHAT_TEMPLATE, TOOLS_FOOTER, TOOLS_HEADER
 from .scripts import Script
 
 # The split regex of Qwen2/Qwen3 (transformers' Qwen2Tokenizer uses the same one).
@@ -37,9 +37,15 @@ IM_START = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 THINK_START = "<think>"
 THINK_END = "</think>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+TOOL_RESPONSE_START = "<tool_response>"
+TOOL_RESPONSE_END = "</tool_response>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
 # Not special, as in Qwen3: they must survive decode(skip_special_tokens=True).
-PLAIN_ADDED_TOKENS = (THINK_START, THINK_END)
+PLAIN_ADDED_TOKENS = (
+    THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END
+)
 _ADDED_TOKEN_RE = re.compile("|".join(re.escape(t) for t in PLAIN_ADDED_TOKENS))
 
 
@@ -56,13 +62,23 @@ def training_texts(scripts: Sequence[Script]) -> list[str]:
 
     Chat turns carry their role line and generated text its think scaffolding, so
     strings like "assistant" and "\\n\\n" get merged tokens; the added tokens are cut
-    out because they never go through BPE.
+    out because they never go through BPE. Scripts with tools add the tool block of
+    the system turn and the calls in their history, close to how the template writes them.
     """
     texts: list[str] = []
     for s in scripts:
         if s.prompt is not None:
             texts.append(s.prompt)
-        texts.extend(f"{m.role}\n{m.content}" for m in s.messages)
+        if s.tools:
+            tool_lines = "".join(f"\n{json.dumps(t, ensure_ascii=False)}" for t in s.tool_dicts)
+            block = f"system\n{TOOLS_HEADER}{tool_lines}{TOOLS_FOOTER}"
+            texts.extend(t for t in _ADDED_TOKEN_RE.split(block) if t)
+        for m in s.messages:
+            role = "user" if m.role == "tool" else m.role  # results go in a user turn
+            turn = f"{role}\n{m.content}" + "".join(
+                f'\n{{"name": "{c.name}", "arguments": {c.arguments}}}\n' for c in m.tool_calls
+            )
+            texts.append(turn)
         generated = s.expected_text
         if s.enable_thinking is False:
             generated = f"{THINK_START}\n\n{THINK_END}\n\n{generated}"
@@ -154,14 +170,18 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def render_chat_prompt_ids(
     tokenizer: ChatTokenizer,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     enable_thinking: bool | None,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> list[int]:
     """Prompt ids the way production renders a chat: template to text, then encode.
 
-    `enable_thinking=None` passes no kwarg, so the template default applies.
+    `enable_thinking=None` passes no kwarg, so the template default applies; `tools`
+    are passed only when there are some, as the serving path does.
     """
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if tools:
+        kwargs["tools"] = list(tools)
     text = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=True, tokenize=False, **kwargs
     )
@@ -170,7 +190,9 @@ def render_chat_prompt_ids(
 
 def prompt_ids(tokenizer: ChatTokenizer, script: Script) -> list[int]:
     if script.kind == "chat":
-        return render_chat_prompt_ids(tokenizer, script.message_dicts, script.enable_thinking)
+        return render_chat_prompt_ids(
+            tokenizer, script.template_messages, script.enable_thinking, script.tool_dicts
+        )
     assert script.prompt is not None
     return list(tokenizer.encode(script.prompt, add_special_tokens=False))
 

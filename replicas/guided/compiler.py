@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from llguidance import LLMatcher, LLParserLimits
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from replicas.contract import GuidedSpec
 from replicas.errors import InvalidRequestError
@@ -47,16 +47,7 @@ def compile_guided(spec: GuidedSpec) -> str:
     if entry is None:
         raise InvalidRequestError(f"unknown guided decoding kind {spec.kind!r}")
     build, what = entry
-    grammar = build(spec)
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(
-        grammar, None, limits=PARSER_LIMITS
-    )
-    if is_error:
-        message = messages[0].strip()
-        if "coerce_one_of" in message:  # an llguidance option clients cannot set directly
-            message += " (non-strict schemas do that)"
-        raise InvalidRequestError(f"{what}: {message}")
-    return grammar
+    return validate(build(spec), what)
 
 
 def _json_object(spec: GuidedSpec) -> str:
@@ -65,7 +56,17 @@ def _json_object(spec: GuidedSpec) -> str:
 
 
 def _json_schema(spec: GuidedSpec) -> str:
-    text = _expect(spec, str, "the schema as JSON text")
+    schema = checked_json_schema(_expect(spec, str, "the schema as JSON text"), strict=spec.strict)
+    return LLMatcher.grammar_from_json_schema(schema)
+
+
+def checked_json_schema(text: str, *, strict: bool) -> dict[str, Any]:
+    """The schema in `text`, checked, with the house JSON options in its `x-guidance`.
+
+    Shared by response_format and tool parameters. Raises InvalidRequestError for text
+    that is not JSON, a schema that is not an object, or (strict) unknown keywords.
+    llguidance's own checks (unimplemented keywords, bad bounds) come at validation.
+    """
     try:
         schema: Any = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -78,7 +79,7 @@ def _json_schema(spec: GuidedSpec) -> str:
         raise InvalidRequestError("JSON schema `false` accepts no output")
     elif not isinstance(schema, dict):
         raise InvalidRequestError(f"JSON schema must be an object, got {type(schema).__name__}")
-    if spec.strict:
+    if strict:
         unknown = unknown_keywords(schema)
         if unknown:
             raise InvalidRequestError(
@@ -87,11 +88,31 @@ def _json_schema(spec: GuidedSpec) -> str:
             )
     # Non-strict relaxes what exact enforcement would refuse: oneOf becomes anyOf (its
     # "exactly one" cannot be checked token by token); unknown keywords are annotations.
-    options: JsonCompileOptions = {**_JSON_OPTIONS, "coerce_one_of": not spec.strict}
+    options: JsonCompileOptions = {**_JSON_OPTIONS, "coerce_one_of": not strict}
     try:
-        return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        # Applied as overrides, so the schema's own x-guidance cannot loosen them; the
+        # result is the schema with the merged options, usable as a Lark `%json` body.
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as exc:
         raise InvalidRequestError(f"invalid JSON schema: {exc}") from None
+    merged: dict[str, Any] = json.loads(grammar)["grammars"][0]["json_schema"]
+    return merged
+
+
+def validate(grammar: str, what: str, tokenizer: LLTokenizer | None = None) -> str:
+    """`grammar` if llguidance accepts it under PARSER_LIMITS, else InvalidRequestError.
+
+    `tokenizer` is needed when the grammar names special tokens (`<tool_call>`).
+    """
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(
+        grammar, tokenizer, limits=PARSER_LIMITS
+    )
+    if is_error:
+        message = messages[0].strip()
+        if "coerce_one_of" in message:  # an llguidance option clients cannot set directly
+            message += " (non-strict schemas do that)"
+        raise InvalidRequestError(f"{what}: {message}")
+    return grammar
 
 
 def _regex(spec: GuidedSpec) -> str:

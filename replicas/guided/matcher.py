@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import mlx.core as mx
@@ -25,7 +26,7 @@ class GuidedMatcher:
 
     def __init__(self, tokenizer: GuidedTokenizer, grammar: str) -> None:
         self._vocab_size = tokenizer.vocab_size
-        self._matcher = LLMatcher(tokenizer.ll, grammar, log_level=0, limits=PARSER_LIMITS)
+        self._matcher = _pristine(tokenizer, grammar).deep_copy()
         if self._matcher.is_error():
             # Only tokenizer-dependent limits can get here after compile_guided: still
             # before generation, so it is the client's 400.
@@ -63,6 +64,14 @@ class GuidedMatcher:
         if not self._matcher.is_error():
             return None
         return self._matcher.get_error() or "guided matcher failed"
+
+
+@functools.lru_cache(maxsize=64)
+def _pristine(tokenizer: GuidedTokenizer, grammar: str) -> LLMatcher:
+    """A matcher that never consumes, copied per request. Building one takes milliseconds
+    (tens for many tools); a copy takes microseconds, and agents resend the same tools and
+    schemas on every turn."""
+    return LLMatcher(tokenizer.ll, grammar, log_level=0, limits=PARSER_LIMITS)
 
 
 class GuidedLogitsProcessor:

@@ -4,6 +4,7 @@ llguidance rejects keywords it knows but does not implement (`uniqueItems`, `not
 but, as JSON Schema allows, it ignores keywords it has never heard of. A strict request
 must not lose a constraint that way (`nullable`, a typo such as `maxLenght`), so strict
 schemas are checked here first; `x-` extensions are allowed as vendor annotations.
+OpenAI's strict function calling adds its own rules for objects (`openai_strict_violations`).
 """
 
 from __future__ import annotations
@@ -38,19 +39,45 @@ _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSch
 
 def unknown_keywords(schema: Any) -> list[str]:
     """Each unknown keyword as `"<JSON pointer>/<keyword>"`, in document order."""
+    return [
+        f"{pointer}/{_escape(key)}"
+        for pointer, node in walk(schema)
+        for key in node
+        if key not in KNOWN_KEYWORDS and not key.startswith("x-")
+    ]
+
+
+def openai_strict_violations(schema: Any) -> list[str]:
+    """Where `schema` breaks OpenAI's strict function-calling rules, as JSON pointers.
+
+    Every object schema must set `additionalProperties: false` and list all of its
+    properties in `required` (optional fields are written as `"type": [T, "null"]`).
+    """
     found: list[str] = []
+    for pointer, node in walk(schema):
+        kind = node.get("type")
+        is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
+        if not is_object and "properties" not in node:
+            continue
+        if node.get("additionalProperties") is not False:
+            found.append(f"{pointer} needs additionalProperties: false")
+        properties = node.get("properties") or {}
+        required = node.get("required") or []
+        missing = [name for name in properties if name not in required]
+        if missing:
+            found.append(f"{pointer} must list {', '.join(missing)} in required")
+    return found
+
+
+def walk(schema: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every (sub)schema that is an object, with its JSON pointer, in document order."""
     stack: list[tuple[str, Any]] = [("#", schema)]
     while stack:  # iterative: a deeply nested schema must not hit the recursion limit
         pointer, node = stack.pop()
         if not isinstance(node, dict):
             continue  # boolean schemas, or malformed values llguidance will reject
-        found.extend(
-            f"{pointer}/{_escape(key)}"
-            for key in node
-            if key not in KNOWN_KEYWORDS and not key.startswith("x-")
-        )
+        yield pointer, node
         stack.extend(reversed(list(_subschemas(pointer, node))))
-    return found
 
 
 def _subschemas(pointer: str, node: dict[str, Any]) -> Iterator[tuple[str, Any]]:

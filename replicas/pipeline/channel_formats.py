@@ -22,12 +22,19 @@ class ByHeader:
 
     routes: Mapping[str, str]
     default: str  # for an empty or unknown header
+    # A header naming a function recipient ("to=functions.NAME", anywhere in the headers
+    # since the last message) goes to `calls`, a TOOL state: Harmony's tool calls.
+    calls: str | None = None
+    call_prefix: str = "to=functions."
 
 
 @dataclass(frozen=True)
 class Rule:
     marker: str
     to: str | ByHeader  # a state name; the same state re-enters it (swallow the marker)
+    # Fires only while the state's text so far is whitespace (Llama 3's bare `{"name"` call
+    # must start the answer); anywhere else the marker is plain content of the state.
+    at_start: bool = False
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,22 @@ class State:
     # Drop every "\n" at the start of this state's text, each time the state is entered:
     # templates put newlines around markers that are layout, not content.
     strip_leading_newlines: bool = False
+    # Drop all leading whitespace (between tool calls, where only another call may follow).
+    strip_leading_whitespace: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CallBoundary:
+    """Router output, between text pieces: a tool call opens or closes.
+
+    `marker` is the marker text that fired ("" when a new call implicitly closes the last),
+    so a malformed call can be given back as the text the model wrote. `name` is the
+    recipient read from the header (Harmony) on an open, else None.
+    """
+
+    opened: bool
+    marker: str
+    name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +78,10 @@ class ChannelFormat:
     def __post_init__(self) -> None:
         object.__setattr__(self, "states", MappingProxyType(dict(self.states)))
         self._check()
+
+    @property
+    def has_calls(self) -> bool:
+        return any(s.channel is Channel.TOOL for s in self.states.values())
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -86,6 +113,8 @@ class ChannelFormat:
                 )
                 if any(t not in self.states for t in targets):
                     raise ValueError(f"{self.name}.{name}: rule {rule.marker!r} -> unknown state")
+                if isinstance(rule.to, ByHeader) and rule.to.calls is not None:
+                    content_state(rule.to.calls, Channel.TOOL, "header calls state")
 
 
 NONE = ChannelFormat(

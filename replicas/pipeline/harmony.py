@@ -23,11 +23,20 @@ CALL = "<|call|>"
 CONSTRAIN = "<|constrain|>"
 
 # Unknown and missing channels go to reasoning: hidden text must never leak into the answer,
-# and gpt-oss always writes its answer on `final`. Commentary (preambles, tool calls) is
-# reasoning until tool calls get their own channel.
+# and gpt-oss always writes its answer on `final`. Commentary (preambles) is reasoning;
+# composed with the harmony tool format (`tool_formats.with_tools`), a header whose
+# recipient is `to=functions.NAME` opens a tool call instead.
 _BY_CHANNEL = ByHeader(
     routes={"analysis": "analysis", "commentary": "analysis", "final": "final"},
     default="analysis",
+)
+# The recipient may also sit in the role part of the header, which the generation prompt
+# `<|start|>assistant` leaves open: the encoder renders a call as `<|start|>assistant
+# to=functions.NAME<|channel|>commentary ...`, so a completion may begin ` to=functions.NAME`.
+# The opening ` to=` is swallowed as a marker, hence the recipient is read without `to=`.
+ROLE_RECIPIENT = " to="
+_BY_ROLE_RECIPIENT = ByHeader(
+    routes=_BY_CHANNEL.routes, default=_BY_CHANNEL.default, call_prefix="functions."
 )
 
 
@@ -56,11 +65,27 @@ _HEADER_RULES = (
 )
 
 
+# The role-part recipient's header: like `_HEADER_RULES`, but the channel is read after it.
+_ROLE_RECIPIENT_RULES = (
+    Rule(START, "header"),
+    Rule(CHANNEL, "recipient_header"),
+    Rule(MESSAGE, _BY_ROLE_RECIPIENT),
+    Rule(END, "between"),
+    Rule(RETURN, "between"),
+    Rule(CALL, "between"),
+)
+
 HARMONY = ChannelFormat(
     name="harmony",
     states={
         # Text before any header (a model that skips the protocol) is the answer.
         "answer": State(Channel.ANSWER, _message_rules("answer")),
+        # After the generation prompt `<|start|>assistant`: the answer too, unless the very
+        # first thing written is a role-part recipient (` to=functions.NAME<|channel|>`).
+        "opening": State(
+            Channel.ANSWER,
+            (*_message_rules("answer"), Rule(ROLE_RECIPIENT, "recipient", at_start=True)),
+        ),
         "analysis": State(Channel.REASONING, _message_rules("analysis")),
         "final": State(Channel.ANSWER, _message_rules("final")),
         # Between messages nothing is content. `<|start|>` and `<|channel|>` re-enter the
@@ -68,6 +93,8 @@ HARMONY = ChannelFormat(
         # `<|constrain|>json` stays inside the swallowed header text.
         "between": State(None, (*_HEADER_RULES, Rule(CONSTRAIN, "between"))),
         "header": State(None, _HEADER_RULES),
+        "recipient": State(None, _ROLE_RECIPIENT_RULES),
+        "recipient_header": State(None, _ROLE_RECIPIENT_RULES),
     },
     answer_state="answer",
     reasoning_state="analysis",
@@ -76,6 +103,7 @@ HARMONY = ChannelFormat(
         (f"{CHANNEL}analysis{MESSAGE}", "analysis"),
         (f"{CHANNEL}commentary{MESSAGE}", "analysis"),
         (f"{CHANNEL}final{MESSAGE}", "final"),
+        (f"{START}assistant", "opening"),
     ),
     signature=(CHANNEL, MESSAGE),
 )

@@ -1,5 +1,6 @@
 """Cluster config without a cluster: the example config, placement, scaling options, the
-Metal check and the worker helper's command line. Fast; no Ray instance is started."""
+Metal check, the worker helper's command line, and that each value has one home. Fast; no
+Ray instance is started."""
 
 from __future__ import annotations
 
@@ -13,8 +14,20 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments import cluster as cluster_cli
 from deployments.app import _model_deployment
-from deployments.config import AppArgs, ModelSettings
-from deployments.model_deployment import ModelDeployment
+from deployments.config import (
+    AppArgs,
+    IngressSettings,
+    ModelSettings,
+    PlacementSettings,
+    replica_max_stops,
+)
+from deployments.handle_client import REPLICA_WAIT_S
+from deployments.model_deployment import ModelDeployment, replica_options
+from replicas.engine import EngineConfig
+from replicas.pipeline.channels import FORMATS
+from replicas.replica import ReplicaOptions
+
+pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,3 +150,70 @@ def test_worker_without_metal_is_refused(capsys: pytest.CaptureFixture[str],
     assert "no Metal GPU" in capsys.readouterr().err
     assert cluster_cli.main(["worker", "--address", "h:6379", "--dry-run",
                              "--allow-no-metal"]) == 0
+
+
+# ---- each config value in one place -----------------------------------------------------
+
+def test_engine_and_replica_defaults_come_from_the_replica_side() -> None:
+    defaults = ModelSettings.model_validate(model())
+    engine = EngineConfig()
+    assert defaults.engine.model_dump() == {
+        "max_batch_size": engine.max_batch_size,
+        "prefill_batch_size": engine.prefill_batch_size,
+        "prefill_step_size": engine.prefill_step_size,
+    }
+    assert defaults.stream_flush_ms == ReplicaOptions("m", "s").flush_interval_s * 1000
+    options = replica_options(defaults)
+    assert options.engine == engine
+    assert options.flush_interval_s == ReplicaOptions("m", "s").flush_interval_s
+
+
+def test_constants_are_the_config_defaults() -> None:
+    assert cluster_cli.DEFAULT_RESOURCE == PlacementSettings().resource
+    assert REPLICA_WAIT_S == IngressSettings().replica_wait_s
+
+
+def test_channel_format_is_checked_against_the_registry() -> None:
+    for name in FORMATS:
+        assert ModelSettings.model_validate(model(channel_format=name)).channel_format == name
+    with pytest.raises(ValidationError, match="unknown channel_format 'thinktags'"):
+        ModelSettings.model_validate(model(channel_format="thinktags"))
+
+
+def test_tool_format_is_checked_against_the_registry() -> None:
+    from replicas.pipeline.tool_formats import TOOL_FORMATS
+
+    assert TOOL_FORMATS, "the tool-format registry is empty"
+    for name in TOOL_FORMATS:
+        settings = ModelSettings.model_validate(model(tool_format=name))
+        assert replica_options(settings).tool_format == name
+    assert replica_options(ModelSettings.model_validate(model())).tool_format is None
+    with pytest.raises(ValidationError, match="unknown tool_format 'no-such-format'"):
+        ModelSettings.model_validate(model(tool_format="no-such-format"))
+
+
+def test_max_tokens_past_context_reaches_the_replica() -> None:
+    assert replica_options(ModelSettings.model_validate(model())).max_tokens_past_context == \
+        "clamp"
+    rejecting = ModelSettings.model_validate(model(max_tokens_past_context="reject"))
+    assert replica_options(rejecting).max_tokens_past_context == "reject"
+    with pytest.raises(ValidationError, match="max_tokens_past_context"):
+        ModelSettings.model_validate(model(max_tokens_past_context="truncate"))
+
+
+def test_one_stop_limit_the_replica_allows_it_plus_the_defaults() -> None:
+    settings = ModelSettings.model_validate(model(default_stops=["a", "b"]))
+    assert replica_options(settings, 5).max_stops == 7
+    assert replica_options(settings).max_stops == IngressSettings().max_stops + 2
+    assert replica_max_stops(3, settings) == 5
+    with pytest.raises(ValidationError, match="max_stops"):  # the per-model key is gone
+        ModelSettings.model_validate(model(max_stops=4))
+
+
+def test_a_batch_smaller_than_a_prefill_is_refused() -> None:
+    # mlx-lm would silently decode prefill_batch_size sequences at once instead.
+    with pytest.raises(ValidationError, match="prefill_batch_size .* must not exceed"):
+        ModelSettings.model_validate(model(engine={"max_batch_size": 4}))
+    settings = ModelSettings.model_validate(
+        model(engine={"max_batch_size": 4, "prefill_batch_size": 4}))
+    assert replica_options(settings).engine.max_batch_size == 4

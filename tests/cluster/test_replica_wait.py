@@ -27,6 +27,8 @@ from replicas.contract import (
 )
 from replicas.errors import OverloadedError
 
+pytestmark = pytest.mark.cluster
+
 REQUEST = GenerationRequest(request_id="r1", model="m", prompt=TextPrompt("hi"))
 EVENTS: list[OutputEvent] = [TextDelta(Channel.ANSWER, "hello"),
                              Finished(FinishReason.EOS, Usage(1, 1))]

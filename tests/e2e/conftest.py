@@ -6,6 +6,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,41 @@ def config_path(tmp_dir: Path, *, colocate: bool) -> Path:
     copy = tmp_dir / "serve_config.yaml"
     copy.write_text(yaml.safe_dump(config))
     return copy
+
+
+def _port_in_use(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_port_free(port: int, timeout_s: float = 60.0) -> None:
+    """The previous layout's server may still be letting go of the port; anything else on it
+    (a stale `serve run`) must not become the server under test."""
+    deadline = time.monotonic() + timeout_s
+    while _port_in_use(port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"127.0.0.1:{port} is taken by another process (a stale serve "
+                               "run? try `serve shutdown -y` or `ray stop`); set "
+                               "ORCHARD_E2E_PORT to use another port")
+        time.sleep(1)
+
+
+# The `serve run` processes this session started and has not stopped yet.
+_RUNNING: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _server_still_ours() -> Iterator[None]:
+    """Each test is answered by our own server: if it exited, a stale one could answer."""
+    for when in ("before", "after"):
+        for proc in _RUNNING:
+            assert proc.poll() is None, f"serve run exited (code {proc.returncode}) {when} " \
+                                        "this test"
+        if when == "before":
+            yield
 
 
 def _serve_exe() -> str:
@@ -83,6 +119,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     env = {**os.environ, **(HAPROXY_ENV if haproxy else {}),
            "RAY_SERVE_LOG_TO_STDERR": "1", "PYTHONPATH": str(ROOT)}
     config = config_path(tmp_path_factory.mktemp("serve"), colocate=request.param != "ingress")
+    _wait_port_free(PORT)
     proc = subprocess.Popen([_serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -92,8 +129,13 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"serve run did not come up; log:\n{log_path.read_text()[-5000:]}")
                 time.sleep(1)
+        if proc.poll() is not None:  # ready, but not ours: something else answered
+            raise RuntimeError(f"serve run exited; another server answered on {BASE_URL}")
+        _RUNNING.append(proc)
         yield BASE_URL
     finally:
+        if proc in _RUNNING:
+            _RUNNING.remove(proc)
         os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down on Ctrl-C
         try:
             proc.wait(timeout=60)

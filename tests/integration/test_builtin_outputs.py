@@ -1,5 +1,7 @@
 """builtin:tiny, loaded by the production loader, reproduces every script exactly:
-through mlx_lm's own generate functions and through continuous batching."""
+through mlx_lm's own generate functions and through continuous batching, with prompts
+rendered by the production path (a GenerationRequest, its tools included, through
+`replicas.prompt.render_prompt`)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,17 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step, stream_generate
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import AutoTokenizer
 
 from replicas.builtin import ensure_builtin, load_scripts, script
 from replicas.builtin.scripts import Script
+from replicas.contract import (
+    GenerationRequest,
+    SamplingParams,
+)
+from replicas.prompt import render_prompt
+from tests.scripted import script_request
 
 SCRIPT_IDS = [s.id for s in load_scripts()]
 MAX_TOKENS = 300  # well past the longest script, so a missing eos would show
@@ -24,13 +33,29 @@ def loaded() -> tuple[Any, Any]:
     return mlx_lm.load(str(ensure_builtin("tiny")))
 
 
+def request_for(s: Script) -> GenerationRequest:
+    """The request the ingress adapters build for a script: its tools included."""
+    return script_request(s, sampling=SamplingParams(temperature=0.0))
+
+
 def production_prompt(tokenizer: Any, s: Script) -> list[int]:
-    """How the serving path renders a request: template to text, then encode."""
+    """How the replica renders a request (replica.py passes `request.tools`)."""
+    request = request_for(s)
+    # Production hands render_prompt the HF tokenizer inside mlx's wrapper.
+    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    rendered = render_prompt(hf, request.prompt, request.reasoning, len(hf), tools=request.tools)
+    return list(rendered.token_ids)
+
+
+def template_prompt(tokenizer: Any, s: Script) -> list[int]:
+    """The same prompt straight from the chat template, as transformers documents it."""
     if s.kind == "completion":
         assert s.prompt is not None
         return list(tokenizer.encode(s.prompt, add_special_tokens=False))
+    tools = {"tools": s.tool_dicts} if s.tools else {}
     text = tokenizer.apply_chat_template(
-        s.message_dicts, add_generation_prompt=True, tokenize=False, **s.template_kwargs
+        s.template_messages, add_generation_prompt=True, tokenize=False,
+        **s.template_kwargs, **tools,
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -79,7 +104,8 @@ def test_hf_tokenizer_matches_the_mlx_wrapper(loaded: tuple[Any, Any]) -> None:
     _, wrapper = loaded
     hf = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny")))
     for s in load_scripts():
-        assert production_prompt(hf, s) == production_prompt(wrapper, s), s.id
+        assert production_prompt(hf, s) == template_prompt(hf, s), s.id
+        assert template_prompt(hf, s) == template_prompt(wrapper, s), s.id
         # The think markers survive skip_special_tokens, the eos does not.
         decoded = hf.decode(expected_tokens(hf, s), skip_special_tokens=True)
         assert decoded == s.expected_text, s.id
@@ -116,8 +142,9 @@ def test_batch_generator_matches_single_generation(loaded: tuple[Any, Any]) -> N
 def test_continuous_batching_with_staggered_arrivals(loaded: tuple[Any, Any]) -> None:
     # Requests joining a batch mid-decode see different padding and batch sizes.
     model, tokenizer = loaded
-    first = [script(i) for i in ("feathers-think", "unicode", "count-completion")]
-    later = [script(i) for i in ("cities", "riddle-nothink", "story-completion", "markup")]
+    first = [script(i) for i in ("feathers-think", "unicode", "count-completion", "tool-result")]
+    later = [script(i) for i in ("cities", "riddle-nothink", "story-completion", "markup",
+                                 "tool-parallel")]
     generator = BatchGenerator(
         model,
         max_tokens=MAX_TOKENS,

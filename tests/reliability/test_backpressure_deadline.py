@@ -19,9 +19,10 @@ def client(base_url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, headers=auth_headers(), timeout=60)
 
 
-async def timed(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[float, Reply]:
+async def timed(http: httpx.AsyncClient, path: str, body: dict[str, Any],
+                started: asyncio.Event | None = None) -> tuple[float, Reply]:
     start = time.monotonic()
-    reply = await send(http, path, body)
+    reply = await send(http, path, body, started)
     return time.monotonic() - start, reply
 
 
@@ -45,6 +46,7 @@ def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(cluster: s
                           anthropic_message(TIGHT.model, stream=False, max_tokens=50)),
                 )
                 tail = [line async for line in lines]
+                runner_ended = time.monotonic()
             assert running.status_code == 200 and "data: [DONE]" in tail  # finished normally
         refused = [(s, r) for s, r in results if r.status != 200]
         admitted = [r for _, r in results if r.status == 200]
@@ -55,7 +57,9 @@ def test_excess_requests_are_refused_at_once_and_admitted_ones_finish(cluster: s
             assert reply.headers.get("retry-after"), reply.headers
             assert not reply.is_stream  # refused before any SSE byte
             assert reply.error is not None and reply.error["type"] == "overloaded_error"
-            assert seconds < 2, seconds  # at once, not after waiting for room
+            # At once, not after waiting for room: while the runner still held the slot.
+            # (Compared with the runner, not a fixed second count, so a slow box is fine.)
+            assert reply.ended_at < runner_ended, (seconds, reply)
         for reply in admitted:
             assert reply.completed, reply
 
@@ -72,9 +76,12 @@ def test_deadline_ends_streams_with_an_error_event_and_others_with_504(cluster: 
             await wait_idle(TIGHT)
             endless_stream = openai_chat(SOLO.model, stream=True, max_tokens=4000, endless=True)
             endless = openai_chat(SOLO.model, stream=False, max_tokens=4000, endless=True)
+            runner_started = asyncio.Event()
             runner = asyncio.create_task(timed(http, "/v1/chat/completions",
-                                               {**endless_stream, "model": TIGHT.model}))
-            await asyncio.sleep(0.5)  # the runner holds TIGHT's one slot ...
+                                               {**endless_stream, "model": TIGHT.model},
+                                               runner_started))
+            # Its first delta, not a fixed sleep (TIGHT's engine stats would queue behind it):
+            await asyncio.wait_for(runner_started.wait(), 60)  # it holds TIGHT's one slot ...
             replies = await asyncio.gather(
                 timed(http, "/v1/chat/completions", endless_stream),
                 timed(http, "/v1/chat/completions", endless),
@@ -89,7 +96,9 @@ def test_deadline_ends_streams_with_an_error_event_and_others_with_504(cluster: 
 
     results = asyncio.run(scenario())
     for seconds, reply in results:
-        assert REQUEST_TIMEOUT_S - 0.5 < seconds < REQUEST_TIMEOUT_S + 3, (seconds, reply)
+        # Not before the deadline; after it, within a margin a busy 2-core box can keep
+        # (an endless generation without a deadline runs for minutes).
+        assert REQUEST_TIMEOUT_S - 0.5 < seconds < REQUEST_TIMEOUT_S + 15, (seconds, reply)
         assert reply.error is not None and reply.error["type"] == "timeout_error", reply
     runner, stream, whole, queued = (reply for _, reply in results)
     for started in (runner, stream):  # the status was sent: the stream ends with an event

@@ -44,14 +44,15 @@ async def cancelled_since(pool: Pool, before: dict[str, Any]) -> tuple[float, di
         grew = len(latest["cancel_latency_steps"]) > len(before["cancel_latency_steps"])
         return grew and latest["active"] == 0
 
-    return await until(removed, 10, "the engine to drop the cancelled request"), latest
+    # A generous deadline: the feature is judged by decode steps below, not by seconds.
+    return await until(removed, 60, "the engine to drop the cancelled request"), latest
 
 
 def assert_cancelled_promptly(before: dict[str, Any], after: dict[str, Any],
                               seconds: float) -> None:
     assert after["cancel_latency_steps"][-1] <= 1, after  # freed within one decode step
     assert after["finished"] == before["finished"], "the generation ran to its end instead"
-    assert seconds < 5, seconds
+    del seconds  # bounded by cancelled_since's deadline; steps are what a 2-core box keeps
 
 
 # The colocated app serves HTTP from the model replica itself; it must cancel the same way.
@@ -85,7 +86,7 @@ def test_non_streaming_disconnect_stops_generation(cluster: str, protocol: str, 
             async def running() -> bool:
                 return bool((await engine_stats(pool.model, pool.app))["active"])
 
-            await until(running, 10, "the generation to start")
+            await until(running, 60, "the generation to start")
             request.cancel()  # closes the connection mid-request
             with pytest.raises(asyncio.CancelledError):
                 await request
@@ -103,16 +104,12 @@ def test_request_that_leaves_while_queued_never_reaches_the_engine(
     async def scenario() -> None:
         async with client(cluster) as http:
             await wait_idle(TIGHT)
-            submitted = (await engine_stats(TIGHT.model))["submitted"]
+            before = await engine_stats(TIGHT.model)
             runner = openai_chat(TIGHT.model, stream=True, max_tokens=3000, endless=True)
             async with running_stream(http, "/v1/chat/completions", runner):
-                # The only running slot is taken.
+                # The only running slot is taken; the request queues behind it.
                 body = long_body(protocol, TIGHT.model, stream=stream)
-                queued = asyncio.create_task(http.post(path_for(protocol), json=body))
-                await asyncio.sleep(0.5)  # let it reach the handle's queue ...
-                probe = await http.post("/v1/chat/completions",
-                                        json=openai_chat(TIGHT.model, stream=False))
-                assert probe.status_code == 503, "... which must now be full"
+                queued = await queue_behind_runner(http, path_for(protocol), body)
                 queued.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await queued
@@ -122,6 +119,41 @@ def test_request_that_leaves_while_queued_never_reaches_the_engine(
                                         json=openai_chat(TIGHT.model, stream=False))
             assert follow_up.status_code == 200, follow_up.text
             await wait_idle(TIGHT)
-            assert (await engine_stats(TIGHT.model))["submitted"] == submitted + 2
+            after = await engine_stats(TIGHT.model)
+        # Decoding a token needs a batch slot. The runner and the follow-up took one each;
+        # the cancelled request took none, so it decoded nothing: it was neither finished
+        # nor removed from the batch (only the runner's cancel was).
+        assert after["replica"] == before["replica"]  # TIGHT has one replica
+        assert after["submitted"] == before["submitted"] + 2, (before, after)
+        assert after["finished"] == before["finished"] + 1, (before, after)
+        assert len(after["cancel_latency_steps"]) == len(before["cancel_latency_steps"]) + 1
 
     asyncio.run(scenario())
+
+
+async def queue_behind_runner(http: httpx.AsyncClient, path: str,
+                              body: dict[str, Any]) -> asyncio.Task[httpx.Response]:
+    """A request that is waiting in the handle's one queue slot, shown by a probe's 503.
+
+    Polls instead of sleeping a fixed time: on a slow box the request can take a while to
+    reach the queue. A probe that is not refused at once took the free slot itself; it is
+    dropped and the request sent again (it may have been refused meanwhile). A queue that
+    never fills fails the test at the deadline."""
+    probe_body = openai_chat(TIGHT.model, stream=False, max_tokens=1)
+    deadline = time.monotonic() + 60
+    queued = asyncio.create_task(http.post(path, json=body))
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        if queued.done():  # refused while a probe held the slot: queue it again
+            assert queued.result().status_code == 503, queued.result().text
+            queued = asyncio.create_task(http.post(path, json=body))
+            continue
+        try:
+            probe = await http.post("/v1/chat/completions", json=probe_body, timeout=3.0)
+        except httpx.TimeoutException:
+            continue  # the probe was queued: the request had not reached the queue yet
+        assert probe.status_code == 503, f"the probe got {probe.status_code}: {probe.text}"
+        if not queued.done():
+            return queued
+    queued.cancel()
+    raise AssertionError("the request never waited in the queue within 60 s")

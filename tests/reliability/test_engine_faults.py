@@ -29,6 +29,8 @@ from replicas.contract import (
 from replicas.engine import Engine, EngineConfig, EngineDead
 from replicas.replica import ModelReplica, ReplicaOptions
 
+pytestmark = pytest.mark.reliability
+
 MARK = 0.0123  # a presence penalty that marks the request a test sabotages
 BYSTANDERS = ("cities", "planets", "hello")
 
@@ -36,11 +38,34 @@ BYSTANDERS = ("cities", "planets", "hello")
 @pytest.fixture
 def replica() -> Iterator[ModelReplica]:
     """A fresh replica per test: some of these tests break it on purpose."""
+    # mlx-lm decodes max(max_batch_size, prefill_batch_size) sequences at once: both are 4,
+    # so a fifth request really waits for a slot.
     rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
-                                      engine=EngineConfig(max_batch_size=4, stuck_after_s=0.3)))
+                                      engine=EngineConfig(max_batch_size=4, prefill_batch_size=4,
+                                                          stuck_after_s=0.3)))
     rep.start()
     yield rep
     rep.shutdown()
+
+
+# A fail-fast path answers in milliseconds; broken, it waits on a dead or stuck thread.
+FAIL_FAST_S = 10.0
+
+
+async def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll until `condition` holds: a generous deadline instead of a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def healthy(replica: ModelReplica) -> bool:
+    try:
+        replica.check_health()
+    except EngineDead:
+        return False
+    return True
 
 
 def request(sid: str, rid: str, **sampling: Any) -> GenerationRequest:
@@ -161,11 +186,11 @@ def test_a_dead_engine_thread_fails_everything_at_once(replica: ModelReplica) ->
         assert isinstance(rest[-1], Failed)
         with pytest.raises(EngineDead):
             replica.check_health()
-        start = time.monotonic()
-        later = await asyncio.wait_for(collect(replica.stream(request("hello", "later"))), 5)
+        # Broken, it would wait forever on a thread that is gone: a deadline, not a stopwatch.
+        later = await asyncio.wait_for(collect(replica.stream(request("hello", "later"))),
+                                       FAIL_FAST_S)
         assert later == [Failed(ErrorKind.INTERNAL,
                                 "the model is unavailable: the model engine stopped")]
-        assert time.monotonic() - start < 1
 
     asyncio.run(scenario())
 
@@ -188,12 +213,13 @@ def test_a_stuck_engine_fails_its_health_check_and_new_requests_fail_fast(
         stuck = asyncio.ensure_future(collect(replica.stream(
             request("hello", "stuck", presence_penalty=MARK))))
         assert await asyncio.to_thread(entered.wait, 10)
-        await asyncio.sleep(0.5)  # past stuck_after_s
+        await eventually(lambda: not healthy(replica), "the health check to see the stall")
         with pytest.raises(EngineDead, match="stuck"):
             replica.check_health()
-        start = time.monotonic()
-        refused = await asyncio.wait_for(collect(replica.stream(request("hello", "new"))), 5)
-        assert [type(e) for e in refused] == [Failed] and time.monotonic() - start < 1
+        # Broken, it would queue behind the stall (30 s): the deadline is well short of that.
+        refused = await asyncio.wait_for(collect(replica.stream(request("hello", "new"))),
+                                         FAIL_FAST_S)
+        assert [type(e) for e in refused] == [Failed]
         release.set()  # it comes unstuck: health and service return
         assert isinstance((await asyncio.wait_for(stuck, 10))[-1], Finished)
         replica.check_health()
@@ -210,17 +236,28 @@ def test_a_request_cancelled_while_waiting_for_a_batch_slot_never_decodes(
         runners = [replica.stream(endless(replica, f"run{i}")) for i in range(4)]
         for runner in runners:  # the batch (max_batch_size 4) is full
             await runner.__anext__()
-        waiting = asyncio.ensure_future(collect(replica.stream(endless(replica, "waiting"))))
-        await asyncio.sleep(0.2)
-        assert replica.stats().active == 5 and not waiting.done()
+        seen: list[OutputEvent] = []
+
+        async def consume() -> None:
+            async for batch in replica.stream(endless(replica, "waiting")):
+                seen.extend(batch)
+
+        waiting = asyncio.ensure_future(consume())
+        await eventually(lambda: replica.stats().active == 5, "the fifth request to queue")
+        # Its own pipeline counts every token the batch gives it (engine internals: the
+        # contract has no per-request counter before the request finishes).
+        decoder = replica._engine._by_rid["waiting"].sub.decoder
+        runner_decoder = replica._engine._by_rid["run0"].sub.decoder
+        steps, runner_tokens = replica.stats().steps, runner_decoder.completion_tokens
+        await eventually(lambda: replica.stats().steps >= steps + 5, "the batch to decode on")
+        assert not waiting.done()
         waiting.cancel()  # what a client leaving does to its stream
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        for _ in range(200):
-            if replica.stats().active == 4:
-                break
-            await asyncio.sleep(0.01)
-        assert replica.stats().active == 4
+        await eventually(lambda: replica.stats().active == 4, "the cancel to free the queue")
+        # The batch decoded meanwhile (the counter works), the queued request not one token.
+        assert runner_decoder.completion_tokens >= runner_tokens + 5
+        assert decoder.completion_tokens == 0 and seen == [], seen
         for runner in runners:
             await runner.aclose()  # type: ignore[attr-defined]  # an async generator
 

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +30,8 @@ from replicas.contract import (
     Usage,
 )
 from tests.fakes import FakeClient
+
+pytestmark = pytest.mark.reliability
 
 KEY = "fuzz-key"
 EXAMPLES = int(os.environ.get("ORCHARD_FUZZ_EXAMPLES", "300"))

@@ -54,7 +54,10 @@ def test_killed_replica_fails_its_stream_and_the_other_keeps_serving(
             assert len(failed) == 1, [r.body[-300:] for r in replies]
             [victim] = failed
             assert victim.status == 200 and victim.error is not None, victim.body[-300:]
-            assert victim.ended_at - killed_at < 5  # promptly, not at the deadline
+            # Ended by the death itself, not later by the request deadline (which would be a
+            # timeout_error): no wall-clock bound, so a slow box cannot flake this.
+            assert victim.error["type"] != "timeout_error", victim.error
+            assert victim.ended_at > killed_at
             assert "Traceback" not in victim.body
 
             for _ in range(4):  # the survivor keeps serving new requests

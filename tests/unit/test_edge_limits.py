@@ -32,7 +32,10 @@ def message(**extra: Any) -> dict[str, Any]:
     return {"model": "orchard-tiny", "max_tokens": 8, "messages": MESSAGES, **extra}
 
 
-@pytest.mark.parametrize(("path", "body"), [(CHAT_PATH, chat()), (MESSAGES_PATH, message())])
+@pytest.mark.parametrize(("path", "body"), [
+    (CHAT_PATH, chat()), (MESSAGES_PATH, message()),
+    ("/v1/responses", {"model": "orchard-tiny", "input": "hi"}),
+])
 def test_a_body_over_the_limit_is_a_413_in_the_protocols_shape(path: str, body: Any) -> None:
     http, fake = edge(max_body_bytes=2048)
     padded = {**body, "user": "x" * 4096}

@@ -18,6 +18,8 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from replicas.contract import GuidedSpec
 from replicas.guided import GuidedMatcher, compile_guided
@@ -64,6 +66,54 @@ REGEX = r"[0-9]{3}-[a-z]+(\.[a-z]{2,3})?"
 CHOICES = ("yes", "no", "maybe not", 'a "quoted" one')
 GRAMMAR = 'start: item ("," item)*\nitem: NAME | NUM\nNAME: /[a-z]{1,5}/\nNUM: /[0-9]{1,3}/'
 GRAMMAR_AS_REGEX = r"(?:[a-z]{1,5}|[0-9]{1,3})(?:,(?:[a-z]{1,5}|[0-9]{1,3}))*"
+
+
+# --- random schemas (shared with test_guided_tools_random) -----------------------------
+
+Schema = dict[str, Any]
+_KEYS = st.from_regex(r"[a-z][a-z_]{0,6}", fullmatch=True)
+# Leaves are bounded (string lengths, integer ranges), so random tokens finish a value;
+# `number` stays open-ended on purpose and relies on the sampler's bias toward closers.
+_LEAVES: st.SearchStrategy[Schema] = st.one_of(
+    st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    st.lists(st.from_regex(r"[a-z ]{0,5}", fullmatch=True), min_size=1, max_size=4,
+             unique=True).map(lambda xs: {"enum": xs}),
+    st.tuples(st.integers(-99, 99), st.integers(0, 99)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+    st.sampled_from([
+        {"type": "boolean"},
+        {"type": "null"},
+        {"type": "number", "minimum": -5, "maximum": 5},
+        {"type": "string", "pattern": "^[a-z]{1,4}$"},
+        {"type": "string", "format": "date"},
+        {"const": "fixed"},
+        {"type": ["integer", "null"], "maximum": 9, "minimum": 0},
+    ]),
+)
+
+
+@st.composite
+def object_schemas(draw: st.DrawFn, values: st.SearchStrategy[Schema] | None = None) -> Schema:
+    """An object schema: up to 4 properties, some required, usually closed."""
+    props = draw(st.dictionaries(_KEYS, values if values is not None else schema_nodes(),
+                                 max_size=4))
+    required = [k for k in props if draw(st.booleans())]
+    schema: Schema = {"type": "object", "properties": props}
+    if required:
+        schema["required"] = required
+    if draw(st.integers(0, 3)):  # open objects (extra keys of any JSON) now and then
+        schema["additionalProperties"] = False
+    return schema
+
+
+def schema_nodes() -> st.SearchStrategy[Schema]:
+    """Any schema: leaves nested in arrays, objects and anyOf, a few levels deep."""
+    return st.recursive(_LEAVES, lambda inner: st.one_of(
+        st.tuples(inner, st.integers(0, 3)).map(
+            lambda t: {"type": "array", "items": t[0], "maxItems": t[1]}),
+        object_schemas(inner),
+        st.lists(inner, min_size=2, max_size=2).map(lambda xs: {"anyOf": xs}),
+    ), max_leaves=6)
 
 
 @dataclass(frozen=True)
@@ -121,6 +171,18 @@ def test_json_schema_outputs_validate(schema: dict[str, Any]) -> None:
     check_runs(GuidedSpec("json_schema", json.dumps(schema)), schema_validator(schema))
 
 
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(schema=object_schemas(), seed=st.integers(0, 2**32 - 1))
+def test_random_schemas_outputs_validate(schema: Schema, seed: int) -> None:
+    grammar = compile_guided(GuidedSpec("json_schema", json.dumps(schema)))
+    run = random_run(grammar, seed, closers())
+    # An open object can outgrow MAX_TOKENS on random logits, as check_runs allows for; a
+    # grammar that rarely finishes still fails, through hypothesis's filter health check.
+    assume(run.finished)
+    schema_validator(schema)(run.text)
+
+
 def test_non_strict_one_of_outputs_validate_as_any_of() -> None:
     overlapping = {"oneOf": [{"type": "integer", "maximum": 99}, {"type": "number"}]}
     as_any_of = {"anyOf": overlapping["oneOf"]}
@@ -133,11 +195,7 @@ def test_json_object_outputs_are_objects_with_bounded_blanks() -> None:
         assert isinstance(json.loads(text), dict), text
         assert longest_blank_run_outside_strings(text) <= 1, repr(text)
 
-    # Free-form keys and values are unbounded strings, and uniform logits rarely pick one
-    # of the few tokens that close a string or an object: favour those, as a model would.
-    closers = tuple(i for i in range(len(build_hf_tokenizer()))
-                    if any(c in decode([i]) for c in '"}]'))
-    check_runs(GuidedSpec("json_object"), valid, closers)
+    check_runs(GuidedSpec("json_object"), valid, closers())
 
 
 def test_regex_outputs_fullmatch() -> None:
@@ -177,6 +235,13 @@ def test_whitespace_loving_model_emits_at_most_one_blank_in_a_row() -> None:
     assert matcher.is_complete, f"did not finish: {text!r}"
     schema_validator(PERSON)(text)
     assert longest_blank_run_outside_strings(text) == 1, repr(text)  # it took every one
+
+
+def closers() -> tuple[int, ...]:
+    """Free-form keys and values are unbounded strings, and uniform logits rarely pick one
+    of the few tokens that close a string or an object: favour those, as a model would."""
+    return tuple(i for i in range(len(build_hf_tokenizer()))
+                 if any(c in decode([i]) for c in '"}]'))
 
 
 def longest_blank_run_outside_strings(text: str) -> int:

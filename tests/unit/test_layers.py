@@ -1,4 +1,4 @@
-"""The layer rules of DESIGN.md section 1, enforced by import-linter."""
+"""The layer rules of docs/architecture.md section 1, enforced by import-linter."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The OpenAI Responses API adapter: wire models, conversion, rendering, store and routes."""

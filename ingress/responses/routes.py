@@ -1,0 +1,134 @@
+"""`POST /v1/responses` and `GET /v1/responses/{id}`: the OpenAI Responses API.
+
+Errors leave as exceptions and render in OpenAI's shape (the `RESPONSES` protocol owns
+`/v1/responses*`). Streams go through the shared SSE loop as named events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ingress.client import ModelClient, require_model
+from ingress.errors import OPENAI_ERRORS, CodedError
+from ingress.protocol import WireProtocol
+from ingress.responses.convert import Plan, to_plan
+from ingress.responses.models import ResponsesRequest
+from ingress.responses.render import ResponseRenderer
+from ingress.responses.store import ResponseStore, StoredResponse
+from ingress.sse import SSE_HEADERS, event_frame
+from ingress.streaming import OpenedStream, open_stream, sse_stream
+from replicas.contract import ErrorKind, OutputEvent
+from replicas.errors import NotFoundError, from_event
+
+WARNING_HEADER = "x-orchard-warning"
+
+router = APIRouter()
+
+
+def _error_event(body: dict[str, Any]) -> str:
+    # The documented `error` stream event's fields, plus the OpenAI error object itself so
+    # SDKs raise it as they do for other streams. The edge writes it without knowing the
+    # sequence, so it carries none.
+    error = body["error"]
+    return event_frame("error", {"type": "error", "code": error["code"],
+                                 "message": error["message"], "param": error["param"],
+                                 "error": error})
+
+
+RESPONSES = WireProtocol(
+    name="responses",
+    prefixes=("/v1/responses",),
+    router=router,
+    errors=OPENAI_ERRORS,
+    error_frame_of=_error_event,
+)
+
+
+def _store(request: Request) -> ResponseStore:
+    store: ResponseStore = request.app.state.response_store
+    return store
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    client: ModelClient = request.app.state.client
+    store = _store(request)
+    card = require_model(client, body.model)
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        previous = await store.get(body.previous_response_id)
+        if previous is None:
+            raise CodedError(ErrorKind.NOT_FOUND,
+                             f"previous response '{body.previous_response_id}' not found",
+                             code="previous_response_not_found", param="previous_response_id")
+        history = previous.conversation()
+    plan = to_plan(body, card, history)
+    renderer = ResponseRenderer(plan.generation.request_id, body.model, plan.echo,
+                                reasoning_summary=plan.reasoning_summary, warnings=plan.warnings)
+    headers = {WARNING_HEADER: "; ".join(plan.warnings)} if plan.warnings else {}
+    opened = await open_stream(client, plan.generation)  # an early failure: a real status
+    if body.stream:
+        return StreamingResponse(_stream(opened, renderer, plan, store if body.store else None),
+                                 media_type="text/event-stream",
+                                 headers=SSE_HEADERS | headers)
+    try:
+        async for event in opened.events():
+            renderer.feed(event)  # to the iterator's end: a finished generation ends itself
+    finally:
+        await opened.aclose()  # a client that left cancels its generation
+    renderer.finish()
+    if renderer.failure is not None:
+        raise from_event(renderer.failure)
+    if body.store:
+        await _save(store, plan, renderer)
+    return JSONResponse(renderer.response, headers=headers)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    stored = await _store(request).get(response_id)
+    if stored is None:
+        raise NotFoundError(f"response '{response_id}' not found", param="response_id")
+    return stored.response
+
+
+async def _stream(opened: OpenedStream, renderer: ResponseRenderer, plan: Plan,
+                  store: ResponseStore | None) -> AsyncIterator[str]:
+    async for chunk in sse_stream(opened, EventWriter(renderer), RESPONSES.ping_frame):
+        yield chunk
+    # Saved before the stream closes, so a client that read it to the end finds it stored.
+    if store is not None and renderer.failure is None:
+        await _save(store, plan, renderer)
+
+
+async def _save(store: ResponseStore, plan: Plan, renderer: ResponseRenderer) -> None:
+    response = renderer.response
+    await store.put(response["id"], StoredResponse(response, plan.items))
+
+
+class EventWriter:
+    """`ResponseRenderer` events as named SSE events."""
+
+    def __init__(self, renderer: ResponseRenderer) -> None:
+        self._renderer = renderer
+
+    @property
+    def done(self) -> bool:
+        return self._renderer.done
+
+    def start(self) -> list[str]:
+        return _frames(self._renderer.start())
+
+    def feed(self, event: OutputEvent) -> list[str]:
+        return _frames(self._renderer.feed(event))
+
+    def finish(self) -> list[str]:
+        return _frames(self._renderer.finish())
+
+
+def _frames(events: list[dict[str, Any]]) -> list[str]:
+    return [event_frame(event["type"], event) for event in events]

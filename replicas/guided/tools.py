@@ -1,0 +1,258 @@
+"""Tool calls valid by construction: one llguidance grammar per request that offers tools.
+
+The grammar constrains the answer channel in the model's own call syntax (the SYNTAX
+table). Each tool is its own alternative, so a call's name and its arguments' schema are
+tied. `auto` lets free text run until the call section's trigger, then constrains from
+there (llguidance's lazy lexeme, or a special-token reference when the trigger is one
+special token of the model: the two forms `llguidance.StructTag` compiles to).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from replicas.contract import ToolChoice, ToolSpec
+from replicas.errors import InvalidRequestError
+from replicas.guided.compiler import checked_json_schema, validate
+from replicas.guided.schema_keywords import openai_strict_violations
+from replicas.guided.tokenizer import GuidedTokenizer
+from replicas.guided.tool_params import xml_parameters
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """How one model family writes its calls. A section is `open call (sep call)* close`;
+    a call is `head(NAME) ARGS tail`. `trigger` starts the section: `auto` runs free text
+    until it, `none` bans it (when it is one token)."""
+
+    trigger: str
+    head: str  # "{name}" is replaced by the tool's name
+    tail: str
+    open: str = ""
+    sep: str | None = None  # None: one call per turn, whatever `parallel` says
+    close: str = ""
+    markers: tuple[str, ...] = ()  # texts that are special tokens in this family's vocab
+    args: Literal["json", "xml"] = "json"
+    # Where free text must be announced by a header (harmony's final channel), `auto` is
+    # a plain alternative between this header + text and a call; no trigger is needed.
+    text_open: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.open or self.head).startswith(self.trigger):
+            raise ValueError(f"tool syntax: {self.trigger!r} must open the call section")
+
+
+SYNTAX: Final[dict[str, ToolSyntax]] = {
+    # Qwen3 / Hermes: every call wrapped in its own tags, calls joined by one newline.
+    "hermes": ToolSyntax(
+        trigger="<tool_call>",
+        head='<tool_call>\n{"name": "{name}", "arguments": ',
+        tail="}\n</tool_call>",
+        sep="\n",
+        markers=("<tool_call>", "</tool_call>"),
+    ),
+    # Qwen3-Coder: XML parameters, one `<parameter=KEY>` block per argument (tool_params).
+    "qwen3_coder": ToolSyntax(
+        trigger="<tool_call>",
+        head="<tool_call>\n<function={name}>\n",
+        tail="</function>\n</tool_call>",
+        sep="\n",
+        markers=("<tool_call>", "</tool_call>"),
+        args="xml",
+    ),
+    # Llama 3.1+ JSON tool calling; parallel calls joined by "; " as vLLM's parser reads them.
+    "llama3_json": ToolSyntax(
+        trigger="<|python_tag|>",
+        open="<|python_tag|>",
+        head='{"name": "{name}", "parameters": ',
+        tail="}",
+        sep="; ",
+        markers=("<|python_tag|>",),
+    ),
+    # Mistral: one JSON array of calls after the marker.
+    "mistral": ToolSyntax(
+        trigger="[TOOL_CALLS]",
+        open="[TOOL_CALLS][",
+        head='{"name": "{name}", "arguments": ',
+        tail="}",
+        sep=", ",
+        close="]",
+        markers=("[TOOL_CALLS]",),
+    ),
+    # gpt-oss: the grammar covers the messages after the analysis channel. `<|call|>` ends
+    # the turn, so there is one call per turn.
+    "harmony": ToolSyntax(
+        trigger="<|start|>",
+        head="<|start|>assistant<|channel|>commentary to=functions.{name} "
+        "<|constrain|>json<|message|>",
+        tail="<|call|>",
+        markers=("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"),
+        text_open="<|start|>assistant<|channel|>final<|message|>",
+    ),
+}
+
+TOOL_NAME: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TEXT_RULE: Final = "TEXT: /(?s:.+)/"  # free text: any characters, never special tokens
+
+
+@functools.lru_cache(maxsize=64)  # agents send the same tools on every turn
+def compile_tool_grammar(
+    tool_format: str,
+    tools: tuple[ToolSpec, ...],
+    choice: ToolChoice,
+    *,
+    tokenizer: GuidedTokenizer,
+) -> str | None:
+    """The llguidance grammar for the answer channel of a request that offers `tools`.
+
+    None when nothing is constrained: `tool_choice: none` (ban `open_marker_token_ids`
+    instead) or `auto` with no tools. `tokenizer` decides how the format's markers are
+    matched: as the model's special token where it has one, as text otherwise. Raises
+    InvalidRequestError (param `tools` or `tool_choice`) for bad input.
+    """
+    syntax = SYNTAX.get(tool_format)
+    if syntax is None:
+        raise ValueError(f"unknown tool format {tool_format!r}; known: {', '.join(SYNTAX)}")
+    _check_names(tools, choice)
+    arguments = {tool.name: _arguments(syntax, tool) for tool in tools}
+    if choice.mode == "none" or not tools:
+        return None
+    offered = [t.name for t in tools if choice.name is None or t.name == choice.name]
+    marks = _Markers(syntax.markers, tokenizer)
+    lark = _lark(syntax, marks, offered, arguments, choice)
+    try:
+        return validate(lark, "invalid tool grammar", tokenizer.ll)
+    except InvalidRequestError as exc:
+        # Validating each tool alone costs milliseconds apiece: only to name the culprit.
+        for spec in tools:
+            _check_alone(spec, arguments[spec.name])
+        raise InvalidRequestError(exc.message, param="tools") from None
+
+
+def open_marker_token_ids(tool_format: str, encode: Callable[[str], Sequence[int]]) -> tuple[int, ...]:
+    """The token that opens a call, to ban under `tool_choice: none`; () when the opener
+    is several tokens (one cannot be banned alone) or also opens plain text (harmony)."""
+    syntax = SYNTAX[tool_format]
+    if syntax.text_open is not None:
+        return ()
+    ids = tuple(encode(syntax.trigger))
+    return ids if len(ids) == 1 else ()
+
+
+def _check_names(tools: tuple[ToolSpec, ...], choice: ToolChoice) -> None:
+    seen: set[str] = set()
+    for tool in tools:
+        if not isinstance(tool.name, str) or not TOOL_NAME.fullmatch(tool.name):
+            raise InvalidRequestError(
+                f"invalid tool name {tool.name!r}: names must match ^[a-zA-Z0-9_-]{{1,64}}$",
+                param="tools",
+            )
+        if tool.name in seen:
+            raise InvalidRequestError(f"duplicate tool name {tool.name!r}", param="tools")
+        seen.add(tool.name)
+    if choice.mode == "required" and not tools:
+        raise InvalidRequestError("tool_choice 'required' needs at least one tool",
+                                  param="tool_choice")
+    if choice.name is not None and choice.name not in seen:
+        raise InvalidRequestError(f"tool_choice names {choice.name!r}, which is not among "
+                                  "the tools offered", param="tool_choice")
+
+
+ArgumentRules = Callable[[str], list[str]]  # a rule name -> the rules that define it
+
+
+def _arguments(syntax: ToolSyntax, tool: ToolSpec) -> ArgumentRules:
+    """How to write one tool's arguments in Lark; every problem names the tool."""
+    where = f"tool {tool.name!r}"
+    try:
+        schema = checked_json_schema(tool.parameters, strict=tool.strict)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{where}: {exc.message}", param="tools") from None
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise InvalidRequestError(f"{where}: parameters must be an object schema, "
+                                  f"got type {kind!r}", param="tools")
+    schema["type"] = "object"
+    if tool.strict:
+        violations = openai_strict_violations(schema)
+        if violations:
+            raise InvalidRequestError(f"{where}: strict mode: " + "; ".join(violations),
+                                      param="tools")
+    if syntax.args == "xml":
+        try:
+            xml_parameters(schema, "probe")  # fail now, with the tool's name
+        except ValueError as exc:
+            raise InvalidRequestError(f"{where}: {exc}", param="tools") from None
+        return lambda rule: xml_parameters(schema, rule)
+    return lambda rule: [f"{rule}: %json {json.dumps(schema)}"]
+
+
+def _check_alone(tool: ToolSpec, arguments: ArgumentRules) -> None:
+    try:
+        validate("%llguidance {}\nstart: args\n" + "\n".join(arguments("args")),
+                 f"tool {tool.name!r}: invalid parameters schema")
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(exc.message, param="tools") from None
+
+
+class _Markers:
+    """Lark for literal text: a marker that is one special token of the model becomes a
+    token reference (llguidance never matches special tokens as text); the rest is text."""
+
+    def __init__(self, markers: tuple[str, ...], tokenizer: GuidedTokenizer) -> None:
+        # By id (`<[42]>`): names such as `[TOOL_CALLS]` are not `<name>`-shaped.
+        self.special: dict[str, str] = {}
+        for marker in markers:
+            ids = tokenizer.ll.tokenize_str(marker)
+            if len(ids) == 1 and tokenizer.ll.is_special_token(ids[0]):
+                self.special[marker] = f"<[{ids[0]}]>"
+        self._split = re.compile("(" + "|".join(map(re.escape, markers)) + ")") if markers else None
+
+    def lark(self, text: str) -> str:
+        pieces = self._split.split(text) if self._split else [text]
+        return " ".join(self.special.get(p) or json.dumps(p) for p in pieces if p)
+
+
+def _lark(syntax: ToolSyntax, marks: _Markers, names: list[str],
+          arguments: dict[str, ArgumentRules], choice: ToolChoice) -> str:
+    # A named choice forces a call to that tool, as OpenAI's does.
+    required = choice.mode == "required" or choice.name is not None
+    triggered = not required and syntax.text_open is None
+    # In `auto` the trigger has been matched by the time the first call's rules start.
+    skip = len(syntax.trigger) if triggered else 0
+    rules = ["%llguidance {}"]
+    for i, name in enumerate(names):
+        head = syntax.head.replace("{name}", name)
+        rules.append(f"first_{i}: {marks.lark((syntax.open + head)[skip:])} args_{i} "
+                     f"{marks.lark(syntax.tail)}")
+        rules.append(f"call_{i}: {marks.lark(head)} args_{i} {marks.lark(syntax.tail)}")
+        rules.extend(arguments[name](f"args_{i}"))
+    rules.append("first: " + " | ".join(f"first_{i}" for i in range(len(names))))
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(names))))
+    more = ""
+    if choice.parallel and syntax.sep is not None:
+        more = f"({marks.lark(syntax.sep)} call)*"
+    rules.append(f"section: first {more} {marks.lark(syntax.close)}")
+    if required:
+        rules.append("start: section")
+    elif syntax.text_open is not None:
+        rules.append(f"start: {marks.lark(syntax.text_open)} TEXT? | section")
+        rules.append(TEXT_RULE)
+    elif syntax.trigger in marks.special:
+        # One special token opens the call: free text cannot contain it, so the text
+        # simply ends where the token comes (StructTag's `assume_special` form).
+        rules.append(f"start: TEXT? | TEXT? {marks.special[syntax.trigger]} section")
+        rules.append(TEXT_RULE)
+    else:
+        # A text trigger: a lazy lexeme ends the free text at the trigger's first
+        # occurrence, and from there the call is constrained (StructTag's lazy form).
+        rules.append(f"trigger[lazy]: FREE {json.dumps(syntax.trigger)}")
+        rules.append("start: FREE | trigger section")
+        rules.append("FREE: /(?s:.*)/")
+    return "\n".join(rules) + "\n"
+

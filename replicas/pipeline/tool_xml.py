@@ -1,0 +1,214 @@
+"""Qwen3-Coder's XML tool calls, read incrementally.
+
+    <function=NAME>
+    <parameter=P>
+    VALUE
+    </parameter>
+    </function>
+
+VALUE is raw text; the arguments become a JSON object built here, one parameter at a time
+(`{"P": VALUE` then `, "Q": ...` then `}`), so they stream per parameter. A value converts
+by the parameter's schema type when the tool's schema is known (as vLLM's parser does),
+otherwise: a value that parses as JSON other than a string is that value, anything else
+is a string.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+FUNCTION = "<function="
+PARAMETER = "<parameter="
+PARAMETER_END = "</parameter>"
+FUNCTION_END = "</function>"
+_HEADER_LIMIT = 256  # a `<function=...>` or `<parameter=...>` header longer than this is junk
+
+
+class Sink(Protocol):
+    """What a call reader reports to (the parser)."""
+
+    def start(self, name: str) -> bool: ...  # False: the name is rejected
+    def delta(self, text: str) -> None: ...
+    def end(self) -> None: ...
+    def text(self, raw: str, why: str) -> None: ...  # malformed: give the text back
+    def warn(self, why: str) -> None: ...
+    def schema(self, name: str) -> Mapping[str, Any] | None: ...
+
+
+def convert(value: str, schema_type: object) -> object:
+    """A parameter's raw text as a JSON value."""
+    kind = schema_type
+    if isinstance(kind, list):  # ["integer", "null"]: the first real type decides
+        kind = next((k for k in kind if k != "null"), None)
+    if kind == "string":
+        return value
+    if kind in ("integer", "number", "boolean", "object", "array", "null"):
+        if kind == "boolean" and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        parsed = _json(value)
+        if kind == "integer" and isinstance(parsed, float) and parsed.is_integer():
+            return int(parsed)
+        return value if parsed is _BAD else parsed
+    parsed = _json(value)
+    return value if parsed is _BAD or isinstance(parsed, str) else parsed
+
+
+_BAD = object()
+
+
+def _json(value: str) -> object:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return _BAD
+
+
+_FUNC, _PARAMS, _VALUE, _TAIL, _FAILED = range(5)
+
+
+class XmlSegment:
+    """The text of one `<tool_call>`...`</tool_call>`: one or more functions."""
+
+    __slots__ = ("_sink", "_state", "_buf", "_raw", "_from", "_name", "_param", "_count",
+                 "_calls", "_warned")
+
+    def __init__(self, sink: Sink, marker: str) -> None:
+        self._sink = sink
+        self._state = _FUNC
+        self._buf = ""  # unread text
+        self._raw = marker  # the text of a call not yet started, for a fallback
+        self._from = 0  # where to resume looking for `</parameter>` in the buffer
+        self._name = ""
+        self._param = ""
+        self._count = 0  # parameters emitted in the current call
+        self._calls = 0  # calls started in this segment
+        self._warned = False
+
+    def feed(self, text: str) -> None:
+        if self._state == _FAILED:
+            self._sink.text(text, "")
+            return
+        if self._state == _TAIL:
+            self._ignore(text)
+            return
+        if self._state == _FUNC:
+            self._raw += text
+        self._buf += text
+        while self._step():
+            pass
+
+    def close(self, marker: str) -> None:
+        """The call's close marker, or the end of the stream ("")."""
+        state = self._state
+        if state == _FAILED:
+            if marker:
+                self._sink.text(marker, "")
+        elif state == _FUNC:
+            if self._buf.strip() or not self._calls:
+                self._fail("incomplete <function=...> header", marker)
+        elif state == _VALUE:  # cut off inside a value: it is what the call had
+            self._emit_param(self._buf)
+            self._end_call()
+        elif state == _PARAMS:
+            self._end_call()
+
+    def _step(self) -> bool:
+        """One move on the buffer; False when it needs more text."""
+        state = self._state
+        if state == _VALUE:
+            found = self._buf.find(PARAMETER_END, self._from)
+            if found < 0:
+                self._from = max(0, len(self._buf) - len(PARAMETER_END) + 1)
+                return False
+            self._emit_param(self._buf[:found])
+            self._buf = self._buf[found + len(PARAMETER_END):]
+            self._state = _PARAMS
+            return True
+        buf = self._buf.lstrip()
+        if not buf:
+            return False
+        if state == _FUNC:
+            if not buf.startswith(FUNCTION):
+                if not FUNCTION.startswith(buf):
+                    self._fail("expected <function=NAME>", "")
+                return False
+            header = self._header(buf, len(FUNCTION))
+            if header is None:
+                return False
+            name = header.strip()
+            if not name or not self._sink.start(name):
+                self._fail(f"bad function name {name!r}", "")
+                return False
+            self._name, self._count, self._raw = name, 0, ""
+            self._calls += 1
+            self._state = _PARAMS
+            return True
+        # _PARAMS
+        if buf.startswith(FUNCTION_END):
+            self._buf = buf[len(FUNCTION_END):]
+            self._end_call()
+            self._state = _FUNC
+            return True
+        if buf.startswith(PARAMETER):
+            header = self._header(buf, len(PARAMETER))
+            if header is None:
+                return False
+            self._param = header.strip()
+            self._state, self._from = _VALUE, 0
+            return True
+        if PARAMETER.startswith(buf) or FUNCTION_END.startswith(buf):
+            return False
+        self._sink.warn("unexpected text in a function call; the call ends here")
+        self._end_call()
+        self._state = _TAIL
+        self._ignore(buf)
+        return False
+
+    def _header(self, buf: str, start: int) -> str | None:
+        """The text up to `>` of a `<function=` / `<parameter=` header; None: not yet."""
+        close = buf.find(">", start)
+        if close < 0:
+            if len(buf) <= _HEADER_LIMIT:
+                self._buf = buf
+            elif self._state == _FUNC:
+                self._fail("runaway <function=...> header", "")
+            else:
+                self._sink.warn("runaway <parameter=...> header; the call ends here")
+                self._end_call()
+                self._state = _TAIL
+            return None
+        self._buf = buf[close + 1:]
+        return buf[start:close]
+
+    def _emit_param(self, value: str) -> None:
+        # Templates write the value on its own lines: one newline each side is layout.
+        if value.startswith("\n"):
+            value = value[1:]
+        if value.endswith("\n"):
+            value = value[:-1]
+        schema = self._sink.schema(self._name) or {}
+        props = schema.get("properties")
+        spec = props.get(self._param) if isinstance(props, Mapping) else None
+        kind = spec.get("type") if isinstance(spec, Mapping) else None
+        converted = json.dumps(convert(value, kind), ensure_ascii=False)
+        lead = "{" if self._count == 0 else ", "
+        self._sink.delta(f"{lead}{json.dumps(self._param, ensure_ascii=False)}: {converted}")
+        self._count += 1
+
+    def _end_call(self) -> None:
+        if self._count:
+            self._sink.delta("}")
+        self._sink.end()  # no parameters: the parser makes it "{}"
+        self._count = 0
+
+    def _fail(self, why: str, marker: str) -> None:
+        self._state = _FAILED
+        self._sink.text(self._raw + marker, why)
+        self._buf = self._raw = ""
+
+    def _ignore(self, text: str) -> None:
+        if text.strip() and not self._warned:
+            self._warned = True
+            self._sink.warn("text after a tool call's function is ignored")

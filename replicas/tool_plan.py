@@ -1,0 +1,72 @@
+"""How one request's tools are handled: parsed, constrained, or banned.
+
+Pure decisions from the request and the model's tool format; the replica turns the plan
+into its decoder and controller. Everything here runs before the engine sees the request,
+so every bad combination is a 400 with no engine time spent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+from replicas.contract import GenerationRequest
+from replicas.errors import InvalidRequestError
+from replicas.pipeline.harmony import END
+from replicas.pipeline.tool_calls import ToolParsing
+from replicas.pipeline.tool_formats import ToolFormat
+
+if TYPE_CHECKING:  # llguidance is imported on the first guided or tool request only
+    from replicas.guided import GuidedTokenizer
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    parsing: ToolParsing | None = None  # None: tool-call markup stays plain text
+    grammar: str | None = None  # the llguidance grammar over the answer (and its calls)
+    banned_ids: tuple[int, ...] = ()  # `tool_choice: none`: the token that opens a call
+    grammar_start: Literal["answer", "reasoning_end"] = "answer"
+    forced_end: str | None = None  # what a spent thinking budget forces, if not the format's
+
+
+NO_TOOLS = ToolPlan()
+
+
+def plan_tools(
+    request: GenerationRequest,
+    tool_format: ToolFormat,
+    guided_tokenizer: Callable[[], GuidedTokenizer],
+    encode: Callable[[str], tuple[int, ...]],
+) -> ToolPlan:
+    choice = request.tool_choice
+    if not request.tools:
+        if choice.mode == "required" or choice.name is not None:
+            raise InvalidRequestError("tool_choice needs tools to choose from", param="tool_choice")
+        return NO_TOOLS
+    if choice.mode == "none" and choice.name is None:
+        from replicas.guided import open_marker_token_ids
+
+        if tool_format.name == "none":
+            return NO_TOOLS
+        return ToolPlan(banned_ids=open_marker_token_ids(tool_format.name, encode))
+    if tool_format.name == "none":
+        raise InvalidRequestError(
+            "this model has no tool-call format the server knows; set `tool_format` for it "
+            "in the serve config", param="tools")
+    if request.guided is not None:
+        # A grammar over the answer text and one over the calls cannot both own the answer.
+        raise InvalidRequestError("response_format cannot be combined with tools yet",
+                                  param="response_format")
+    from replicas.guided import compile_tool_grammar
+
+    grammar = compile_tool_grammar(tool_format.name, request.tools, choice,
+                                   tokenizer=guided_tokenizer())
+    harmony = tool_format.name == "harmony"
+    return ToolPlan(
+        parsing=ToolParsing.from_specs(tool_format, request.tools),
+        grammar=grammar,
+        # Harmony's grammar covers the headers after the analysis message, so it starts when
+        # reasoning ends, and a spent budget may force only the end of that message.
+        grammar_start="reasoning_end" if harmony else "answer",
+        forced_end=END if harmony else None,
+    )

@@ -1,0 +1,108 @@
+"""`max_tokens_past_context`: a max_tokens past the context is lowered (clamp, the default)
+or refused (reject), at the exact boundary, on the real tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterator
+
+import pytest
+
+from replicas.contract import (
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    OutputEvent,
+    SamplingParams,
+    TokenPrompt,
+)
+from replicas.replica import ModelReplica, ReplicaOptions
+
+# Leaves this many tokens of the context after the prompt: a few decode steps only.
+ROOM = 3
+# A short context (`max_model_len`) keeps prompts that fill it cheap to prefill.
+CONTEXT = 256
+
+
+def _replica(**options: object) -> Iterator[ModelReplica]:
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
+                                      max_model_len=CONTEXT, **options))  # type: ignore[arg-type]
+    rep.start()
+    yield rep
+    rep.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[ModelReplica]:
+    yield from _replica()
+
+
+@pytest.fixture(scope="module")
+def rejecting() -> Iterator[ModelReplica]:
+    yield from _replica(max_tokens_past_context="reject")
+
+
+def test_max_model_len_caps_the_native_context(replica: ModelReplica) -> None:
+    assert replica.model.context_length > CONTEXT == replica.context_length
+
+
+def _request(replica: ModelReplica, max_tokens: int, prompt_len: int | None = None) -> GenerationRequest:
+    context = replica.context_length
+    length = context - ROOM if prompt_len is None else prompt_len
+    # Token id 5 repeated: an unscripted prompt, so the model need not stop early; the
+    # greedy choice is the same whatever the cut, which is all this test needs.
+    return GenerationRequest(request_id=f"clamp-{max_tokens}-{length}", model="tiny",
+                             prompt=TokenPrompt((5,) * length),
+                             sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def _run(replica: ModelReplica, request: GenerationRequest) -> list[OutputEvent]:
+    async def go() -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        async for batch in replica.stream(request):
+            events.extend(batch)
+        return events
+
+    return asyncio.run(go())
+
+
+def test_max_tokens_that_exactly_fits_is_kept(replica: ModelReplica) -> None:
+    finished = _run(replica, _request(replica, ROOM))[-1]
+    assert isinstance(finished, Finished)
+    assert finished.warnings == ()
+    assert finished.usage.completion_tokens <= ROOM
+
+
+def test_one_past_the_context_is_clamped_to_what_is_left(replica: ModelReplica) -> None:
+    context = replica.context_length
+    finished = _run(replica, _request(replica, ROOM + 1))[-1]
+    assert isinstance(finished, Finished)
+    assert finished.warnings == (
+        f"max_tokens lowered from {ROOM + 1} to {ROOM}: the prompt has {context - ROOM} "
+        f"tokens of this model's {context}-token context",)
+    assert finished.usage.completion_tokens <= ROOM
+    if finished.usage.completion_tokens == ROOM:  # it ran into the lowered limit
+        assert finished.reason is FinishReason.LENGTH
+
+
+def test_claude_code_sized_max_tokens_is_clamped(replica: ModelReplica) -> None:
+    finished = _run(replica, _request(replica, 32000))[-1]
+    assert isinstance(finished, Finished)
+    assert finished.warnings and f"lowered from 32000 to {ROOM}" in finished.warnings[0]
+
+
+def test_a_prompt_that_fills_the_context_is_still_an_error(replica: ModelReplica) -> None:
+    context = replica.context_length
+    failed = _run(replica, _request(replica, 10, prompt_len=context))[-1]
+    assert isinstance(failed, Failed)
+    assert failed.kind.value == "context_length" and failed.param == "max_tokens"
+
+
+def test_reject_refuses_one_past_the_context(rejecting: ModelReplica) -> None:
+    fits = _run(rejecting, _request(rejecting, ROOM))[-1]
+    assert isinstance(fits, Finished) and fits.warnings == ()
+    failed = _run(rejecting, _request(rejecting, ROOM + 1))[-1]
+    assert isinstance(failed, Failed)
+    assert failed.kind.value == "context_length"
+    assert "maximum context length" in failed.message
