@@ -3,9 +3,12 @@
     locust -f load/locustfile.py --host http://127.0.0.1:8000 [OpenAIChatUser MixedUser ...]
 
 User classes (pick them by name on the command line; all run by default, by weight):
-OpenAIChatUser, OpenAICompletionsUser, AnthropicMessagesUser, and MixedUser (plain, stop
-strings, response_format json_schema/json_object, reasoning with and without a thinking
-budget, across both APIs). Their prompts and bodies are data in load/payloads.json.
+OpenAIChatUser, OpenAICompletionsUser, AnthropicMessagesUser (the chat ones with tool calls,
+single, parallel, and a tool result in history), and MixedUser (plain, stop strings,
+response_format json_schema/json_object, reasoning with and without a thinking budget,
+forced tool choice and a call after reasoning, across both APIs). Their prompts and bodies
+are data in load/payloads.json; the stream readers and output checks are in
+load/stream_checks.py.
 
 Each request is one Locust "POST" entry named after its payload (its time is the time to
 the HTTP status line, which Orchard sends with the first token) that fails on a non-200, a
@@ -13,8 +16,8 @@ stream error event, a stream cut short (no finish reason, no usage, no `[DONE]` 
 `message_stop`) or an output that breaks the payload's `expect`. Each successful stream then
 reports metrics as further request events of that name:
 
-    TTFT      request sent -> first generated text (answer or reasoning), ms
-    ITL       gap between consecutive text-carrying SSE frames, ms (one sample per gap)
+    TTFT      request sent -> first generated output (answer, reasoning or a tool call), ms
+    ITL       gap between consecutive output-carrying SSE frames, ms (one sample per gap)
     TPOT      (E2E - TTFT) / (output tokens - 1), ms per token
     E2E       request sent -> end of stream, ms
     TOKENS    output tokens from the response's usage (a count, not ms)
@@ -31,8 +34,8 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from locust.exception import StopUser
 
 # Locust puts this file's folder on sys.path while it imports it.
 from run_load import loopback_error
+from stream_checks import READERS, Stream, check_output
 
 PAYLOADS_PATH = Path(__file__).with_name("payloads.json")
 API_PATHS = {
@@ -99,77 +103,6 @@ class Settings:
         return body
 
 
-@dataclass
-class Stream:
-    """What the client saw of one streamed response."""
-
-    start: float
-    arrivals: list[float] = field(default_factory=list)  # when each text-carrying frame came
-    answer: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    finish: str | None = None
-    output_tokens: int | None = None
-    done: bool = False  # the protocol's terminal frame: `[DONE]` or `message_stop`
-    error: str | None = None
-
-    def text(self, answer: str, reasoning: str) -> None:
-        if answer or reasoning:
-            self.arrivals.append(time.perf_counter())
-            self.answer.append(answer)
-            self.reasoning.append(reasoning)
-
-    def problem(self) -> str | None:
-        if self.error is not None:
-            return f"error event: {self.error}"
-        if not self.done:
-            return "truncated stream: no [DONE] / message_stop"
-        if self.finish is None:
-            return "no terminal chunk with a finish/stop reason"
-        if self.output_tokens is None:
-            return "no usage in the stream"
-        return None
-
-
-def read_openai(lines: Iterable[str], s: Stream) -> None:
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            s.done = True
-            continue
-        chunk = json.loads(data)
-        if "error" in chunk:
-            s.error = str(chunk["error"].get("message", chunk["error"]))
-            return
-        if chunk.get("usage"):
-            s.output_tokens = int(chunk["usage"]["completion_tokens"])
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            s.text(choice.get("text") or delta.get("content") or "", delta.get("reasoning_content") or "")
-            if choice.get("finish_reason"):
-                s.finish = choice["finish_reason"]
-
-
-def read_anthropic(lines: Iterable[str], s: Stream) -> None:
-    for line in lines:
-        if not line.startswith("data:"):
-            continue  # the `event:` line repeats the type the data carries
-        frame = json.loads(line[len("data:"):])
-        kind = frame.get("type")
-        if kind == "error":
-            s.error = str(frame["error"].get("message", frame["error"]))
-            return
-        if kind == "content_block_delta":
-            delta = frame["delta"]
-            s.text(delta.get("text", ""), delta.get("thinking", ""))
-        elif kind == "message_delta":
-            s.finish = frame["delta"]["stop_reason"]
-            s.output_tokens = int(frame["usage"]["output_tokens"])
-        elif kind == "message_stop":
-            s.done = True
-
-
 def sse_lines(raw: Any) -> Iterator[str]:
     """Lines of an event stream as the bytes arrive.
 
@@ -184,36 +117,6 @@ def sse_lines(raw: Any) -> Iterator[str]:
             yield line.decode("utf-8").rstrip("\r")
     if pending:
         yield pending.decode("utf-8")
-
-
-READERS: dict[str, Callable[[Iterable[str], Stream], None]] = {
-    "openai_chat": read_openai,
-    "openai_completions": read_openai,
-    "anthropic_messages": read_anthropic,
-}
-
-
-def check_output(s: Stream, expect: dict[str, Any]) -> str | None:
-    """The first way the output breaks the payload's expectations, or None."""
-    answer, reasoning = "".join(s.answer), "".join(s.reasoning)
-    if "finish" in expect and s.finish != expect["finish"]:
-        return f"finish {s.finish!r}, expected {expect['finish']!r}"
-    if "answer" in expect and answer != expect["answer"]:
-        return f"answer {answer[:80]!r} differs from the expected {expect['answer'][:80]!r}"
-    if "reasoning" in expect and reasoning != expect["reasoning"]:
-        return f"reasoning {reasoning[:80]!r} differs from the expected one"
-    if expect.get("has_reasoning") and not reasoning:
-        return "no reasoning"
-    leaked = [stop for stop in expect.get("excludes", []) if stop in answer]
-    if leaked:
-        return f"stop string(s) {leaked} leaked into the answer"
-    if expect.get("json"):
-        try:
-            if not isinstance(json.loads(answer), dict):
-                return "the answer is JSON but not an object"
-        except ValueError:
-            return f"the answer is not JSON: {answer[:80]!r}"
-    return None
 
 
 @dataclass
@@ -317,7 +220,7 @@ class _StreamingUser(HttpUser):
             else:
                 try:
                     READERS[payload.api](sse_lines(response.raw), s)
-                    problem = s.problem() or (check_output(s, payload.expect) if settings.check_output else None)
+                    problem = s.problem() or (check_output(s, payload.expect, payload.body) if settings.check_output else None)
                 except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError,
                         KeyError, TypeError) as exc:
                     problem = f"broken stream: {type(exc).__name__}: {exc}"
