@@ -41,6 +41,12 @@ class ToolSyntax:
     # Where free text must be announced by a header (harmony's final channel), `auto` is
     # a plain alternative between this header + text and a call; no trigger is needed.
     text_open: str | None = None
+    # Other ways the same call head may be written ("{name}" as in `head`).
+    alt_heads: tuple[str, ...] = ()
+    # A message the model may write before any of the above (harmony's analysis): its
+    # opening, its end, and what opens the next message. When the prompt itself opened
+    # that message, the grammar starts after its end, at the next message's opening.
+    preamble: tuple[str, str, str] | None = None
 
     def __post_init__(self) -> None:
         if not (self.open or self.head).startswith(self.trigger):
@@ -84,15 +90,19 @@ SYNTAX: Final[dict[str, ToolSyntax]] = {
         close="]",
         markers=("[TOOL_CALLS]",),
     ),
-    # gpt-oss: the grammar covers the messages after the analysis channel. `<|call|>` ends
-    # the turn, so there is one call per turn.
+    # gpt-oss: the grammar covers the whole completion after the prompt's
+    # `<|start|>assistant`: an optional analysis message, then the final message or one
+    # call (`<|call|>` ends the turn). The encoder writes the recipient after the role
+    # (` to=functions.x<|channel|>commentary ...`); models also write it after the channel.
     "harmony": ToolSyntax(
-        trigger="<|start|>",
-        head="<|start|>assistant<|channel|>commentary to=functions.{name} "
-        "<|constrain|>json<|message|>",
+        trigger="<|channel|>",
+        head="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+        alt_heads=(" to=functions.{name}<|channel|>commentary <|constrain|>json<|message|>",),
         tail="<|call|>",
-        markers=("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"),
-        text_open="<|start|>assistant<|channel|>final<|message|>",
+        markers=("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>",
+                 "<|end|>"),
+        text_open="<|channel|>final<|message|>",
+        preamble=("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant"),
     ),
 }
 
@@ -227,10 +237,11 @@ def _lark(syntax: ToolSyntax, marks: _Markers, names: list[str],
     skip = len(syntax.trigger) if triggered else 0
     rules = ["%llguidance {}"]
     for i, name in enumerate(names):
-        head = syntax.head.replace("{name}", name)
-        rules.append(f"first_{i}: {marks.lark((syntax.open + head)[skip:])} args_{i} "
-                     f"{marks.lark(syntax.tail)}")
-        rules.append(f"call_{i}: {marks.lark(head)} args_{i} {marks.lark(syntax.tail)}")
+        heads = [h.replace("{name}", name) for h in (syntax.head, *syntax.alt_heads)]
+        first = " | ".join(marks.lark((syntax.open + h)[skip:]) for h in heads)
+        later = " | ".join(marks.lark(h) for h in heads)
+        rules.append(f"first_{i}: ({first}) args_{i} {marks.lark(syntax.tail)}")
+        rules.append(f"call_{i}: ({later}) args_{i} {marks.lark(syntax.tail)}")
         rules.extend(arguments[name](f"args_{i}"))
     rules.append("first: " + " | ".join(f"first_{i}" for i in range(len(names))))
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(names))))
@@ -238,10 +249,24 @@ def _lark(syntax: ToolSyntax, marks: _Markers, names: list[str],
     if choice.parallel and syntax.sep is not None:
         more = f"({marks.lark(syntax.sep)} call)*"
     rules.append(f"section: first {more} {marks.lark(syntax.close)}")
+    pre = ""
+    if syntax.preamble is not None:
+        opening, end, resume = syntax.preamble
+        if end in marks.special:  # free text cannot hold a special token: it ends there
+            body = f"TEXT? {marks.special[end]}"
+        else:  # a text end marker: a lazy lexeme stops the free text at its first match
+            rules.append(f"preamble_text[lazy]: FREE {json.dumps(end)}")
+            rules.append("FREE: /(?s:.*)/")
+            body = "preamble_text"
+        rules.append(f"preamble: {marks.lark(opening)} {body} {marks.lark(resume)} "
+                     f"| {marks.lark(resume)}")
+        pre = "preamble? "
     if required:
-        rules.append("start: section")
+        rules.append(f"start: {pre}section")
+        if pre:
+            rules.append(TEXT_RULE)
     elif syntax.text_open is not None:
-        rules.append(f"start: {marks.lark(syntax.text_open)} TEXT? | section")
+        rules.append(f"start: {pre}({marks.lark(syntax.text_open)} TEXT? | section)")
         rules.append(TEXT_RULE)
     elif syntax.trigger in marks.special:
         # One special token opens the call: free text cannot contain it, so the text

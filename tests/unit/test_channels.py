@@ -22,6 +22,7 @@ from replicas.pipeline.channels import (
     initial_channel,
     initial_state,
 )
+from tests.harmony_vocab import render_completion
 
 R, A = Channel.REASONING, Channel.ANSWER
 Pieces = list[tuple[Channel, str]]
@@ -60,14 +61,19 @@ def split(text: str, cuts: Iterable[int]) -> list[str]:
 
 def reference(fmt: ChannelFormat, state: str, text: str) -> Pieces:
     """The format's semantics, written plainly: the earliest-ending marker of the current
-    state fires (longest on a tie); content between markers goes to the state's channel."""
+    state fires (longest on a tie); content between markers goes to the state's channel.
+    A start-only marker fires only while the state's content before it is whitespace."""
     out: Pieces = []
     pos = 0
     while True:
         spec = fmt.states[state]
         hit: tuple[int, Rule] | None = None
         for end in range(pos + 1, len(text) + 1):
-            rules = [r for r in spec.rules if text.endswith(r.marker, pos, end)]
+            rules = [
+                r for r in spec.rules
+                if text.endswith(r.marker, pos, end)
+                and not (r.at_start and text[pos : end - len(r.marker)].strip())
+            ]
             if rules:
                 hit = (end, max(rules, key=lambda r: len(r.marker)))
                 break
@@ -304,6 +310,46 @@ def test_format_data_is_checked() -> None:
         )
 
 
+def test_tool_state_data_is_checked() -> None:
+    header = ByHeader({"x": "answer"}, "answer", calls="answer")
+    with pytest.raises(ValueError, match="not a tool state"):
+        ChannelFormat(
+            name="broken",
+            states={"answer": State(A, (Rule("<m>", header),))},
+            answer_state="answer",
+            reasoning_state=None,
+            reasoning_end="",
+        )
+
+
+START_ONLY = ChannelFormat(
+    name="start_only",
+    states={
+        "answer": State(A, (Rule("{!", "call", at_start=True),)),
+        "call": State(Channel.TOOL, (Rule("!}", "between"),)),
+        "between": State(A, (Rule("{!", "call", at_start=True),),
+                         strip_leading_whitespace=True),
+    },
+    answer_state="answer",
+    reasoning_state=None,
+    reasoning_end="",
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (" \n{!a!}\n {!b!} c", [(A, " \n"), (Channel.TOOL, "ab"), (A, "c")]),
+        ("x {!a!}", [(A, "x {!a!}")]),  # after content a start-only marker is text
+        ("{!a!}x{!b", [(Channel.TOOL, "a"), (A, "x{!b")]),
+    ],
+)
+def test_start_only_rules_and_whitespace_stripping(text: str, want: Pieces) -> None:
+    for cut in range(1, len(text)):
+        assert route(START_ONLY, "answer", split(text, [cut])) == want, cut
+    assert route(START_ONLY, "answer", list(text)) == want
+
+
 @pytest.mark.parametrize(
     ("template", "vocab", "want"),
     [
@@ -319,35 +365,72 @@ def test_detect_format(template: str | None, vocab: Sequence[str], want: str) ->
     assert detect_format(template, vocab) == want
 
 
-@pytest.fixture(scope="module")
-def harmony_encoding() -> Any:
-    oh = pytest.importorskip("openai_harmony")
-    try:
-        return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
-    except oh.HarmonyError as exc:  # it downloads its vocab file: no network, no encoding
-        pytest.skip(f"openai-harmony encoding unavailable offline: {exc}")
+# `harmony_encoding` (tests/unit/conftest.py) is the real encoding, loaded offline.
 
 
 def test_markers_are_harmony_special_tokens(harmony_encoding: Any) -> None:
+    from openai_harmony import Message, Role  # type: ignore[import-untyped]
+
     for marker in HARMONY.markers:
+        if marker == harmony.ROLE_RECIPIENT:
+            continue  # plain text, checked against the encoder's own rendering below
         tokens = harmony_encoding.encode(marker, allowed_special="all")
         assert len(tokens) == 1 and harmony_encoding.is_special_token(tokens[0]), marker
         assert harmony_encoding.decode(tokens) == marker
+    assert harmony.CHANNEL in harmony_encoding.special_tokens_set
+    call = (Message.from_role_and_content(Role.ASSISTANT, "{}").with_channel("commentary")
+            .with_recipient("functions.f"))
+    assert harmony_encoding.decode(harmony_encoding.render(call)).startswith(
+        f"{harmony.START}assistant{harmony.ROLE_RECIPIENT}functions.f{harmony.CHANNEL}")
+
+
+def harmony_turns(harmony_encoding: Any) -> list[tuple[str, list[Any]]]:
+    """(rendered prompt, completion token ids) pairs written by the real encoder."""
+    from openai_harmony import Conversation, Message, Role
+
+    def msg(channel: str, text: str, recipient: str | None = None) -> Any:
+        m = Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel)
+        return m.with_recipient(recipient).with_content_type("<|constrain|>json") \
+            if recipient else m
+
+    user = Message.from_role_and_content(Role.USER, "What is the weather in Paris?")
+    replies = [
+        [msg("analysis", "The user greets me."), msg("final", "Hello! How can I help?")],
+        [msg("final", "Sunny, 18 degrees.")],
+        [msg("commentary", "Let me look."), msg("final", "It is sunny.")],
+        [msg("analysis", "Need the weather."),
+         msg("commentary", '{"city":"Paris"}', "functions.get_weather")],
+        [msg("commentary", '{"city":"Paris"}', "functions.get_weather")],
+        [msg("analysis", "Search first."), msg("analysis", '{"q":"x"}', "browser.search")],
+    ]
+    prompt = harmony_encoding.render_conversation_for_completion(
+        Conversation.from_messages([user]), Role.ASSISTANT)
+    return [(harmony_encoding.decode(prompt), harmony_encoding.encode(
+        render_completion(harmony_encoding, reply), allowed_special="all")) for reply in replies]
+
+
+def parsed_by_harmony(harmony_encoding: Any, completion: list[int]) -> list[Any]:
+    """The completion's messages, by the package's one-shot and streaming parsers (equal)."""
+    from openai_harmony import Role, StreamableParser
+
+    messages = harmony_encoding.parse_messages_from_completion_tokens(completion, Role.ASSISTANT)
+    parser = StreamableParser(harmony_encoding, Role.ASSISTANT)
+    for token in completion:
+        parser.process(token)
+    parser.process_eos()
+    assert [m.to_dict() for m in parser.messages] == [m.to_dict() for m in messages]
+    return list(messages)
 
 
 def test_router_agrees_with_harmony_parser(harmony_encoding: Any) -> None:
-    from openai_harmony import Role  # type: ignore[import-untyped]
-
-    completion = (
-        "<|channel|>analysis<|message|>The user greets me.<|end|>"
-        "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?"
-    )
-    tokens = harmony_encoding.encode(completion, allowed_special="all")
-    messages = harmony_encoding.parse_messages_from_completion_tokens(tokens, Role.ASSISTANT)
-    want = merged(
-        (R if m.channel in ("analysis", "commentary") else A, "".join(c.text for c in m.content))
-        for m in messages
-    )
-    per_token = [harmony_encoding.decode([t]) for t in tokens]
-    assert route(HARMONY, "answer", per_token) == want
-    assert harmony.CHANNEL in harmony_encoding.special_tokens_set
+    for prompt, completion in harmony_turns(harmony_encoding):
+        messages = parsed_by_harmony(harmony_encoding, completion)
+        want = merged(
+            (A if m.channel == "final" else R, "".join(c.text for c in m.content))
+            for m in messages
+        )
+        per_token = [harmony_encoding.decode([t]) for t in completion]
+        state = initial_state(HARMONY, prompt)
+        assert state == "opening"
+        assert route(HARMONY, state, per_token) == want, per_token
+        assert route(HARMONY, state, ["".join(per_token)]) == want

@@ -138,7 +138,8 @@ def call_text(fmt: str, name: str, args: dict[str, Any]) -> str:
         "hermes": f'<tool_call>\n{{"name": "{name}", "arguments": {body}}}\n</tool_call>',
         "llama3_json": f'{{"name": "{name}", "parameters": {body}}}',
         "mistral": f'{{"name": "{name}", "arguments": {body}}}',
-        "harmony": f"<|start|>assistant<|channel|>commentary to=functions.{name} "
+        # What follows the prompt's `<|start|>assistant`.
+        "harmony": f"<|channel|>commentary to=functions.{name} "
                    f"<|constrain|>json<|message|>{body}<|call|>",
     }[fmt]
 
@@ -228,9 +229,18 @@ def test_auto_allows_text_alone_or_text_then_calls(fmt: str, tok: str) -> None:
     g = grammar(fmt, ToolChoice("auto"), tok)
     call = section(fmt, call_text(fmt, "get_weather", PARIS))
     if fmt == "harmony":  # text is the final channel's message, a call is instead of it
-        assert accepts(g, "<|start|>assistant<|channel|>final<|message|>It is sunny.", tok)
+        assert accepts(g, "<|channel|>final<|message|>It is sunny.", tok)
         assert accepts(g, call, tok)
         assert not accepts(g, "It is sunny.", tok)
+        # An analysis message first, as gpt-oss writes it, and the recipient after the role
+        # (` to=functions.x<|channel|>commentary ...`), as the encoder writes a call.
+        analysis = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        assert accepts(g, analysis + call, tok)
+        assert accepts(g, analysis + "<|channel|>final<|message|>It is sunny.", tok)
+        role_form = (' to=functions.get_weather<|channel|>commentary <|constrain|>json'
+                     '<|message|>{"city": "Paris"}<|call|>')
+        assert accepts(g, role_form, tok) and accepts(g, analysis + role_form, tok)
+        assert not accepts(g, role_form.replace("get_weather", "nope"), tok)
         return
     assert accepts(g, "It is sunny, {\"json\": 1} and <b>tags</b>.\n\nBye", tok)
     assert accepts(g, "", tok)

@@ -1,0 +1,19 @@
+"""Shared unit-test fixtures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.harmony_vocab import load_gpt_oss_encoding
+
+
+@pytest.fixture(scope="session")
+def harmony_encoding() -> Any:
+    """The real gpt-oss Harmony encoding; its vocabulary comes from the bpe-openai wheel.
+
+    It fails rather than skips when the vocabulary is missing: the Harmony cross-checks are
+    the only proof that our text-level format matches the real tokens.
+    """
+    return load_gpt_oss_encoding()
