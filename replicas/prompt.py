@@ -33,10 +33,10 @@ def render_prompt(
 ) -> RenderedPrompt:
     if isinstance(prompt, ChatPrompt):
         text = render_chat_text(hf_tokenizer, prompt, reasoning, tools)
-        ids = hf_tokenizer.encode(text, add_special_tokens=False)
+        ids = hf_tokenizer.encode(_encodable(text, "messages"), add_special_tokens=False)
     elif isinstance(prompt, TextPrompt):
         text = prompt.text
-        ids = hf_tokenizer.encode(text)
+        ids = hf_tokenizer.encode(_encodable(text, "prompt"))
     elif isinstance(prompt, TokenPrompt):
         ids = list(prompt.token_ids)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -51,6 +51,18 @@ def render_prompt(
     if not ids:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     return RenderedPrompt(tuple(ids), text)
+
+
+def _encodable(text: str, param: str) -> str:
+    """`text`, or a 400 for text no tokenizer can take: JSON may carry a lone UTF-16
+    surrogate (`"\\ud800"`), which Python accepts and the Rust tokenizer refuses."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"`{param}` holds a lone UTF-16 surrogate (character {exc.start} of the rendered "
+            "prompt); send valid Unicode", param=param) from None
+    return text
 
 
 def render_chat_text(

@@ -14,13 +14,12 @@ from typing import Any
 
 from ingress.errors import Protocol, error_body
 from ingress.protocol import WARNINGS_FIELD
+from ingress.rendering import EventRenderer
 from replicas.contract import (
     Channel,
-    ErrorKind,
     Failed,
     Finished,
     FinishReason,
-    OutputEvent,
     TextDelta,
     ToolCallDelta,
     ToolCallEnd,
@@ -80,7 +79,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-class MessageRenderer:
+class MessageRenderer(EventRenderer[Frame]):
     """`omit_thinking` (`thinking.display: "omitted"`): thinking blocks open and close as
     usual, with a signature, but carry no text and send no `thinking_delta`."""
 
@@ -100,7 +99,6 @@ class MessageRenderer:
         self._open: str | None = None  # type of the content block being streamed
         self._arguments: list[str] = []  # the open tool_use block's input, as JSON pieces
         self.failure: Failed | None = None
-        self.done = False
 
     @property
     def message(self) -> dict[str, Any]:
@@ -111,29 +109,14 @@ class MessageRenderer:
         message = copy.deepcopy(self._message)
         return [("message_start", {"type": "message_start", "message": message})]
 
-    def feed(self, event: OutputEvent) -> list[Frame]:
-        if self.done:
-            return []  # the contract ends a stream at its terminal event
-        if isinstance(event, TextDelta):
-            return self._text(event)
-        if isinstance(event, ToolCallStart):
-            return self._close_block() + self._open_block("tool_use", event)
-        if isinstance(event, ToolCallDelta):
-            return self._tool_delta(event)
-        if isinstance(event, ToolCallEnd):
-            if self._open != "tool_use":
-                return []
-            self._arguments = [event.arguments]  # the whole text is authoritative
-            return self._close_block()
-        if isinstance(event, Finished):
-            return self._finished(event)
-        return self._failed(event)
+    def _call_start(self, start: ToolCallStart) -> list[Frame]:
+        return self._close_block() + self._open_block("tool_use", start)
 
-    def finish(self) -> list[Frame]:
-        """End of the event stream; a stream that stopped short of a terminal event failed."""
-        if self.done:
+    def _call_end(self, end: ToolCallEnd) -> list[Frame]:
+        if self._open != "tool_use":
             return []
-        return self._failed(Failed(ErrorKind.INTERNAL, "the model stream ended unexpectedly"))
+        self._arguments = [end.arguments]  # the whole text is authoritative
+        return self._close_block()
 
     def _text(self, delta: TextDelta) -> list[Frame]:
         if not delta.text:
@@ -147,7 +130,7 @@ class MessageRenderer:
         frames.append(_delta(index, {"type": _DELTA_TYPE[kind], kind: delta.text}))
         return frames
 
-    def _tool_delta(self, delta: ToolCallDelta) -> list[Frame]:
+    def _call_delta(self, delta: ToolCallDelta) -> list[Frame]:
         if self._open != "tool_use" or not delta.arguments:
             return []
         self._arguments.append(delta.arguments)

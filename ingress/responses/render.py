@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ingress.protocol import WARNINGS_FIELD
+from ingress.rendering import EventRenderer
 from replicas.contract import (
     Channel,
     ErrorKind,
     Failed,
     Finished,
     FinishReason,
-    OutputEvent,
     TextDelta,
     ToolCallDelta,
     ToolCallEnd,
@@ -61,7 +61,7 @@ class _Item:
         return "".join(self.parts)
 
 
-class ResponseRenderer:
+class ResponseRenderer(EventRenderer[Event]):
     def __init__(self, response_id: str, model: str, echo: Mapping[str, Any], *,
                  reasoning_summary: bool = False, warnings: tuple[str, ...] = ()) -> None:
         self._response: dict[str, Any] = {
@@ -76,7 +76,6 @@ class ResponseRenderer:
         self._open: _Item | None = None  # the reasoning or message item being written
         self._calls: dict[int, _Item] = {}  # tool call index -> its open function_call
         self.failure: Failed | None = None
-        self.done = False
 
     @property
     def response(self) -> dict[str, Any]:
@@ -85,27 +84,6 @@ class ResponseRenderer:
 
     def start(self) -> list[Event]:
         return [self._lifecycle("response.created"), self._lifecycle("response.in_progress")]
-
-    def feed(self, event: OutputEvent) -> list[Event]:
-        if self.done:
-            return []  # the contract ends a stream at its terminal event
-        if isinstance(event, TextDelta):
-            return self._text(event) if event.text else []
-        if isinstance(event, ToolCallStart):
-            return self._call_start(event)
-        if isinstance(event, ToolCallDelta):
-            return self._call_delta(event)
-        if isinstance(event, ToolCallEnd):
-            return self._call_end(event)
-        if isinstance(event, Finished):
-            return self._finished(event)
-        return self._failed(event)
-
-    def finish(self) -> list[Event]:
-        """End of the event stream; a stream that stopped short of a terminal event failed."""
-        if self.done:
-            return []
-        return self._failed(Failed(ErrorKind.INTERNAL, "the model stream ended unexpectedly"))
 
     # ---- text items -----------------------------------------------------------------
 

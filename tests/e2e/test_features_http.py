@@ -84,8 +84,33 @@ def test_enable_thinking_false_has_no_reasoning(client: openai.OpenAI) -> None:
     assert body.choices[0].message.content == script("riddle-nothink").answer
 
 
-def test_thinking_budget_still_answers(client: openai.OpenAI) -> None:
-    body = client.chat.completions.create(**chat_args("feathers-think", max_tokens=100,
-                                                      extra_body={"thinking_budget": 10}))
-    assert body.choices[0].message.content
-    assert body.usage.completion_tokens_details.reasoning_tokens <= 10 + 4
+# "\n</think>\n\n" in the built-in tokenizer: what a spent budget forces, at most 3 tokens.
+FORCED_END_TOKENS = 3
+
+
+def test_thinking_budget_cuts_reasoning_at_the_budget_and_still_answers(
+    client: openai.OpenAI
+) -> None:
+    budget = 10
+    s = script("feathers-think")  # 144 reasoning tokens: far past the budget
+    assert s.reasoning is not None
+    args = chat_args("feathers-think", max_tokens=200, extra_body={"thinking_budget": budget})
+    body = client.chat.completions.create(**args)
+    message = body.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    # Reasoning happened, and was cut, not rewritten: a strict prefix of the script's.
+    assert reasoning and s.reasoning.startswith(reasoning), reasoning
+    assert len(reasoning) < len(s.reasoning) / 2
+    spent = body.usage.completion_tokens_details.reasoning_tokens
+    assert budget <= spent <= budget + FORCED_END_TOKENS, spent
+    # The answer still arrives, outside the reasoning and free of its markers.
+    assert message.content and message.content.strip()
+    assert "think>" not in message.content and "think>" not in reasoning
+    assert body.usage.completion_tokens > spent
+    content, streamed_reasoning, final = stream_chat(client, **args)
+    assert (content, streamed_reasoning) == (message.content, reasoning)
+    assert final.finish_reason == body.choices[0].finish_reason
+
+    # Without a budget the same prompt thinks to the end: the budget is what cut it.
+    free = client.chat.completions.create(**chat_args("feathers-think"))
+    assert free.choices[0].message.model_extra["reasoning_content"] == s.reasoning

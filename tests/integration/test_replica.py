@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, AsyncIterator
 
@@ -11,6 +12,8 @@ import pytest
 from replicas.builtin import load_scripts, script
 from replicas.contract import (
     Channel,
+    ChatMessage,
+    ChatPrompt,
     ErrorKind,
     Failed,
     Finished,
@@ -22,12 +25,12 @@ from replicas.contract import (
     SamplingParams,
     StopSpec,
     TextDelta,
+    TextPrompt,
     ToolCallEnd,
     ToolCallStart,
 )
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.scripted import GREEDY, script_request
-
 
 
 def run(coro: Any) -> Any:
@@ -182,6 +185,17 @@ def test_bad_input_is_a_failed_event_and_the_replica_keeps_serving(
     assert len(events) == 1 and isinstance(events[0], Failed) and events[0].kind is kind
     ok = run(collect(replica.stream(request_for("hello"))))
     assert texts(ok)[1] == script("hello").answer
+
+
+@pytest.mark.parametrize("prompt", [TextPrompt("a\udfffb"),
+                                    ChatPrompt((ChatMessage("user", "hi \ud800"),))])
+def test_a_lone_surrogate_is_a_400_not_a_crash(replica: ModelReplica, prompt: Any) -> None:
+    # JSON can carry "\ud800"; Python accepts it, the Rust tokenizer raises on it.
+    request = dataclasses.replace(request_for("hello"), prompt=prompt)
+    events = run(collect(replica.stream(request)))
+    assert len(events) == 1 and isinstance(events[0], Failed)
+    assert events[0].kind is ErrorKind.INVALID_REQUEST and "surrogate" in events[0].message
+    assert texts(run(collect(replica.stream(request_for("hello")))))[1] == script("hello").answer
 
 
 def test_seeded_sampling_is_reproducible(replica: ModelReplica) -> None:

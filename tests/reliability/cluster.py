@@ -10,6 +10,8 @@ each sized for what the tests do to it:
 - `orchard-tight`: one replica admitting one running and one queued request
   (backpressure, a request that leaves while queued).
 - `orchard-tiny`: two replicas, one request each, two queued (replica death, the soak).
+- `orchard-defaults`: one replica whose config sets a `thinking_budget` and `default_stops`
+  (`DEFAULTS_SETTINGS`), so those config-level defaults are tested over HTTP.
 
 A second application, under `/colo`, serves `orchard-colo` with `ingress.colocate`: HTTP
 from the model replica itself, admitting one generation at a time.
@@ -37,7 +39,9 @@ API_KEY = "orchard-reliability-key"
 KEYS_ENV = "ORCHARD_API_KEYS"
 # Long enough for every admitted request of the soak, far shorter than an endless generation.
 REQUEST_TIMEOUT_S = 5.0
-CONTEXT_LENGTH = 4096  # the built-in tiny model's
+# Every model here serves at this context (`max_model_len`, far below the tiny model's 32768):
+# a prompt past it is refused before any prefill, and a clamped max_tokens stays short.
+CONTEXT_LENGTH = 1024
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,10 @@ class Pool:
 SOLO = Pool("orchard-solo", replicas=1, max_ongoing=16, max_queued=16)
 TIGHT = Pool("orchard-tight", replicas=1, max_ongoing=1, max_queued=1)
 TINY = Pool("orchard-tiny", replicas=2, max_ongoing=1, max_queued=2)
+DEFAULTS = Pool("orchard-defaults", replicas=1, max_ongoing=8, max_queued=8)
+# Far below feathers-think's reasoning (144 tokens) and riddle-think's (33); "3." cuts the
+# `cities` list after its second entry; "Check:" occurs only in riddle-think's reasoning.
+DEFAULTS_SETTINGS: dict[str, Any] = {"thinking_budget": 12, "default_stops": ["3.", "Check:"]}
 COLO_APP = "orchard-colo"
 COLO_PREFIX = "/colo"
 COLO = Pool("orchard-colo", replicas=1, max_ongoing=1, max_queued=-1, app=COLO_APP,
@@ -70,8 +78,9 @@ def app_args() -> dict[str, Any]:
         "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S},
         "models": [
             {"id": p.model, "source": "builtin:tiny", "num_replicas": p.replicas,
-             "max_ongoing_requests": p.max_ongoing, "max_queued_requests": p.max_queued}
-            for p in (SOLO, TIGHT, TINY)
+             "max_ongoing_requests": p.max_ongoing, "max_queued_requests": p.max_queued,
+             "max_model_len": CONTEXT_LENGTH, **(DEFAULTS_SETTINGS if p is DEFAULTS else {})}
+            for p in (SOLO, TIGHT, TINY, DEFAULTS)
         ],
     }
 

@@ -26,6 +26,14 @@ def eos_id() -> int:
     return token_id
 
 
+def never_end_bias() -> dict[str, float]:
+    """A logit_bias banning every end-of-text token (`<|im_end|>`, `<|endoftext|>`), so a
+    generation runs to max_tokens whatever the prompt (chat or plain completion)."""
+    tokenizer = AutoTokenizer.from_pretrained(ensure_builtin("tiny"))
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
+    return {str(token_id): -100 for token_id in ids}
+
+
 def openai_chat(model: str, *, stream: bool, max_tokens: int = 64, endless: bool = False,
                 sid: str = "hello") -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": script(sid).message_dicts,

@@ -1,0 +1,213 @@
+"""Fuzzing every API against the real tiny model: random and adversarial bodies go through
+the real tokenizer, chat template, guided decoding and engine (`fuzz_bodies.py` says which).
+
+Every reply is a 2xx in the API's success shape (a stream ends its normal way, or with an
+error of the client's making) or a 4xx in the API's own error shape; never a 5xx, a hang or
+a stream the server's fault ended. Afterwards the replica is idle and a known-good request
+on each API still answers correctly. Seeded, so a run is repeatable; the counts per API are
+printed. ORCHARD_FUZZ_REAL_BODIES (default 300), ORCHARD_FUZZ_REAL_S (time budget, default
+300) and ORCHARD_FUZZ_REAL_SEED change the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from replicas.builtin import script
+from tests.reliability.cluster import SOLO, auth_headers, wait_idle
+from tests.reliability.fuzz_bodies import (
+    CHAT,
+    COMPLETIONS,
+    COUNT,
+    MESSAGES,
+    PATHS,
+    RESPONSES,
+    Body,
+    BodyFuzzer,
+)
+from tests.reliability.wire import parse_sse
+
+pytestmark = pytest.mark.reliability
+
+BODIES = int(os.environ.get("ORCHARD_FUZZ_REAL_BODIES", "300"))
+BUDGET_S = float(os.environ.get("ORCHARD_FUZZ_REAL_S", "300"))
+SEED = int(os.environ.get("ORCHARD_FUZZ_REAL_SEED", "19"))
+# One at a time: a body that is slow to prepare (an enormous schema, a 200k-character
+# prompt) would otherwise push an innocent one past the cluster's 5 s deadline, and a 504
+# must name the body that caused it.
+CONCURRENCY = 1
+ANSWER_TIMEOUT_S = 60.0  # far past the cluster's 5 s request deadline: only a hang hits it
+MIN_PER_API = 10  # fewer means the run proved nothing about that API
+
+# Errors a stream may end with that are the client's doing (e.g. a schema the grammar
+# compiler refuses once the stream began); anything else there is the server's fault.
+CLIENT_TYPES = {"invalid_request_error", "not_found_error"}
+
+
+def _shape_problem(path: str, status: int, data: Any) -> str | None:
+    """What is wrong with a non-streamed reply's JSON, or None."""
+    if status >= 400:
+        if path.startswith("/v1/messages"):
+            ok = (isinstance(data, dict) and data.get("type") == "error"
+                  and isinstance(data.get("error"), dict)
+                  and isinstance(data["error"].get("type"), str)
+                  and isinstance(data["error"].get("message"), str))
+        else:
+            ok = (isinstance(data, dict) and isinstance(data.get("error"), dict)
+                  and isinstance(data["error"].get("type"), str)
+                  and isinstance(data["error"].get("message"), str) and data["error"]["message"])
+        return None if ok else "error body not in the API's error shape"
+    expected = {CHAT: ("object", "chat.completion"), COMPLETIONS: ("object", "text_completion"),
+                MESSAGES: ("type", "message"), RESPONSES: ("object", "response")}
+    if path == COUNT:
+        ok = isinstance(data, dict) and isinstance(data.get("input_tokens"), int)
+    else:
+        key, value = expected[path]
+        ok = isinstance(data, dict) and data.get(key) == value
+        if ok and path == RESPONSES:
+            ok = data["status"] in ("completed", "incomplete")
+    return None if ok else "success body not in the API's shape"
+
+
+def _stream_problem(path: str, text: str) -> tuple[str | None, bool]:
+    """(what is wrong with a 200 stream, or None; whether it ended with a client error)."""
+    try:
+        events = parse_sse(text)
+    except (json.JSONDecodeError, ValueError) as exc:
+        return f"unparsable SSE: {exc}", False
+    for name, data in events:
+        if path == RESPONSES and name == "response.failed":
+            return f"response.failed: {data['response']['error']}", False
+        error = None
+        if name == "error" or (isinstance(data, dict) and "error" in data and name is None):
+            error = data["error"]
+        if error is not None:
+            kind = error.get("type") if isinstance(error, dict) else None
+            if kind in CLIENT_TYPES:
+                return None, True
+            return f"stream ended with a server error: {error}", False
+    ends = {MESSAGES: lambda n, d: n == "message_stop",
+            RESPONSES: lambda n, d: n in ("response.completed", "response.incomplete")}
+    ended = ends.get(path, lambda n, d: d == "[DONE]")
+    if not any(ended(n, d) for n, d in events):
+        return "stream stopped short of its normal end", False
+    return None, False
+
+
+async def _send(http: httpx.AsyncClient, body: Body) -> tuple[int, str, str]:
+    async def call() -> tuple[int, str, str]:
+        headers = {"content-type": "application/json"}
+        async with http.stream("POST", body.path, content=body.content,
+                               headers=headers) as response:
+            text = "".join([t async for t in response.aiter_text()])
+            return response.status_code, response.headers.get("content-type", ""), text
+
+    return await asyncio.wait_for(call(), ANSWER_TIMEOUT_S)
+
+
+def _verdict(body: Body, status: int, content_type: str, text: str) -> tuple[str, str | None]:
+    """(outcome bucket, problem or None) for one reply."""
+    if status >= 500:
+        return f"{status}", f"HTTP {status}"
+    if content_type.startswith("text/event-stream"):
+        problem, client_error = _stream_problem(body.path, text)
+        return ("200-stream-4xx-error" if client_error else "200-stream"), problem
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return f"{status}", "reply is not JSON"
+    return f"{status}", _shape_problem(body.path, status, data)
+
+
+async def _known_good(http: httpx.AsyncClient) -> None:
+    """Each API still answers a scripted request exactly, after the fuzz."""
+    hello = script("hello")
+    chat = (await http.post(CHAT, json={"model": SOLO.model, "messages": hello.message_dicts,
+                                        "temperature": 0, "max_tokens": 64})).json()
+    assert chat["choices"][0]["message"]["content"] == hello.answer, chat
+    count = script("count-completion")
+    done = (await http.post(COMPLETIONS, json={"model": SOLO.model, "prompt": count.prompt,
+                                               "temperature": 0, "max_tokens": 64})).json()
+    assert done["choices"][0]["text"] == count.answer, done
+    # Anthropic does not think unless asked: the scripted prompt without thinking.
+    plain = script("riddle-nothink")
+    message = (await http.post(MESSAGES, json={"model": SOLO.model, "max_tokens": 64,
+                                               "messages": plain.message_dicts,
+                                               "temperature": 0})).json()
+    assert [b["text"] for b in message["content"] if b["type"] == "text"] == [plain.answer], \
+        message
+    counted = (await http.post(COUNT, json={"model": SOLO.model,
+                                            "messages": hello.message_dicts})).json()
+    assert counted["input_tokens"] > 0, counted
+    response = (await http.post(RESPONSES, json={"model": SOLO.model, "temperature": 0,
+                                                 "input": hello.message_dicts,
+                                                 "max_output_tokens": 64})).json()
+    texts = [part["text"] for item in response["output"] if item["type"] == "message"
+             for part in item["content"]]
+    assert response["status"] == "completed" and texts == [hello.answer], response
+
+
+def test_every_api_survives_random_and_adversarial_bodies(cluster: str, tmp_path: Any) -> None:
+    fuzzer = BodyFuzzer(SEED, SOLO.model)
+    counts: dict[str, collections.Counter[str]] = {p: collections.Counter() for p in PATHS}
+    problems: list[dict[str, Any]] = []
+    slowest: list[tuple[float, str, str]] = []
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=cluster, headers=auth_headers(),
+                                     timeout=ANSWER_TIMEOUT_S) as http:
+            await wait_idle(SOLO)
+            await _known_good(http)  # the checks themselves hold before the fuzz
+            gate = asyncio.Semaphore(CONCURRENCY)
+            deadline = time.monotonic() + BUDGET_S
+
+            async def one(body: Body) -> None:
+                async with gate:
+                    if time.monotonic() > deadline:
+                        return  # over budget: not sent, not counted
+                    problem: str | None
+                    sent_at = time.monotonic()
+                    try:
+                        status, content_type, text = await _send(http, body)
+                    except (TimeoutError, httpx.HTTPError) as exc:
+                        bucket, problem, text = "no-answer", f"{type(exc).__name__}: {exc}", ""
+                    else:
+                        bucket, problem = _verdict(body, status, content_type, text)
+                    counts[body.path][bucket] += 1
+                    slowest.append((time.monotonic() - sent_at, body.path, body.label))
+                    if problem is not None:
+                        problems.append({"path": body.path, "label": body.label,
+                                         "problem": problem, "reply": text[-2000:],
+                                         "body": body.content[:4000].decode("utf-8", "replace")})
+
+            # Round robin, so every API gets its share of the budget.
+            await asyncio.gather(*(one(fuzzer.body(PATHS[i % len(PATHS)]))
+                                   for i in range(BODIES)))
+            await wait_idle(SOLO, timeout_s=60)  # nothing left running or queued
+            await _known_good(http)
+
+    started = time.monotonic()
+    try:
+        asyncio.run(scenario())
+    finally:
+        sent = {p: sum(c.values()) for p, c in counts.items()}
+        print(f"\nfuzz against the real model: {sum(sent.values())} bodies in "
+              f"{time.monotonic() - started:.0f} s (seed {SEED})")
+        for path, counter in counts.items():
+            print(f"  {path:<28} {sent[path]:>4}  {dict(sorted(counter.items()))}")
+        print("  slowest:", [(round(s, 1), p, label) for s, p, label in sorted(slowest)[-5:]])
+    if problems:
+        report = tmp_path / "fuzz_problems.json"
+        report.write_text(json.dumps(problems, indent=1))
+        print(f"  problems written to {report}")
+    assert not problems, (f"{len(problems)} bad replies, e.g. "
+                          f"{json.dumps(problems[:3], indent=1)[:6000]}")
+    assert all(n >= MIN_PER_API for n in sent.values()), f"too few bodies ran: {sent}"
