@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from ray.serve.config import AutoscalingConfig
 
 from replicas.pipeline.channels import FORMATS
@@ -57,6 +65,14 @@ class EngineSettings(_Strict):
             raise ValueError(f"engine.prefill_batch_size ({self.prefill_batch_size}) must not "
                              f"exceed engine.max_batch_size ({self.max_batch_size})")
         return self
+
+
+class PromptCacheSettings(_Strict):
+    """The replica's KV prefix cache; the default is `replicas.engine.EngineConfig`'s."""
+
+    max_bytes: int = Field(default_factory=_engine_default("prompt_cache_bytes"), ge=0,
+                           description="KV of earlier prompts kept for reuse, in bytes per "
+                                       "replica (LRU); 0 turns the cache off.")
 
 
 class PlacementSettings(_Strict):
@@ -112,26 +128,21 @@ class ModelSettings(_Strict):
     max_queued_requests: int = Field(-1, ge=-1, description="-1: unbounded (Ray's default).")
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    prompt_cache: PromptCacheSettings = Field(default_factory=PromptCacheSettings)
     placement: PlacementSettings | None = Field(
         None, description="Keys set here override `cluster.placement` for this model.")
     graceful_shutdown_timeout_s: float = Field(
         300.0, ge=0, description="How long a replica being replaced or scaled down keeps "
                                  "serving its in-flight generations.")
 
-    @field_validator("channel_format")
+    @field_validator("channel_format", "tool_format")
     @classmethod
-    def _channel_format_known(cls, value: str | None) -> str | None:
-        if value is not None and value not in FORMATS:
-            raise ValueError(f"unknown channel_format '{value}'; valid: "
-                             f"{', '.join(sorted(FORMATS))}")
-        return value
-
-    @field_validator("tool_format")
-    @classmethod
-    def _tool_format_known(cls, value: str | None) -> str | None:
-        if value is not None and value not in TOOL_FORMATS:
-            raise ValueError(f"unknown tool_format '{value}'; valid: "
-                             f"{', '.join(sorted(TOOL_FORMATS))}")
+    def _format_known(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # The registries are the one list of names; the config only looks them up.
+        registry = FORMATS if info.field_name == "channel_format" else TOOL_FORMATS
+        if value is not None and value not in registry:
+            raise ValueError(f"unknown {info.field_name} '{value}'; valid: "
+                             f"{', '.join(sorted(registry))}")
         return value
 
     @field_validator("autoscaling_config")

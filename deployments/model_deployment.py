@@ -31,7 +31,8 @@ def replica_options(settings: ModelSettings,
         tool_format=settings.tool_format,
         max_tokens_past_context=settings.max_tokens_past_context,
         max_model_len=settings.max_model_len,
-        engine=EngineConfig(**settings.engine.model_dump()),
+        engine=EngineConfig(**settings.engine.model_dump(),
+                            prompt_cache_bytes=settings.prompt_cache.max_bytes),
         flush_interval_s=settings.stream_flush_ms / 1000,
     )
 

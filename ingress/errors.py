@@ -11,8 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from fastapi.responses import JSONResponse
-
+from ingress.wire_json import JSONBody
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
 
@@ -113,9 +112,9 @@ def error_body(kind: ErrorKind, message: str, protocol: ErrorRenderer, *,
 
 def error_response(kind: ErrorKind, message: str, protocol: ErrorRenderer, *,
                    param: str | None = None, code: str | None = None,
-                   status: int | None = None) -> JSONResponse:
+                   status: int | None = None) -> JSONBody:
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if kind is ErrorKind.OVERLOADED else None
-    return JSONResponse(
+    return JSONBody(
         protocol.error_body(kind, message, param, code=code),
         status_code=status or protocol.status(kind),
         headers=headers,
@@ -133,7 +132,7 @@ class CodedError(ReplicaError):
         self.code = code
 
 
-def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONResponse:
+def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONBody:
     code = exc.code if isinstance(exc, CodedError) else None
     return error_response(exc.kind, exc.message, protocol, param=exc.param, code=code)
 
@@ -143,7 +142,7 @@ def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONRe
 _EDGE = {413: (ErrorKind.INVALID_REQUEST, "request_too_large")}
 
 
-def edge_error_response(status: int, message: str, protocol: ErrorRenderer) -> JSONResponse:
+def edge_error_response(status: int, message: str, protocol: ErrorRenderer) -> JSONBody:
     kind, code = _EDGE[status]
     return error_response(kind, message, protocol, code=code, status=status)
 

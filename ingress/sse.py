@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from ingress.wire_json import dumps
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def dumps(payload: Any) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
 def data_frame(payload: Any) -> str:

@@ -62,6 +62,7 @@ class RequestDecoder:
         self._answer_closed = False  # a call started: no more text, stops are done
         self._dropped = False
         self._prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # of the prompt, served from the prefix cache (set by the engine)
         self.completion_tokens = 0
         self.reasoning_tokens = 0
 
@@ -108,7 +109,8 @@ class RequestDecoder:
             reason, stop = FinishReason.STOP_SEQUENCE, self._stops.matched
         elif self.tool_calls and reason in _CALL_ENDINGS:
             reason = FinishReason.TOOL_CALLS
-        usage = Usage(self._prompt_tokens, self.completion_tokens, self.reasoning_tokens)
+        usage = Usage(self._prompt_tokens, self.completion_tokens, self.reasoning_tokens,
+                      self.cached_tokens)
         events.append(Finished(reason, usage, stop))
         return _merge(events)
 

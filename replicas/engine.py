@@ -10,6 +10,10 @@ Faults stay as small as they can: a request whose own processing raises (its sam
 logits processors, its output pipeline) fails alone while the batch runs on; a failed batch
 step fails that batch; if the thread itself dies, every queued and in-flight request fails
 at once and later submissions raise, so nothing waits on a thread that is gone.
+
+Prefix reuse: a request joins the batch with the KV of the longest cached prefix of its
+prompt (`replicas.prompt_cache`) and prefills only the rest; a request that finishes
+normally leaves its prompt plus output behind for the next turn.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, Samp
 from replicas.control import RequestController
 from replicas.decoding import RequestDecoder
 from replicas.loading import LoadedModel
+from replicas.prompt_cache import CacheHit, PromptCache
 from replicas.sampling import (
+    GuardedProcessors,
     LogitsProcessor,
     Sampler,
-    make_request_processors,
+    guarded_processors,
     make_request_sampler,
 )
 
@@ -54,6 +60,9 @@ class EngineConfig:
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
     stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
+    # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
+    # batch are not counted: this is what stays resident between requests.
+    prompt_cache_bytes: int = 2 * 1024**3
 
 
 @dataclass
@@ -78,40 +87,19 @@ class EngineStats:
     finished: int
     submitted: int  # requests that reached the batch (a request cancelled in the queue never does)
     cancel_latency_steps: tuple[int, ...]  # decode steps between a cancel and the slot freeing
-
-
-class _GuardedProcessors:
-    """One request's logits processors, isolated from the rest of the batch.
-
-    mlx-lm runs every request's processors inside one batch step, so one that raised would
-    fail the whole batch. This records the error and passes the logits through; the engine
-    then ends just this request.
-    """
-
-    def __init__(self, processors: list[LogitsProcessor]) -> None:
-        self._processors = processors
-        self.error: str | None = None
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self.error is not None:
-            return logits
-        try:
-            out = logits
-            for processor in self._processors:
-                out = processor(tokens, out)
-            if out.shape != logits.shape:
-                raise ValueError(f"a logits processor returned shape {out.shape}")
-            return out
-        except Exception as exc:  # noqa: BLE001 - reported through `error`
-            self.error = f"{type(exc).__name__}: {exc}"
-            return logits
+    cache_hits: int = 0  # requests that reused a cached prefix
+    cache_misses: int = 0
+    cache_evictions: int = 0
+    cache_bytes: int = 0
+    cache_entries: int = 0
+    cached_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
 
 
 @dataclass
 class _Active:
     uid: int
     sub: Submission
-    guard: _GuardedProcessors | None
+    guard: GuardedProcessors | None
 
 
 @dataclass(frozen=True)
@@ -158,6 +146,8 @@ class Engine:
         self._cancel_latency: deque[int] = deque(maxlen=256)
         self._heartbeat = time.monotonic()
         self._stopping = False
+        self._cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes > 0 \
+            else None
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------
@@ -194,6 +184,7 @@ class Engine:
             raise EngineDead(f"engine step stuck for over {self._config.stuck_after_s:g}s")
 
     def stats(self) -> EngineStats:
+        cache = self._cache.stats() if self._cache is not None else None
         return EngineStats(
             active=len(self._by_uid),
             waiting=self._commands.qsize(),
@@ -201,6 +192,10 @@ class Engine:
             finished=self._finished,
             submitted=self._submitted,
             cancel_latency_steps=tuple(self._cancel_latency),
+            **({} if cache is None else dict(
+                cache_hits=cache.hits, cache_misses=cache.misses,
+                cache_evictions=cache.evictions, cache_bytes=cache.bytes,
+                cache_entries=cache.entries, cached_tokens=cache.cached_tokens)),
         )
 
     # ---- engine thread ------------------------------------------------------------------
@@ -282,7 +277,7 @@ class Engine:
     def _insert(self, subs: list[Submission]) -> None:
         assert self._loaded is not None
         eos = self._loaded.eos_token_ids
-        ready: list[tuple[Submission, Sampler, _GuardedProcessors | None]] = []
+        ready: list[tuple[Submission, Sampler, GuardedProcessors | None]] = []
         failed: list[tuple[EventSink, list[OutputEvent]]] = []
         for sub in subs:
             try:  # a request whose sampling cannot be built fails alone
@@ -293,8 +288,13 @@ class Engine:
         _deliver(failed)
         if not ready:
             return
+        hits = [self._lookup(s) for s, _, _ in ready]
         uids = self._gen.insert(
-            [s.prompt_ids for s, _, _ in ready],
+            [s.prompt_ids[h.length:] if h else s.prompt_ids for (s, _, _), h in zip(ready, hits)],
+            # None: mlx-lm starts an empty cache (its annotation does not say so).
+            caches=[h.cache if h else None for h in hits],  # type: ignore[misc]
+            # The tokens the cache holds: penalties and the batch's bookkeeping see them.
+            all_tokens=[s.prompt_ids[:h.length] if h else [] for (s, _, _), h in zip(ready, hits)],
             max_tokens=[s.max_tokens for s, _, _ in ready],
             samplers=[sampler for _, sampler, _ in ready],
             # Rows without processors skip mlx-lm's per-row path entirely.
@@ -308,6 +308,25 @@ class Engine:
             self._by_rid[sub.request_id] = active
         self._submitted += len(ready)
 
+    def _lookup(self, sub: Submission) -> CacheHit | None:
+        if self._cache is None:
+            return None
+        hit = self._cache.fetch(sub.prompt_ids)
+        sub.decoder.cached_tokens = hit.length if hit else 0
+        return hit
+
+    def _save(self, finished: list[tuple[list[int], list[object]]], batched: list[int]) -> None:
+        """Keep finished requests' KV (`batched`: still in the batch, extracted here); a
+        failure costs reuse, never a request."""
+        if self._cache is None:
+            return
+        try:
+            finished += [(t, c) for c, t in self._gen.extract_cache(batched).values()]
+            for tokens, cache in finished:
+                self._cache.save(list(tokens), cache)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation
+            log.exception("saving a prompt cache entry failed")
+
     def _step(self) -> None:
         try:
             _, responses = self._gen.next()
@@ -319,6 +338,8 @@ class Engine:
         self._steps += 1
         outbox: list[tuple[EventSink, list[OutputEvent]]] = []
         to_remove: list[int] = []
+        to_save: list[int] = []  # finished by us, still batched: their KV is extracted below
+        saved: list[tuple[list[int], list[object]]] = []  # finished by mlx-lm, with their KV
         for response in responses:
             active = self._by_uid.get(response.uid)
             if active is None:
@@ -334,8 +355,15 @@ class Engine:
             if done:
                 self._forget(active)
                 self._finished += 1
+                ok = not any(isinstance(e, Failed) for e in events)
                 if still_batched:
                     to_remove.append(response.uid)
+                    if ok:
+                        to_save.append(response.uid)
+                elif ok and response.prompt_cache is not None:
+                    saved.append((response.all_tokens, response.prompt_cache))
+        if saved or to_save:
+            self._save(saved, to_save)
         if to_remove:
             self._gen.remove(to_remove)
         _deliver(outbox)
@@ -381,11 +409,9 @@ class Engine:
         _deliver(outbox)
 
 
-def _guarded(sub: Submission) -> _GuardedProcessors | None:
-    processors = make_request_processors(sub.sampling)
-    if sub.controller is not None:
-        processors.append(sub.controller)  # last: the grammar sees penalised logits
-    return _GuardedProcessors(processors) if processors else None
+def _guarded(sub: Submission) -> GuardedProcessors | None:
+    extra: list[LogitsProcessor] = [sub.controller] if sub.controller is not None else []
+    return guarded_processors(sub.sampling, extra)
 
 
 def _deliver(outbox: list[tuple[EventSink, list[OutputEvent]]]) -> None:

@@ -95,3 +95,38 @@ def make_request_processors(params: SamplingParams) -> List[LogitsProcessor]:
         frequency_context_size=PENALTY_CONTEXT,
     )
     return list(processors)
+
+
+class GuardedProcessors:
+    """One request's logits processors, isolated from the rest of the batch.
+
+    mlx-lm runs every request's processors inside one batch step, so one that raised would
+    fail the whole batch. This records the error and passes the logits through; the engine
+    then ends just this request.
+    """
+
+    def __init__(self, processors: list[LogitsProcessor]) -> None:
+        self._processors = processors
+        self.error: str | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.error is not None:
+            return logits
+        try:
+            out = logits
+            for processor in self._processors:
+                out = processor(tokens, out)
+            if out.shape != logits.shape:
+                raise ValueError(f"a logits processor returned shape {out.shape}")
+            return out
+        except Exception as exc:  # noqa: BLE001 - reported through `error`
+            self.error = f"{type(exc).__name__}: {exc}"
+            return logits
+
+
+def guarded_processors(params: SamplingParams,
+                       extra: List[LogitsProcessor]) -> GuardedProcessors | None:
+    """A request's penalty/bias processors, then `extra` (last: a grammar sees penalised
+    logits), guarded; None when there are none (mlx-lm then skips its per-row path)."""
+    processors = make_request_processors(params) + extra
+    return GuardedProcessors(processors) if processors else None

@@ -61,9 +61,10 @@ def tool_use_id(bare: str) -> str:
 
 
 def usage_body(usage: Usage) -> dict[str, int]:
-    # No prompt cache writes here; reads are whatever the replica reports.
+    # Anthropic counts cache reads apart from `input_tokens` (a client adds the two), so
+    # the prompt tokens the replica's prefix cache served are only in cache_read.
     return {
-        "input_tokens": usage.prompt_tokens,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
         "output_tokens": usage.completion_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": usage.cached_tokens,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ingress.anthropic.convert import (
     omits_thinking,
@@ -27,6 +27,7 @@ from ingress.errors import ANTHROPIC_ERRORS
 from ingress.protocol import WireProtocol
 from ingress.sse import SSE_HEADERS, event_frame
 from ingress.streaming import open_stream, sse_stream
+from ingress.wire_json import JSONBody
 from replicas.contract import OutputEvent
 from replicas.errors import from_event
 
@@ -79,7 +80,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     renderer.finish()
     if renderer.failure is not None:
         raise from_event(renderer.failure)
-    return JSONResponse(renderer.message)
+    return JSONBody(renderer.message)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS
@@ -13,6 +13,7 @@ from ingress.openai.render import ResponseBuilder, ResponseMeta
 from ingress.protocol import WireProtocol
 from ingress.sse import DONE_FRAME, SSE_HEADERS, data_frame
 from ingress.streaming import open_stream, sse_stream
+from ingress.wire_json import JSONBody
 from replicas.contract import ErrorKind, Failed, GenerationRequest, OutputEvent
 from replicas.errors import from_event
 
@@ -62,7 +63,7 @@ async def _respond(client: ModelClient, gen: GenerationRequest, meta: ResponseMe
         await opened.aclose()  # a client that left cancels its generation
     if builder.finished is None:
         raise from_event(_CUT_SHORT)
-    return JSONResponse(builder.body())
+    return JSONBody(builder.body())
 
 
 _CUT_SHORT = Failed(ErrorKind.INTERNAL, "the model stream ended unexpectedly")

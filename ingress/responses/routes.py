@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS, CodedError
@@ -21,6 +21,7 @@ from ingress.responses.render import ResponseRenderer
 from ingress.responses.store import ResponseStore, StoredResponse
 from ingress.sse import SSE_HEADERS, event_frame
 from ingress.streaming import OpenedStream, open_stream, sse_stream
+from ingress.wire_json import JSONBody
 from replicas.contract import ErrorKind, OutputEvent
 from replicas.errors import NotFoundError, from_event
 
@@ -85,7 +86,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         raise from_event(renderer.failure)
     if body.store:
         await _save(store, plan, renderer)
-    return JSONResponse(renderer.response, headers=headers)
+    return JSONBody(renderer.response, headers=headers)
 
 
 @router.get("/v1/responses/{response_id}")

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 import replicas.engine as engine_module
+import replicas.sampling as sampling_module
 from deployments.model_deployment import ModelDeployment
 from replicas.builtin import script
 from replicas.contract import (
@@ -119,13 +120,13 @@ class Sabotage:
 
 
 def sabotage_marked(monkeypatch: pytest.MonkeyPatch, make: Callable[[], Any]) -> None:
-    real = engine_module.make_request_processors
+    real = sampling_module.make_request_processors
 
     def processors(params: SamplingParams) -> list[Any]:
         found = real(params)
         return found + [make()] if params.presence_penalty == MARK else found
 
-    monkeypatch.setattr(engine_module, "make_request_processors", processors)
+    monkeypatch.setattr(sampling_module, "make_request_processors", processors)
 
 
 @pytest.mark.parametrize("how", ["raise", "shape"])

@@ -775,7 +775,8 @@ def test_usage_reports_cached_prompt_tokens() -> None:
     usage = Usage(prompt_tokens=11, completion_tokens=7, cached_tokens=5)
     renderer = MessageRenderer("msg_x", MODEL)
     frames = render_all(renderer, [say("x"), Finished(FinishReason.EOS, usage)])
-    expected = USAGE_BODY | {"cache_read_input_tokens": 5}
+    # Anthropic's input_tokens excludes cache reads: 11 prompt tokens = 6 read + 5 cached.
+    expected = USAGE_BODY | {"input_tokens": 6, "cache_read_input_tokens": 5}
     assert renderer.message["usage"] == frames[-2][1]["usage"] == expected
 
 

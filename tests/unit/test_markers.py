@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MARKED_FOLDERS = ("e2e", "reliability", "cluster")
+MARKED_FOLDERS = ("e2e", "reliability", "cluster", "clients")
 
 
 def module_marks(path: Path) -> set[str]:

@@ -1,0 +1,149 @@
+"""A replica's KV prefix cache: the longest cached token prefix of a prompt, LRU under a
+byte bound. Used only on the engine thread (it holds MLX arrays).
+
+mlx-lm's `LRUPromptCache` (what `mlx_lm.server` uses) is the model, and its `PromptTrie`
+and trim helpers are used as they are. The LRU around them is our own because theirs does
+not serve here: a hit does not refresh an entry's recency (a prefix every conversation
+shares would age out first), it reports no evictions, it deep-copies every hit (a second
+copy of a long prefix's KV, which the batch merge copies once more anyway), and an exact
+match leaves nothing to prefill, which `BatchGenerator.insert` refuses.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
+
+log = logging.getLogger(__name__)
+
+_MODEL = "replica"  # PromptTrie keys entries by model; a replica serves one
+_SUMMARY_EVERY = 100  # lookups between INFO summaries
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    cache: list[Any]  # one cache per layer, for `BatchGenerator.insert(caches=...)`
+    length: int  # the prompt tokens it holds; the rest must be prefilled
+
+
+@dataclass(frozen=True)
+class PromptCacheStats:
+    hits: int
+    misses: int
+    evictions: int
+    bytes: int
+    entries: int
+    cached_tokens: int  # prompt tokens served from the cache, all requests together
+
+
+@dataclass
+class _Entry:
+    cache: list[Any]
+    nbytes: int
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._trie = PromptTrie()
+        self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._cached_tokens = 0
+
+    def stats(self) -> PromptCacheStats:
+        return PromptCacheStats(self._hits, self._misses, self._evictions, self._bytes,
+                                len(self._lru), self._cached_tokens)
+
+    def fetch(self, tokens: list[int]) -> CacheHit | None:
+        """The longest usable cached prefix of `tokens`, as a cache the caller may own, or
+        None. At least the last token is always left out: its logits start generation."""
+        hit = self._lookup(tokens[:-1]) if len(tokens) > 1 else None
+        if hit is None:
+            self._misses += 1
+        else:
+            self._hits += 1
+            self._cached_tokens += hit.length
+            log.debug("prompt cache hit: %d of %d prompt tokens", hit.length, len(tokens))
+        if (self._hits + self._misses) % _SUMMARY_EVERY == 0:
+            log.info("prompt cache: %d hits, %d misses, %d prompt tokens reused, %d entries, "
+                     "%d of %d bytes, %d evictions", self._hits, self._misses,
+                     self._cached_tokens, len(self._lru), self._bytes, self.max_bytes,
+                     self._evictions)
+        return hit
+
+    def _lookup(self, usable: list[int]) -> CacheHit | None:
+        found = self._trie.search(_MODEL, usable)
+        if found.exact is not None:
+            return self._hit(tuple(found.exact), len(found.exact))
+        shorter = len(found.shorter) if found.shorter is not None else 0
+        if found.longer is not None and found.common_prefix > shorter:
+            key = tuple(found.longer)
+            entry = self._lru[key]
+            # A longer entry serves a prefix only where every layer can drop its tail;
+            # recurrent state cannot, so hybrid models get exact or shorter matches.
+            if can_trim_prompt_cache(entry.cache):
+                return self._hit(key, found.common_prefix)
+        if found.shorter is not None:
+            return self._hit(tuple(found.shorter), shorter)
+        return None
+
+    def _hit(self, key: tuple[int, ...], length: int) -> CacheHit:
+        entry = self._lru[key]
+        self._lru.move_to_end(key)
+        return CacheHit(_prefix_copy(entry.cache, len(key) - length), length)
+
+    def save(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keep `cache`, the KV of exactly `tokens`, then evict to the byte bound."""
+        if not tokens or not cache:
+            return
+        mx.eval([c.state for c in cache])  # a lazy slice would pin the whole batch's KV
+        nbytes = sum(c.nbytes for c in cache)
+        if nbytes > self.max_bytes:
+            log.debug("prompt cache: %d tokens (%d bytes) exceed the bound", len(tokens), nbytes)
+            return
+        key = tuple(tokens)
+        previous = self._trie.add(_MODEL, list(key), key)
+        if previous is not None:
+            self._bytes -= self._lru.pop(key).nbytes
+        self._lru[key] = _Entry(cache, nbytes)
+        self._bytes += nbytes
+        if can_trim_prompt_cache(cache):
+            # Entries on this one's path are its prefixes: it serves them by trimming.
+            for _, prefix_key in self._trie.pop_prefixes(_MODEL, list(key)):
+                self._bytes -= self._lru.pop(prefix_key).nbytes
+        while self._bytes > self.max_bytes:
+            old_key, old = self._lru.popitem(last=False)
+            self._trie.pop(_MODEL, list(old_key))
+            self._bytes -= old.nbytes
+            self._evictions += 1
+            log.debug("prompt cache eviction: %d tokens, %d bytes (now %d of %d bytes)",
+                      len(old_key), old.nbytes, self._bytes, self.max_bytes)
+
+
+def _prefix_copy(cache: list[Any], drop: int) -> list[Any]:
+    """A cache the batch may own, holding all but the last `drop` tokens of `cache`.
+
+    The batch's merge only reads a plain KVCache's arrays, so a new KVCache over the same
+    arrays suffices (no copy of a long prefix); other types are deep-copied, as mlx-lm does.
+    """
+    out: list[Any] = []
+    for layer in cache:
+        if type(layer) is KVCache:
+            view = KVCache()
+            view.keys, view.values, view.offset = layer.keys, layer.values, layer.offset - drop
+            out.append(view)
+        else:
+            out.append(copy.deepcopy(layer))
+    deep = [i for i, layer in enumerate(cache) if type(layer) is not KVCache]
+    if drop and deep:
+        trim_prompt_cache([out[i] for i in deep], drop)
+    return out

@@ -1,0 +1,123 @@
+"""A real `serve run CONFIG` in its own process group, over loopback: start, wait until a
+model answers, read its log, stop with Ctrl-C (Serve then shuts the app and Ray down).
+
+Shared by the suites that run the real server from a config file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 300
+
+
+def serve_exe() -> str:
+    return shutil.which("serve") or str(Path(sys.executable).with_name("serve"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def config_copy(tmp_dir: Path, port: int, models: list[dict[str, Any]] | None = None,
+                base: Path = ROOT / "serve_config.yaml") -> Path:
+    """`base` (the real config) on `port`, with its models replaced when `models` is given."""
+    config = yaml.safe_load(base.read_text())
+    config["http_options"]["port"] = port
+    if models is not None:
+        config["applications"][0]["args"]["models"] = models
+    path = tmp_dir / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def ready(client: httpx.Client, base_url: str, model: str) -> bool:
+    """Serving: the model is listed and a one-token completion comes back."""
+    try:
+        models = client.get(f"{base_url}/v1/models", timeout=5)
+        if models.status_code != 200:
+            return False
+        probe = client.post(f"{base_url}/v1/completions", timeout=30, json={
+            "model": model, "prompt": "Hi", "max_tokens": 1})
+        return probe.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@dataclass
+class ServeProcess:
+    base_url: str
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def access_count(self, method: str, path: str) -> int:
+        """Requests the app's replicas logged as handled (Serve's access lines,
+        `-- POST /v1/messages 200 12.3ms`), any status."""
+        line = re.compile(rf"-- {re.escape(method)} {re.escape(path)}(\?\S*)? \d{{3}} ")
+        return sum(1 for _ in line.finditer(self.log()))
+
+    def wait_access_count(self, method: str, path: str, count: int,
+                          timeout_s: float = 15.0) -> int:
+        """The access count once it reaches `count` (Ray forwards replica logs to the driver
+        with a delay), or whatever it is after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (seen := self.access_count(method, path)) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return seen
+
+
+@contextmanager
+def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-tiny",
+              env: Mapping[str, str] | None = None,
+              timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[ServeProcess]:
+    """`serve run config` until the block ends; `port` must be the config's HTTP port."""
+    base_url = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("w")
+    full_env = {**os.environ, **(env or {}), "RAY_SERVE_LOG_TO_STDERR": "1",
+                "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([serve_exe(), "run", str(config)], cwd=ROOT, env=full_env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client() as client:
+            while not ready(client, base_url, model):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"serve run did not come up; log:\n{log_path.read_text()[-5000:]}")
+                time.sleep(1)
+        yield ServeProcess(base_url, log_path, proc)
+    finally:
+        stop(proc)
+        log.close()
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down on Ctrl-C
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -1,0 +1,97 @@
+"""PromptCache lookups and eviction, with stand-in layers (no model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from replicas.prompt_cache import PromptCache
+
+
+class Layer:
+    """A cache layer holding `size` tokens at 10 bytes each."""
+
+    def __init__(self, size: int, trimmable: bool = True) -> None:
+        self.size, self.trimmable = size, trimmable
+
+    @property
+    def state(self) -> list[Any]:
+        return []
+
+    @property
+    def nbytes(self) -> int:
+        return 10 * self.size
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable
+
+    def trim(self, n: int) -> int:
+        self.size -= n
+        return n
+
+
+def layers(tokens: list[int], trimmable: bool = True) -> list[Any]:
+    return [Layer(len(tokens), trimmable), Layer(len(tokens), trimmable)]
+
+
+def test_a_longer_entry_serves_a_prefix_trimmed_and_leaves_the_last_token() -> None:
+    cache = PromptCache(10_000)
+    cache.save([1, 2, 3, 4, 5, 6], layers([1, 2, 3, 4, 5, 6]))
+    hit = cache.fetch([1, 2, 3, 9])
+    assert hit is not None and hit.length == 3 and [c.size for c in hit.cache] == [3, 3]
+    same = cache.fetch([1, 2, 3, 4, 5, 6])  # the whole entry: all but the last token
+    assert same is not None and same.length == 5 and [c.size for c in same.cache] == [5, 5]
+    assert cache.fetch([7, 8]) is None and cache.fetch([1]) is None
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.cached_tokens) == (2, 2, 8)
+    assert stats.entries == 1 and stats.bytes == 120  # the entry itself was never trimmed
+
+
+def test_untrimmable_caches_get_exact_or_shorter_matches_only() -> None:
+    cache = PromptCache(10_000)
+    cache.save([1, 2, 3, 4, 5, 6], layers([1, 2, 3, 4, 5, 6], trimmable=False))
+    assert cache.fetch([1, 2, 3, 9]) is None  # would need trimming
+    cache.save([1, 2], layers([1, 2], trimmable=False))  # kept: it is not trimmable either
+    hit = cache.fetch([1, 2, 3, 9])
+    assert hit is not None and hit.length == 2
+    exact = cache.fetch([1, 2, 3, 4, 5, 6, 7])
+    assert exact is not None and exact.length == 6
+    assert cache.fetch([1, 2, 3, 4, 5, 6]) is not None  # the shorter one: 2 tokens
+    assert cache.stats().entries == 2
+
+
+def test_a_trimmable_entry_replaces_its_prefixes() -> None:
+    cache = PromptCache(10_000)
+    cache.save([1, 2, 3], layers([1, 2, 3]))
+    cache.save([1, 2, 3, 4, 5], layers([1, 2, 3, 4, 5]))
+    cache.save([1, 2, 3, 4, 5], layers([1, 2, 3, 4, 5]))  # the same key again
+    stats = cache.stats()
+    assert (stats.entries, stats.bytes, stats.evictions) == (1, 100, 0)
+
+
+def test_eviction_is_least_recently_used_and_within_the_bound() -> None:
+    cache = PromptCache(250)  # room for two 6-token entries (120 bytes each)
+    cache.save([1, 1, 1, 1, 1, 1], layers([0] * 6))
+    cache.save([2, 2, 2, 2, 2, 2], layers([0] * 6))
+    assert cache.fetch([1, 1, 1, 7]) is not None  # a hit makes entry 1 the most recent
+    cache.save([3, 3, 3, 3, 3, 3], layers([0] * 6))
+    stats = cache.stats()
+    assert (stats.entries, stats.evictions, stats.bytes) == (2, 1, 240)
+    assert cache.fetch([2, 2, 2, 7]) is None
+    assert cache.fetch([1, 1, 1, 7]) is not None and cache.fetch([3, 3, 3, 7]) is not None
+    cache.save(list(range(20)), layers(list(range(20))))  # larger than the bound: not kept
+    assert cache.stats().entries == 2
+
+
+def test_a_hit_on_real_kv_shares_the_arrays_and_leaves_the_entry_whole() -> None:
+    kv = KVCache()
+    kv.update_and_fetch(mx.ones((1, 2, 8, 4)), mx.ones((1, 2, 8, 4)))
+    cache = PromptCache(1 << 20)
+    cache.save(list(range(8)), [kv])
+    hit = cache.fetch([0, 1, 2, 3, 99])
+    assert hit is not None and hit.length == 4
+    view = hit.cache[0]
+    assert view is not kv and view.offset == 4 and kv.offset == 8
+    assert view.keys_and_values()[0].shape == (1, 2, 4, 4)
