@@ -92,7 +92,7 @@ class ModelReplica:
         self._format: ChannelFormat = get_format("none")
         self._decode: Decode | None = None
         self._guided_lock = threading.Lock()
-        self._guided_tokenizer_: GuidedTokenizer | None = None
+        self._guided_tok: GuidedTokenizer | None = None
         self._tool_format: ToolFormat = get_tool_format("none")
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -103,11 +103,9 @@ class ModelReplica:
         model = self._engine.wait_ready(self.options.load_timeout_s)
         self._model = model
         self._decode = make_decode(model.hf_tokenizer)
-        name = self.options.channel_format or detect_format(
-            model.chat_template, model.hf_tokenizer.get_vocab().keys()
-        )
-        self._format = get_format(name)
         vocab = model.hf_tokenizer.get_vocab().keys()
+        name = self.options.channel_format or detect_format(model.chat_template, vocab)
+        self._format = get_format(name)
         tool_name = self.options.tool_format or detect_tool_format(model.chat_template, vocab)
         self._tool_format = get_tool_format(tool_name)
 
@@ -321,10 +319,10 @@ class ModelReplica:
         from replicas.guided import GuidedTokenizer
 
         with self._guided_lock:  # built once per model, on first use
-            tokenizer = self._guided_tokenizer_
+            tokenizer = self._guided_tok
             if tokenizer is None:
                 model = self.model
-                tokenizer = self._guided_tokenizer_ = GuidedTokenizer.from_hf(
+                tokenizer = self._guided_tok = GuidedTokenizer.from_hf(
                     model.hf_tokenizer,
                     vocab_size=model.vocab_size,
                     eos_token_ids=sorted(model.eos_token_ids),

@@ -160,13 +160,18 @@ class LocalCluster:
 
     # ---- serve ------------------------------------------------------------------------
 
-    def deploy(self, args: dict[str, Any], *, name: str = "orchard") -> None:
-        """`serve deploy` one application serving `args` on HTTP_PORT, head-only proxy."""
+    def deploy(self, args: dict[str, Any], *, name: str = "orchard",
+               deployments: list[dict[str, Any]] | None = None) -> None:
+        """`serve deploy` one application serving `args` on HTTP_PORT, head-only proxy;
+        `deployments` is the config's per-deployment override section."""
+        application: dict[str, Any] = {"name": name, "route_prefix": "/",
+                                       "import_path": "deployments.app:build_app", "args": args}
+        if deployments:
+            application["deployments"] = deployments
         config = {
             "proxy_location": "HeadOnly",  # one proxy, so the two nodes share no HTTP port
             "http_options": {"host": "127.0.0.1", "port": HTTP_PORT},
-            "applications": [{"name": name, "route_prefix": "/",
-                              "import_path": "deployments.app:build_app", "args": args}],
+            "applications": [application],
         }
         path = self.root / f"deploy-{time.monotonic_ns()}.yaml"
         path.write_text(yaml.safe_dump(config))
