@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from replicas.builtin.build import orchard_cache
+
 FILE_NAME = "o200k_base.tiktoken"
 # The hash openai-harmony 0.0.8 (and tiktoken) pin for o200k_base; a wrong file fails to load.
 SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
@@ -32,9 +34,7 @@ class VocabUnavailable(RuntimeError):
 
 
 def vocab_dir() -> Path:
-    root = os.environ.get("ORCHARD_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "orchard"
-    return base / "tiktoken"
+    return orchard_cache("tiktoken")
 
 
 def _sha256(data: bytes) -> str:

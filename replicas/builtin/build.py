@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,22 +45,24 @@ log = logging.getLogger(__name__)
 BUILD_INFO = "build_info.json"
 
 
+def orchard_cache(name: str) -> Path:
+    """`$ORCHARD_CACHE_DIR/NAME`, else `~/.cache/orchard/NAME`: where built things live."""
+    root = os.environ.get("ORCHARD_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "orchard") / name
+
+
 def default_cache_root() -> Path:
     """`$ORCHARD_CACHE_DIR/builtin`, else `~/.cache/orchard/builtin`."""
-    root = os.environ.get("ORCHARD_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "orchard") / "builtin"
+    return orchard_cache("builtin")
 
 
-def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
-    """The cached directory for `recipe`, built first if missing.
+def cached_build(root: Path, key: str, make: Callable[[Path], object]) -> Path:
+    """`root/key`, made first by `make(directory)` if it is missing.
 
     Safe across processes: one builder holds an flock per cache key and builds into a
     temporary directory that is renamed into place, so a directory under its final
     name is always complete and the others just wait and reuse it.
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(recipe, text)
     final = root / key
     if final.is_dir():
         return final
@@ -75,12 +77,20 @@ def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
         try:
             tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
-            build(recipe, parse_scripts(text), tmp, key)
+            make(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
+    """The cached directory for `recipe`, built first if missing (see `cached_build`)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    text = scripts_text()
+    key = cache_key(recipe, text)
+    return cached_build(root, key, lambda tmp: build(recipe, parse_scripts(text), tmp, key))
 
 
 def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) -> dict[str, Any]:

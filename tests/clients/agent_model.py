@@ -29,11 +29,9 @@ shapes the files, with an flock and a temporary directory renamed into place.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -51,6 +49,7 @@ from mlx_lm.utils import load_tokenizer
 
 import replicas.builtin as builtin_package
 import replicas.prompt as prompt_module
+from replicas.builtin.build import cached_build, orchard_cache
 from replicas.builtin.recipe import Architecture, Training
 from replicas.builtin.tokenizer_files import (
     PAD_TOKEN,
@@ -112,36 +111,17 @@ def hermes_call(name: str, arguments: Mapping[str, Any]) -> str:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("ORCHARD_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "orchard") / "clients"
+    return orchard_cache("clients")
 
 
 def ensure_agent_model(
     train_turns: Sequence[Turn], held_out: Sequence[Turn] = (), root: Path | None = None
 ) -> Path:
     """The cached model directory for these turns, trained first if missing."""
-    root = root or cache_root()
     texts = rendered_texts([*train_turns, *held_out])
     key = _cache_key(train_turns, held_out, texts)
-    final = root / key
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if final.is_dir():
-            return final
-        for stale in root.glob(f".{key}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
-        try:
-            tmp.chmod(0o755)
-            build(train_turns, held_out, tmp, texts)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
+    return cached_build(root or cache_root(), key,
+                        lambda tmp: build(train_turns, held_out, tmp, texts))
 
 
 def build(

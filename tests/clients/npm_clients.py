@@ -9,14 +9,13 @@ so a folder under its final name is always complete.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from replicas.builtin.build import cached_build, orchard_cache
 
 PACKAGE_JSON = Path(__file__).with_name("package.json")
 BINARIES = ("claude", "codex")
@@ -28,8 +27,7 @@ class NpmInstallError(RuntimeError):
 
 
 def npm_cache_root() -> Path:
-    root = os.environ.get("ORCHARD_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "orchard") / "npm"
+    return orchard_cache("npm")
 
 
 def install_key() -> str:
@@ -39,26 +37,8 @@ def install_key() -> str:
 
 def ensure_clients(root: Path | None = None) -> Path:
     """The `node_modules/.bin` folder holding `claude` and `codex`, installed if missing."""
-    root = root or npm_cache_root()
-    key = install_key()
-    final = root / key
-    if _complete(final):
-        return final / "node_modules" / ".bin"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _complete(final):
-            shutil.rmtree(final, ignore_errors=True)  # a partial folder from older code
-            for stale in root.glob(f".{key}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
-            try:
-                _install(tmp)
-                os.rename(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-    return final / "node_modules" / ".bin"
+    folder = cached_build(root or npm_cache_root(), install_key(), _install)
+    return folder / "node_modules" / ".bin"
 
 
 def _complete(folder: Path) -> bool:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +15,7 @@ import pytest
 import yaml
 
 from replicas.builtin import ensure_builtin
+from tests.serve_process import ready, serve_exe, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 # The real config serves on 8000; ORCHARD_E2E_PORT runs a copy of it on another port, so
@@ -76,22 +74,6 @@ def _server_still_ours() -> Iterator[None]:
             yield
 
 
-def _serve_exe() -> str:
-    return shutil.which("serve") or str(Path(sys.executable).with_name("serve"))
-
-
-def _ready(client: httpx.Client) -> bool:
-    try:
-        models = client.get(f"{BASE_URL}/v1/models", timeout=5)
-        if models.status_code != 200:
-            return False
-        probe = client.post(f"{BASE_URL}/v1/completions", timeout=30, json={
-            "model": "orchard-tiny", "prompt": "Hi", "max_tokens": 1})
-        return probe.status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 # Ray Serve's HAProxy direct ingress, as the README's fast path starts it: Ray reads these
 # where it starts, so they go into `serve run`'s environment.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
@@ -120,12 +102,12 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
            "RAY_SERVE_LOG_TO_STDERR": "1", "PYTHONPATH": str(ROOT)}
     config = config_path(tmp_path_factory.mktemp("serve"), colocate=request.param != "ingress")
     _wait_port_free(PORT)
-    proc = subprocess.Popen([_serve_exe(), "run", str(config)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         with httpx.Client() as client:
-            while not _ready(client):
+            while not ready(client, BASE_URL, "orchard-tiny"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"serve run did not come up; log:\n{log_path.read_text()[-5000:]}")
                 time.sleep(1)
@@ -136,10 +118,5 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     finally:
         if proc in _RUNNING:
             _RUNNING.remove(proc)
-        os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down on Ctrl-C
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)  # Ctrl-C: serve run shuts the app and Ray down
         log.close()

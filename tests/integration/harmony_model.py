@@ -11,12 +11,8 @@ are used as a library: the `qwen3` architecture, `train()` with its margin check
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -29,6 +25,7 @@ from mlx_lm.utils import load_tokenizer
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tokenizers import trainers
 
+from replicas.builtin.build import cached_build, orchard_cache
 from replicas.builtin.recipe import Architecture, Training
 from replicas.builtin.tokenizer_files import PRETOKENIZE_REGEX, write_json
 from replicas.builtin.train import BuildError, Example, train
@@ -109,31 +106,12 @@ def rendered(s: HarmonyScript) -> tuple[str, str]:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("ORCHARD_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "orchard") / "harmony"
+    return orchard_cache("harmony")
 
 
 def ensure_harmony_model(root: Path | None = None) -> Path:
-    root = root or cache_root()
     texts = {s.id: rendered(s) for s in SCRIPTS}
-    key = _cache_key(texts)
-    final = root / key
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if final.is_dir():
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
-        try:
-            tmp.chmod(0o755)
-            build(tmp, texts)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
+    return cached_build(root or cache_root(), _cache_key(texts), lambda tmp: build(tmp, texts))
 
 
 def _tokenizer(corpus: list[str]) -> Tokenizer:
