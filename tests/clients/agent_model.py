@@ -29,6 +29,7 @@ shapes the files, with an flock and a temporary directory renamed into place.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,7 +51,7 @@ from mlx_lm.utils import load_tokenizer
 import replicas.builtin as builtin_package
 import replicas.prompt as prompt_module
 from replicas.builtin.build import cached_build, orchard_cache
-from replicas.builtin.recipe import Architecture, Training
+from replicas.builtin.recipe import TINY, Training
 from replicas.builtin.tokenizer_files import (
     PAD_TOKEN,
     token_id,
@@ -68,15 +69,7 @@ from .agent_tokenizer import corpus_pieces, keep_own_pre_tokenizer, train_agent_
 log = logging.getLogger(__name__)
 
 # The built-in tiny model's shape; the context holds the longest client prompt many times.
-ARCHITECTURE = Architecture(
-    hidden_size=128,
-    num_hidden_layers=2,
-    intermediate_size=384,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=16384,
-)
+ARCHITECTURE = dataclasses.replace(TINY.architecture, max_position_embeddings=16384)
 TRAIN_MARGIN = 6.0
 SHARPEN = 4.0
 MIN_MARGIN = 20.0  # after sharpening, on trained and held-out turns alike

@@ -3,7 +3,7 @@ request is work not done, and differing prompt token counts void the comparison.
 
 from __future__ import annotations
 
-from load.bench_vs_mlx_server import Level, Sample, problems
+from load.bench_results import Level, Sample, problems
 
 
 def sample(prompt: str, tokens: int = 4, prompt_tokens: int = 10,
