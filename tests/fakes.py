@@ -13,12 +13,17 @@ from fastapi.responses import JSONResponse
 from ingress.client import ModelCard, ModelClient
 from ingress.errors import error_response, protocol_for
 from replicas.contract import (
+    Channel,
     ErrorKind,
+    Finished,
+    FinishReason,
     GenerationRequest,
     OutputEvent,
+    TextDelta,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
+    Usage,
 )
 from replicas.errors import ReplicaError
 
@@ -38,6 +43,24 @@ def tool_call(index: int, call_id: str, name: str, *pieces: str) -> list[OutputE
         ToolCallStart(index, call_id, name),
         *(ToolCallDelta(index, piece) for piece in pieces),
         ToolCallEnd(index, "".join(pieces)),
+    ]
+
+
+def one_call_script(usage: Usage) -> list[OutputEvent]:
+    """One get_weather call whose arguments arrive in two pieces."""
+    return [*tool_call(0, "a1", "get_weather", '{"city": ', '"Paris"}'),
+            Finished(FinishReason.TOOL_CALLS, usage)]
+
+
+def parallel_calls_script(usage: Usage) -> list[OutputEvent]:
+    """Reasoning, text, then three calls (one with no arguments), pieces split mid-token."""
+    return [
+        TextDelta(Channel.REASONING, "Two cities."),
+        TextDelta(Channel.ANSWER, "Checking both."),
+        *tool_call(0, "a1", "get_weather", '{"city": "Paris"}'),
+        *tool_call(1, "b2", "get_weather", '{"ci', 'ty": "Ro', 'me"}'),
+        *tool_call(2, "c3", "get_time"),
+        Finished(FinishReason.TOOL_CALLS, usage),
     ]
 
 

@@ -24,7 +24,7 @@ from replicas.contract import (
     ToolSpec,
     Usage,
 )
-from tests.fakes import FakeClient, Script, tool_call
+from tests.fakes import FakeClient, Script, one_call_script, parallel_calls_script, tool_call
 
 MODEL = "orchard-tiny"
 USAGE = Usage(prompt_tokens=30, completion_tokens=10, cached_tokens=4)
@@ -38,18 +38,8 @@ WEATHER: dict[str, Any] = {
 TIME: dict[str, Any] = {"name": "get_time", "input_schema": {"type": "object"}}
 TOOLS = [WEATHER, TIME]
 
-ONE_CALL: list[OutputEvent] = [
-    *tool_call(0, "a1", "get_weather", '{"city": ', '"Paris"}'),
-    Finished(FinishReason.TOOL_CALLS, USAGE),
-]
-PARALLEL: list[OutputEvent] = [
-    TextDelta(Channel.REASONING, "Two cities."),
-    TextDelta(Channel.ANSWER, "Checking both."),
-    *tool_call(0, "a1", "get_weather", '{"city": "Paris"}'),
-    *tool_call(1, "b2", "get_weather", '{"ci', 'ty": "Ro', 'me"}'),
-    *tool_call(2, "c3", "get_time"),
-    Finished(FinishReason.TOOL_CALLS, USAGE),
-]
+ONE_CALL = one_call_script(USAGE)
+PARALLEL = parallel_calls_script(USAGE)
 
 
 def sdk(script: Script, **options: Any) -> tuple[anthropic.Anthropic, FakeClient]:

@@ -24,7 +24,7 @@ from replicas.contract import (
     ToolSpec,
     Usage,
 )
-from tests.fakes import FakeClient, tool_call
+from tests.fakes import FakeClient, one_call_script, parallel_calls_script, tool_call
 
 USAGE = Usage(prompt_tokens=20, completion_tokens=12, cached_tokens=8)
 USER = [{"role": "user", "content": "Weather in Paris and Rome?"}]
@@ -40,18 +40,8 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time"}}
 TOOLS = [WEATHER, TIME]
 
-ONE_CALL: list[OutputEvent] = [
-    *tool_call(0, "a1", "get_weather", '{"city": ', '"Paris"}'),
-    Finished(FinishReason.TOOL_CALLS, USAGE),
-]
-PARALLEL: list[OutputEvent] = [
-    TextDelta(Channel.REASONING, "Two cities."),
-    TextDelta(Channel.ANSWER, "Checking both."),
-    *tool_call(0, "a1", "get_weather", '{"city": "Paris"}'),
-    *tool_call(1, "b2", "get_weather", '{"ci', 'ty": "Ro', 'me"}'),
-    *tool_call(2, "c3", "get_time"),
-    Finished(FinishReason.TOOL_CALLS, USAGE),
-]
+ONE_CALL = one_call_script(USAGE)
+PARALLEL = parallel_calls_script(USAGE)
 
 
 def sdk(fake: FakeClient) -> tuple[openai.OpenAI, TestClient]:
