@@ -71,18 +71,26 @@ class ServeProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def access_count(self, method: str, path: str) -> int:
-        """Requests the app's replicas logged as handled (Serve's access lines,
-        `-- POST /v1/messages 200 12.3ms`), any status."""
-        line = re.compile(rf"-- {re.escape(method)} {re.escape(path)}(\?\S*)? \d{{3}} ")
-        return sum(1 for _ in line.finditer(self.log()))
+    def handled(self, method: str, path: str) -> set[str]:
+        """Ids of the requests to `path` the app handled, any status (Serve's access lines,
+        `<id> -- POST /v1/messages 200 12.3ms`), and of every request a client hung up on
+        once it had what it needed (Codex drops the stream at `response.completed`): only
+        the proxy's cancel line and the model replica's call line record those, without a
+        path, so count them over a window in which one client runs."""
+        log = self.log()
+        access = re.compile(rf"(\S+) -- {re.escape(method)} {re.escape(path)}(\?\S*)? \d{{3}} ")
+        cancelled = re.compile(r"(\S+) -- Client for request \S+ disconnected")
+        called = {m[1] for m in re.finditer(r"(\S+) -- CALL \w+ ", log)}
+        return {m[1] for m in access.finditer(log)} | \
+            {m[1] for m in cancelled.finditer(log) if m[1] in called}
 
-    def wait_access_count(self, method: str, path: str, count: int,
-                          timeout_s: float = 15.0) -> int:
-        """The access count once it reaches `count` (Ray forwards replica logs to the driver
-        with a delay), or whatever it is after `timeout_s`."""
+    def wait_handled(self, method: str, path: str, count: int,
+                     timeout_s: float = 15.0) -> set[str]:
+        """The handled ids once there are `count` (Ray forwards replica logs to the driver
+        with a delay), or whatever they are after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while (seen := self.access_count(method, path)) < count and time.monotonic() < deadline:
+        while len(seen := self.handled(method, path)) < count \
+                and time.monotonic() < deadline:
             time.sleep(0.2)
         return seen
 
@@ -95,7 +103,8 @@ def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-
     base_url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w")
-    full_env = {**os.environ, **(env or {}), "RAY_SERVE_LOG_TO_STDERR": "1",
+    # Dedup off: Ray holds back a line that another process logged too, and tests count lines.
+    full_env = {**os.environ, **(env or {}), "RAY_SERVE_LOG_TO_STDERR": "1", "RAY_DEDUP_LOGS": "0",
                 "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([serve_exe(), "run", str(config)], cwd=ROOT, env=full_env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -41,13 +41,13 @@ def served_run(orchard: ServeProcess, client_bin: Path, task: AgentTask, root: P
                path: str, timings: Timings) -> tuple[ClientRun, int]:
     """The client's run against the served model, and how many requests to `path` the
     server logged as handled during it."""
-    before = orchard.access_count("POST", path)
+    before = orchard.handled("POST", path)
     work, home = make_workspace(root)
     start = time.monotonic()
     run = RUNNERS[task.name](client_bin, orchard.base_url, work, home, task)
     timings.phases[f"{task.name} served run"] = time.monotonic() - start
     # Ray forwards the replicas' access lines with a delay; a moment more lets an extra
     # request show too.
-    orchard.wait_access_count("POST", path, before + 2)
+    orchard.wait_handled("POST", path, len(before) + 2)
     time.sleep(1.0)
-    return run, orchard.access_count("POST", path) - before
+    return run, len(orchard.handled("POST", path) - before)
