@@ -11,6 +11,7 @@ from deployments.colocated_deployment import ColocatedModel
 from deployments.config import AppArgs, ModelSettings
 from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
+from deployments.prefix_router import PrefixAffinityRouter
 from replicas.loading import BUILTIN_PREFIX, resolve_source
 
 
@@ -30,14 +31,15 @@ def build_app(args: dict[str, Any]) -> Application:
     # Each deployment gets its effective placement, so a replica can check Metal itself.
     settings = [m.with_placement(config.cluster.placement) for m in config.models]
     edge = EdgeArgs.from_config(config)
-    if config.ingress.colocate:
+    if config.colocated:
         # Serve's own limit sits above the replica's admission, so a full replica answers
         # with the API's overloaded error instead of queueing in Ray's router.
         only = settings[0]
         colocated = _deployment(ColocatedModel).options(
             **_deployment_options(only, only.max_ongoing_requests + _COLOCATED_HEADROOM))
         return colocated.bind(only.model_dump(), cards[0], edge=edge)
-    models = [_model_deployment(m).bind(m.model_dump(), config.ingress.max_stops)
+    observability = config.observability.model_dump()
+    models = [_model_deployment(m).bind(m.model_dump(), config.ingress.max_stops, observability)
               for m in settings]
     return _deployment(Ingress).options(
         num_replicas=config.ingress.num_replicas,
@@ -71,6 +73,12 @@ def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, 
         "ray_actor_options": _actor_options(settings),
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
     }
+    policy = settings.routing_policy
+    if policy != "none":
+        options["request_router_config"] = {
+            "request_router_class": PrefixAffinityRouter,
+            "request_router_kwargs": {"policy": policy, "max_keys": settings.routing.max_keys,
+                                      "max_imbalance": settings.routing.max_imbalance}}
     if settings.num_replicas == "auto":
         options["num_replicas"] = "auto"
         options["autoscaling_config"] = {**_auto_defaults(settings),

@@ -19,6 +19,7 @@ from deployments.config import ModelSettings
 from deployments.handle_client import at_capacity
 from deployments.ingress_deployment import EdgeArgs
 from deployments.model_deployment import ReplicaOwner
+from deployments.observability import request_observer
 from deployments.response_store import response_store
 from ingress.app import create_app
 from ingress.client import ModelCard
@@ -83,13 +84,15 @@ class ColocatedModel(ReplicaOwner):
     def __init__(self, settings: dict[str, Any], card: dict[str, Any],
                  edge: EdgeArgs = EdgeArgs()) -> None:
         config = ModelSettings.model_validate(settings)
-        super().__init__(config, edge.ingress.max_stops)
+        super().__init__(config, edge.ingress.max_stops, edge.observability)
         self._client = LocalModelClient(self._replica, ModelCard(**card),
                                         config.max_ongoing_requests)
         self._options = edge.options(os.environ)
         scaled = config.autoscaling_config is not None
         self._store = response_store("auto" if scaled else config.num_replicas)
+        self._observer = request_observer(edge.observability)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's engine.
-        return create_app(self._client, self._options, response_store=self._store)
+        return create_app(self._client, self._options, response_store=self._store,
+                          observer=self._observer)

@@ -75,6 +75,24 @@ class PromptCacheSettings(_Strict):
                                        "replica (LRU); 0 turns the cache off.")
 
 
+RoutingPolicy = Literal["auto", "prefix", "session", "none"]
+
+
+class RoutingSettings(_Strict):
+    """Cache-aware routing across a model's replicas (`deployments.prefix_router`)."""
+
+    policy: RoutingPolicy = Field(
+        "auto", description="`prefix`: a request goes to the replica that served its "
+        "session (`prompt_cache_key`, Anthropic `metadata.user_id`) or the start of its "
+        "prompt; `session`: only requests with a session key are steered; `none`: Ray's "
+        "power-of-two choice; `auto`: `prefix` when the model may run more than one replica.")
+    max_keys: int = Field(65536, ge=1, description="Prefix and session keys remembered per "
+                          "ingress replica (LRU).")
+    max_imbalance: int = Field(8, ge=0, description="A request leaves its cache-holding "
+                               "replica for the least-loaded one when the first has more "
+                               "than this many ongoing requests over the second.")
+
+
 class PlacementSettings(_Strict):
     """Where a model's replicas may start. The default pins nothing, so one machine works."""
 
@@ -129,6 +147,7 @@ class ModelSettings(_Strict):
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     prompt_cache: PromptCacheSettings = Field(default_factory=PromptCacheSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     placement: PlacementSettings | None = Field(
         None, description="Keys set here override `cluster.placement` for this model.")
     graceful_shutdown_timeout_s: float = Field(
@@ -145,6 +164,14 @@ class ModelSettings(_Strict):
                              f"{', '.join(sorted(registry))}")
         return value
 
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_bound(cls, value: int) -> int:
+        # Ray refuses 0 only when the app deploys, after `serve run` has started.
+        if value == 0:
+            raise ValueError("max_queued_requests is -1 (unbounded) or at least 1")
+        return value
+
     @field_validator("autoscaling_config")
     @classmethod
     def _autoscaling_known(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -155,6 +182,14 @@ class ModelSettings(_Strict):
                 raise ValueError(f"unknown autoscaling_config keys: {', '.join(unknown)}")
             AutoscalingConfig.model_validate(value)
         return value
+
+    @property
+    def routing_policy(self) -> RoutingPolicy:
+        """The policy in force: `auto` resolved by whether more than one replica may run."""
+        if self.routing.policy != "auto":
+            return self.routing.policy
+        scales = self.num_replicas != 1 or self.autoscaling_config is not None
+        return "prefix" if scales else "none"
 
     def with_placement(self, cluster: PlacementSettings) -> "ModelSettings":
         """These settings with the effective placement: the cluster's, overridden by ours."""
@@ -190,10 +225,26 @@ class IngressSettings(_Strict):
     replica_wait_s: float | None = Field(
         15.0, gt=0, description="How long a request waits for a model replica to accept it "
         "(none running, all busy starting) before a 503/529. null: wait without limit.")
-    colocate: bool = Field(False, description="Serve HTTP from the model's own replicas (one "
-                           "model only): one process and one Ray hop fewer per token. Scaling "
-                           "then follows the model's settings, and `num_replicas`, "
-                           "`max_ongoing_requests` and `replica_wait_s` here are unused.")
+    colocate: bool | Literal["auto"] = Field(
+        "auto", description="Serve HTTP from the model's own replicas: one process and one Ray "
+        "hop fewer per token, admission in the replica. `auto` (default): when one model runs "
+        "on exactly one fixed replica; `true`: one model at any scale (Serve's proxy then "
+        "picks a replica, with no cache-aware routing); `false`: always an ingress deployment "
+        "in front. Colocated, `num_replicas`, `max_ongoing_requests` and `replica_wait_s` "
+        "here are unused.")
+
+
+class ObservabilitySettings(_Strict):
+    """Metrics and logs (`deployments.metrics`, `ingress.observe`); README "Observability"."""
+
+    metrics: bool = Field(True, description="Export `orchard_*` metrics at Ray's Prometheus "
+                          "endpoint; false: no per-request tracing and no engine polling.")
+    metrics_interval_s: float = Field(2.0, gt=0, description="How often a replica reads its "
+                                      "engine's gauges and counters into the metrics.")
+    request_logs: bool = Field(True, description="One log line per finished request: ids, "
+                               "token counts, timings, finish reason; never prompt or output.")
+    json_logs: bool = Field(False, description="Write request log lines as JSON objects "
+                            "instead of `key=value` text.")
 
 
 def replica_max_stops(request_max: int, model: ModelSettings) -> int:
@@ -213,6 +264,7 @@ class AppArgs(_Strict):
     api_keys_env: str | None = Field(None, min_length=1, description="Environment variable "
                                      "with comma-separated API keys, read where the ingress "
                                      "runs (e.g. ORCHARD_API_KEYS); unset or empty is an error.")
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
 
     @field_validator("api_keys")
     @classmethod
@@ -223,10 +275,22 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _colocate_one_model(self) -> "AppArgs":
-        if self.ingress.colocate and len(self.models) != 1:
+        if self.ingress.colocate is True and len(self.models) != 1:
             raise ValueError("ingress.colocate serves exactly one model; "
                              f"{len(self.models)} are configured")
         return self
+
+    @property
+    def colocated(self) -> bool:
+        """Whether HTTP is served from the model's replicas (the `ingress.colocate` rule)."""
+        if self.ingress.colocate != "auto":
+            return self.ingress.colocate
+        # Several replicas want the ingress's cache-aware routing, several models its
+        # dispatch; one model on one replica gains nothing from a hop in front of it.
+        if len(self.models) != 1:
+            return False
+        model = self.models[0]
+        return model.num_replicas == 1 and model.autoscaling_config is None
 
     @model_validator(mode="after")
     def _names_unique(self) -> "AppArgs":

@@ -11,8 +11,9 @@ from pydantic import SecretStr
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import AppArgs, IngressSettings
+from deployments.config import AppArgs, IngressSettings, ObservabilitySettings
 from deployments.handle_client import RayModelClient
+from deployments.observability import request_observer
 from deployments.response_store import response_store
 from ingress.app import create_app
 from ingress.client import ModelCard
@@ -27,10 +28,12 @@ class EdgeArgs:
     ingress: IngressSettings = IngressSettings.model_validate({})  # frozen: safely shared
     api_keys: tuple[SecretStr, ...] = ()
     api_keys_env: str | None = None
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @classmethod
     def from_config(cls, config: AppArgs) -> "EdgeArgs":
-        return cls(config.ingress, tuple(config.api_keys), config.api_keys_env)
+        return cls(config.ingress, tuple(config.api_keys), config.api_keys_env,
+                   config.observability)
 
     def options(self, environ: Mapping[str, str]) -> EdgeOptions:
         """Resolved where the ingress runs, since that is where the key variable is set."""
@@ -63,8 +66,10 @@ class Ingress:
                                       replica_wait_s=edge.ingress.replica_wait_s)
         self._options = edge.options(os.environ)
         self._store = response_store(edge.ingress.num_replicas)
+        self._observer = request_observer(edge.observability)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's client
         # (an app built at import time would be pickled and served as a copy).
-        return create_app(self._client, self._options, response_store=self._store)
+        return create_app(self._client, self._options, response_store=self._store,
+                          observer=self._observer)

@@ -9,7 +9,13 @@ from typing import Any, AsyncGenerator
 from ray import serve
 
 from deployments.cluster import require_metal
-from deployments.config import IngressSettings, ModelSettings, replica_max_stops
+from deployments.config import (
+    IngressSettings,
+    ModelSettings,
+    ObservabilitySettings,
+    replica_max_stops,
+)
+from deployments.observability import engine_poller
 from replicas.contract import Failed, GenerationRequest, OutputEvent
 from replicas.engine import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
@@ -40,13 +46,16 @@ def replica_options(settings: ModelSettings,
 class ReplicaOwner:
     """A deployment that owns one `ModelReplica`: startup, health, stats and shutdown."""
 
-    def __init__(self, config: ModelSettings,
-                 request_max_stops: int = _REQUEST_MAX_STOPS) -> None:
+    def __init__(self, config: ModelSettings, request_max_stops: int = _REQUEST_MAX_STOPS,
+                 observability: ObservabilitySettings = ObservabilitySettings()) -> None:
         if config.placement is not None and config.placement.metal_required:
             require_metal(config.id)  # before loading: fail fast, with what to do about it
         self._replica = ModelReplica(replica_options(config, request_max_stops))
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
         self._replica.start()
+        replica = self._replica
+        self._poller = engine_poller(observability, config.id,
+                                     lambda: (replica.stats(), replica.drain_timings()))
 
     def check_health(self) -> None:
         self._replica.check_health()  # raises when the engine thread died or is stuck
@@ -57,6 +66,9 @@ class ReplicaOwner:
         return {"replica": name, **dataclasses.asdict(self._replica.stats())}
 
     def __del__(self) -> None:
+        poller = getattr(self, "_poller", None)
+        if poller is not None:
+            poller.stop()
         replica = getattr(self, "_replica", None)  # unset when __init__ refused the node
         if replica is not None:
             replica.shutdown()
@@ -64,9 +76,10 @@ class ReplicaOwner:
 
 @serve.deployment
 class ModelDeployment(ReplicaOwner):
-    def __init__(self, settings: dict[str, Any],
-                 request_max_stops: int = _REQUEST_MAX_STOPS) -> None:
-        super().__init__(ModelSettings.model_validate(settings), request_max_stops)
+    def __init__(self, settings: dict[str, Any], request_max_stops: int = _REQUEST_MAX_STOPS,
+                 observability: dict[str, Any] | None = None) -> None:
+        super().__init__(ModelSettings.model_validate(settings), request_max_stops,
+                         ObservabilitySettings.model_validate(observability or {}))
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
         yield []  # accepted: the ingress bounds its wait for a replica on this (handle_client)

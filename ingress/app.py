@@ -16,6 +16,7 @@ from ingress.client import ModelClient
 from ingress.errors import error_response, replica_error_response
 from ingress.guard import GuardMiddleware
 from ingress.limits import BodyLimitMiddleware, LimitedClient
+from ingress.observe import ObservedClient, ObserveMiddleware, RequestObserver
 from ingress.options import EdgeOptions
 from ingress.protocols import PROTOCOLS, protocol_for
 from ingress.responses.store import MemoryResponseStore, ResponseStore
@@ -26,19 +27,24 @@ _HTTP_KIND = {401: ErrorKind.UNAUTHORIZED, 404: ErrorKind.NOT_FOUND, 503: ErrorK
 
 
 def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
-               response_store: ResponseStore | None = None) -> FastAPI:
+               response_store: ResponseStore | None = None,
+               observer: RequestObserver | None = None) -> FastAPI:
     """The app. `response_store` keeps stored Responses API responses; the default lives in
-    this process only, so deployments with several ingress replicas pass a shared one."""
+    this process only, so deployments with several ingress replicas pass a shared one.
+    `observer` gets one record per finished generation request (metrics, request logs);
+    without one, nothing is traced."""
     app = FastAPI(title="Orchard", version="0.1.0")
-    app.state.client = LimitedClient(client, options)
+    limited = LimitedClient(client, options)
+    app.state.client = limited if observer is None else ObservedClient(limited)
     app.state.response_store = response_store or MemoryResponseStore()
     _install_error_handlers(app)
     _install_routes(app)
-    _install_middleware(app, options)
+    _install_middleware(app, options, observer)
     return app
 
 
-def _install_middleware(app: FastAPI, options: EdgeOptions) -> None:
+def _install_middleware(app: FastAPI, options: EdgeOptions,
+                        observer: RequestObserver | None) -> None:
     # Added innermost first. From the outside in: CORS answers preflights without a key;
     # the guard's deadline and error handling cover everything after it; auth rejects on
     # headers alone, before a possibly large body is read; then the body limit.
@@ -47,6 +53,8 @@ def _install_middleware(app: FastAPI, options: EdgeOptions) -> None:
     if keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(GuardMiddleware, timeout_s=options.request_timeout_s)
+    if observer is not None:  # outside the guard: it sees the guard's 500s and 504s
+        app.add_middleware(ObserveMiddleware, observer=observer, client=app.state.client)
     if options.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"],

@@ -2,7 +2,8 @@
 
     python load/bench_agent_turns.py [--conversations 4] [--turns 4] [--system-words 500]
                                      [--turn-words 50] [--max-tokens 8] [--runs 3]
-                                     [--source builtin:bench]
+                                     [--source builtin:bench] [--suite [--no-mlx]]
+                                     [--memory [--memory-turns 200] [--margin-mib 384]]
 
 N conversations run at once, T turns each, as an agent loop does: every turn resends a
 long system prompt plus the whole conversation so far (each earlier reply and a new user
@@ -13,6 +14,11 @@ ratio and its spread over runs, then prompt and cached tokens and the hit rate. 
 model has random weights: replies are gibberish, only the timings mean something. (Its
 bfloat16 is slow on a CPU-only Linux box; `--source builtin:tiny` there.) The built-in
 tokenizer spends about six tokens on each of these words.
+
+`--suite` runs the same conversations over HTTP against several servers in one run
+(`load/agent_turns_http.py`): Orchard with the cache off and on, 2 replicas with cache-aware
+routing on and off, and `mlx_lm.server`. `--memory` runs many turns on one replica with a
+small `--cache-bytes` and checks its resident memory (`load/agent_turns_memory.py`).
 """
 
 from __future__ import annotations
@@ -133,7 +139,23 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--source", default="builtin:bench")
     parser.add_argument("--cache-bytes", type=int, default=EngineConfig().prompt_cache_bytes)
+    parser.add_argument("--suite", action="store_true", help="over HTTP: Orchard cache off/on, "
+                        "1 and 2 replicas, routing on/off, and mlx_lm.server (agent_turns_http)")
+    parser.add_argument("--no-mlx", action="store_true", help="--suite without mlx_lm.server")
+    parser.add_argument("--memory", action="store_true", help="many turns on one replica, "
+                        "checking its resident memory (agent_turns_memory)")
+    parser.add_argument("--memory-turns", type=int, default=200)
+    parser.add_argument("--margin-mib", type=int, default=384)
     args = parser.parse_args()
+    if args.memory:
+        from load.agent_turns_memory import memory
+
+        sys.exit(memory(args))
+    if args.suite:
+        from load.agent_turns_http import suite
+
+        suite(args)
+        return
     started = time.perf_counter()
     off = bench(0, args)
     on = bench(args.cache_bytes, args)
@@ -147,8 +169,8 @@ def main() -> None:
         ratios = [a / b for a, b in zip(ons, offs)]
         prompt = statistics.median(turn.prompt_tokens for r in on for turn in r.turns[t])
         cached = statistics.median(turn.cached_tokens for r in on for turn in r.turns[t])
-        print(f"{t + 1:>4} {prompt:>10.0f} {cached:>10.0f} {_spread(offs, '.0f'):>16} "
-              f"{_spread(ons, '.0f'):>16} {_spread(ratios, '.2f'):>16}")
+        print(f"{t + 1:>4} {prompt:>10.0f} {cached:>10.0f} {spread(offs, '.0f'):>16} "
+              f"{spread(ons, '.0f'):>16} {spread(ratios, '.2f'):>16}")
     turns = [turn for r in on for turns in r.turns for turn in turns]
     prompt_total = sum(t.prompt_tokens for t in turns)
     cached_total = sum(t.cached_tokens for t in turns)
@@ -158,7 +180,7 @@ def main() -> None:
           f"wall {time.perf_counter() - started:.0f}s")
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
     return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})")
 
 

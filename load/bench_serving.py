@@ -33,6 +33,10 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+
+from load.process_cpu import CpuSnapshot, per_token_table  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8000
 BASE = f"http://127.0.0.1:{PORT}"
@@ -50,7 +54,7 @@ class Run:
         return self.tokens / self.seconds
 
 
-# Ray Serve's HAProxy direct ingress (README, "Fast path"): read where Ray starts, so they go
+# Ray Serve's HAProxy direct ingress (README, "Layouts"): read where Ray starts, so they go
 # into `serve run`'s environment. 1024 connections keep HAProxy within a 4096-descriptor limit.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
 
@@ -69,18 +73,22 @@ class RawModel:
         from replicas.loading import load_model
 
         self.loaded = load_model(source)
-        self.prompt = self.loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+        self.prompt = self.tokens(PROMPT)
         self.sampler = make_sampler(temp=0.0)
         self.single(8)  # warm-up
 
-    def single(self, max_tokens: int) -> Run:
+    def tokens(self, text: str) -> list[int]:
+        return list(self.loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True))
+
+    def single(self, max_tokens: int, text: str = PROMPT) -> Run:
         import mlx_lm
 
+        prompt = self.prompt if text == PROMPT else self.tokens(text)
         start = time.perf_counter()
         first = None
         n = 0
-        for _ in mlx_lm.stream_generate(self.loaded.model, self.loaded.tokenizer, self.prompt,
+        for _ in mlx_lm.stream_generate(self.loaded.model, self.loaded.tokenizer, prompt,
                                         max_tokens=max_tokens, sampler=self.sampler):
             first = first or time.perf_counter() - start
             n += 1
@@ -133,9 +141,17 @@ def paused(root: int) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
-    async def one(client: httpx.AsyncClient, max_tokens: int = max_tokens) -> tuple[int, float]:
-        body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+def pair_prompt(index: int) -> str:
+    """Each raw/HTTP pair's own prompt: Orchard's prefix cache would otherwise skip the
+    prefill of a prompt it has seen, which raw mlx-lm never does."""
+    return f"Story {index}. {PROMPT}"
+
+
+async def http_streams(concurrency: int, max_tokens: int, model: str,
+                       text: str = PROMPT) -> Run:
+    async def one(client: httpx.AsyncClient, max_tokens: int = max_tokens,
+                  text: str = text) -> tuple[int, float]:
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
                 "max_tokens": max_tokens, "temperature": 0,
                 "stream_options": {"include_usage": True}}
         start = time.perf_counter()
@@ -155,7 +171,7 @@ async def http_streams(concurrency: int, max_tokens: int, model: str) -> Run:
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one(client, 8)  # warm-up: connections and the request path
+        await one(client, 8, "Warm up.")  # connections and the request path, not the prompt
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
@@ -176,8 +192,13 @@ def require_alive(proc: subprocess.Popen[bytes]) -> None:
                            "come from whatever else answers on the port")
 
 
-def start_server(source: str, model: str, flush_ms: float,
-                 colocate: bool = False, haproxy: bool = False) -> subprocess.Popen[bytes]:
+# `--layout`: the config's `ingress.colocate`; "default" leaves it unset, as a user does.
+LAYOUTS: dict[str, dict[str, bool]] = {"default": {}, "two-hop": {"colocate": False},
+                                       "colocated": {"colocate": True}}
+
+
+def start_server(source: str, model: str, flush_ms: float, layout: str = "default",
+                 haproxy: bool = False, metrics: bool = True) -> subprocess.Popen[bytes]:
     if port_in_use(PORT):
         raise RuntimeError(f"something already listens on 127.0.0.1:{PORT} (a stale "
                            "`serve run`? `serve shutdown -y` / `ray stop`); refusing to "
@@ -189,7 +210,9 @@ def start_server(source: str, model: str, flush_ms: float,
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
                                  "stream_flush_ms": flush_ms}],
-                     "ingress": {"colocate": colocate}},
+                     "ingress": LAYOUTS[layout],
+                     # Off: no metrics and no request log lines, for the on/off overhead ratio.
+                     "observability": {"metrics": metrics, "request_logs": metrics}},
         }],
     }
     path = Path(tempfile.mkdtemp()) / "bench_config.yaml"
@@ -244,27 +267,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", default="builtin:bench", help="model source")
     parser.add_argument("--tokens", type=int, default=128, help="max tokens per request")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32],
+                        help="batched levels after the single streams (none: single only)")
     parser.add_argument("--flush-ms", type=float, default=5.0, help="stream_flush_ms for Orchard")
-    parser.add_argument("--colocate", action="store_true",
-                        help="serve with ingress.colocate (HTTP from the model replica)")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="default",
+                        help="default: the config's own choice (colocated for one model on "
+                             "one replica); two-hop: an ingress replica in front; colocated: "
+                             "ingress.colocate set")
     parser.add_argument("--haproxy", action="store_true",
-                        help="start Ray with Serve's HAProxy direct ingress (README, Fast path)")
+                        help="start Ray with Serve's HAProxy direct ingress (README, Layouts)")
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="observability.metrics and request_logs off (compare a run with "
+                             "and one without for the metrics overhead)")
     parser.add_argument("--repeat", type=int, default=20,
                         help="alternating raw/HTTP single-stream pairs; medians are reported")
     args = parser.parse_args()
 
     raw = RawModel(args.model)
     raw_batches = {c: raw.batched(args.tokens, c) for c in args.concurrency}
-    proc = start_server(args.model, "bench", args.flush_ms, args.colocate, args.haproxy)
+    proc = start_server(args.model, "bench", args.flush_ms, args.layout, args.haproxy,
+                        metrics=not args.no_metrics)
     raw_runs: list[Run] = []
     http_runs: list[Run] = []
+    spent: dict[str, float] = {}
+    raw_cpu = 0.0
     try:
         # Single streams alternate raw and HTTP, so the machine's drift hits both alike.
-        for _ in range(args.repeat):
+        for index in range(args.repeat):
+            text = pair_prompt(index)
             with paused(proc.pid):
-                raw_runs.append(raw.single(args.tokens))
-            http_runs.append(asyncio.run(http_streams(1, args.tokens, "bench")))
+                cpu = time.process_time()
+                raw_runs.append(raw.single(args.tokens, text))
+                raw_cpu += time.process_time() - cpu
+            before = CpuSnapshot.take(process_tree(proc.pid))
+            http_runs.append(asyncio.run(http_streams(1, args.tokens, "bench", text)))
+            for name, seconds in CpuSnapshot.take(process_tree(proc.pid)).since(before).items():
+                spent[name] = spent.get(name, 0.0) + seconds
             require_alive(proc)
         http_many = {c: asyncio.run(http_streams(c, args.tokens, "bench")) for c in args.concurrency}
         require_alive(proc)
@@ -274,8 +312,9 @@ def main() -> None:
     pair_ratios = sorted(h.tps / r.tps for r, h in zip(raw_runs, http_runs))
 
     print(f"model {args.model}, {args.tokens} tokens per request, greedy, "
-          f"stream_flush_ms {args.flush_ms:g}, {'colocated' if args.colocate else 'ingress + model'}"
-          f"{', HAProxy direct ingress' if args.haproxy else ''}")
+          f"stream_flush_ms {args.flush_ms:g}, layout {args.layout}"
+          f"{', HAProxy direct ingress' if args.haproxy else ''}"
+          f"{', metrics off' if args.no_metrics else ''}")
     print(f"{'run':<34}{'tokens/s':>10}{'ratio':>10}{'TTFT p50 ms':>14}")
     print(f"{'raw mlx_lm.stream_generate x1':<34}{raw1.tps:>10.1f}{1.0:>10.2f}{raw1.ttft[0]*1e3:>14.1f}")
     for c, run in raw_batches.items():
@@ -292,6 +331,10 @@ def main() -> None:
     overhead_ms = (1 / http1.tps - 1 / raw1.tps) * 1e3
     print(f"serving-path overhead per token (single stream): {overhead_ms:.3f} ms "
           f"(raw decode {1e3 / raw1.tps:.3f} ms/token)")
+    raw_cpu_ms = raw_cpu * 1e3 / sum(r.tokens for r in raw_runs)
+    print(f"CPU per token by process over the single-stream HTTP runs (raw mlx-lm in-process: "
+          f"{raw_cpu_ms:.2f} ms CPU/token):")
+    print("\n".join(per_token_table(spent, sum(r.tokens for r in http_runs), raw_cpu_ms)))
 
 
 if __name__ == "__main__":

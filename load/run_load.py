@@ -159,6 +159,8 @@ def locust_command(args: argparse.Namespace) -> list[str]:
         command += ["--max-tokens", str(args.max_tokens)]
     if args.no_output_checks:
         command.append("--no-output-checks")
+    if args.plot:
+        command.append("--csv-full-history")  # per-payload rows over time, for the plot
     return command + [WORKLOADS[w] for w in args.workload]
 
 
@@ -178,6 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--think-time", type=float, default=0.0, help="seconds a user waits between requests")
     parser.add_argument("--no-output-checks", action="store_true",
                         help="skip payload `expect` checks (for models other than orchard-tiny)")
+    parser.add_argument("--plot", action="store_true",
+                        help="also write <csv prefix>_plot.png: TTFT, ITL and throughput "
+                             "over the run (needs matplotlib, in the `load` extra)")
     parser.add_argument("--max-failure-ratio", type=float, default=0.0)
     parser.add_argument("--max-p95-ttft-ms", type=float, default=2000.0)
     args = parser.parse_args(argv)
@@ -214,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     problems = evaluate(rows, args.max_failure_ratio, args.max_p95_ttft_ms)
     for problem in problems:
         print(f"FAIL: {problem}", file=sys.stderr)
-    print(f"reports: {args.csv}_stats.csv, {args.html}, {log_path}")
+    reports = [f"{args.csv}_stats.csv", args.html, str(log_path)]
+    if args.plot:
+        from load.plot import plot_history  # matplotlib only when asked for
+
+        reports.append(str(plot_history(Path(f"{args.csv}_stats_history.csv"),
+                                        Path(f"{args.csv}_plot.png"))))
+    print(f"reports: {', '.join(reports)}")
     return 1 if problems else 0
 
 

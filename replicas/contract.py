@@ -159,6 +159,9 @@ class GenerationRequest:
     guided: GuidedSpec | None = None
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    # The client's session (OpenAI `prompt_cache_key`, Anthropic `metadata.user_id`): the
+    # router sends its requests to one replica, whose prefix cache holds the conversation.
+    session_key: str | None = None
 
 
 @dataclass(frozen=True)

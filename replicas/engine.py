@@ -12,8 +12,8 @@ step fails that batch; if the thread itself dies, every queued and in-flight req
 at once and later submissions raise, so nothing waits on a thread that is gone.
 
 Prefix reuse: a request joins the batch with the KV of the longest cached prefix of its
-prompt (`replicas.prompt_cache`) and prefills only the rest; a request that finishes
-normally leaves its prompt plus output behind for the next turn.
+prompt (`replicas.prompt_cache`) and prefills the rest, kept at its last message boundary;
+one that finishes normally leaves its prompt plus output behind for the next turn.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, Samp
 from replicas.control import RequestController
 from replicas.decoding import RequestDecoder
 from replicas.loading import LoadedModel
-from replicas.prompt_cache import CacheHit, PromptCache
+from replicas.prompt_cache import CacheHit, PromptCache, segments
 from replicas.sampling import (
     GuardedProcessors,
     LogitsProcessor,
@@ -77,6 +77,7 @@ class Submission:
     decoder: RequestDecoder
     controller: RequestController | None
     sink: EventSink
+    boundary: int = 0  # prompt tokens before the last message: their KV is kept once prefilled
 
 
 @dataclass(frozen=True)
@@ -192,10 +193,7 @@ class Engine:
             finished=self._finished,
             submitted=self._submitted,
             cancel_latency_steps=tuple(self._cancel_latency),
-            **({} if cache is None else dict(
-                cache_hits=cache.hits, cache_misses=cache.misses,
-                cache_evictions=cache.evictions, cache_bytes=cache.bytes,
-                cache_entries=cache.entries, cached_tokens=cache.cached_tokens)),
+            **({} if cache is None else cache.engine_fields()),
         )
 
     # ---- engine thread ------------------------------------------------------------------
@@ -289,8 +287,9 @@ class Engine:
         if not ready:
             return
         hits = [self._lookup(s) for s, _, _ in ready]
-        uids = self._gen.insert(
-            [s.prompt_ids[h.length:] if h else s.prompt_ids for (s, _, _), h in zip(ready, hits)],
+        uids = self._gen.insert_segments(
+            [segments(s.prompt_ids, h.length if h else 0, s.boundary)
+             for (s, _, _), h in zip(ready, hits)],
             # None: mlx-lm starts an empty cache (its annotation does not say so).
             caches=[h.cache if h else None for h in hits],  # type: ignore[misc]
             # The tokens the cache holds: penalties and the batch's bookkeeping see them.
@@ -316,8 +315,7 @@ class Engine:
         return hit
 
     def _save(self, finished: list[tuple[list[int], list[object]]], batched: list[int]) -> None:
-        """Keep finished requests' KV (`batched`: still in the batch, extracted here); a
-        failure costs reuse, never a request."""
+        """Keep finished requests' KV (`batched`: still batched); a failure costs reuse only."""
         if self._cache is None:
             return
         try:
@@ -329,13 +327,15 @@ class Engine:
 
     def _step(self) -> None:
         try:
-            _, responses = self._gen.next()
+            prefilled, responses = self._gen.next()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the replica
             log.exception("batch step failed; failing the batch and starting a fresh one")
             self._fail_all(f"generation failed: {type(exc).__name__}")
             self._gen = self._new_generator()
             return
         self._steps += 1
+        if self._cache is not None:
+            self._cache.save_boundaries(self._gen, prefilled)
         outbox: list[tuple[EventSink, list[OutputEvent]]] = []
         to_remove: list[int] = []
         to_save: list[int] = []  # finished by us, still batched: their KV is extracted below

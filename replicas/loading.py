@@ -11,6 +11,8 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from replicas.startup import Progress
+
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -47,7 +49,8 @@ def resolve_source(source: str) -> Path | str:
 
 def load_model(source: str) -> LoadedModel:
     resolved = resolve_source(source)
-    loaded = mlx_load(str(resolved), return_config=True)
+    with Progress(f"loading model {source} from {resolved}"):
+        loaded = mlx_load(str(resolved), return_config=True)
     assert len(loaded) == 3  # model, tokenizer, config: what return_config=True asks for
     model, tokenizer, config = loaded
     path = Path(resolved) if isinstance(resolved, Path) else Path(getattr(model, "model_path", "."))

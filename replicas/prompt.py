@@ -53,6 +53,27 @@ def render_prompt(
     return RenderedPrompt(tuple(ids), text)
 
 
+def last_message_boundary(hf_tokenizer: Any, prompt: Prompt, reasoning: ReasoningSpec,
+                          ids: tuple[int, ...], tools: tuple[ToolSpec, ...] = ()) -> int:
+    """Prompt tokens before a chat's last message, or 0 (not a chat, one message, or no
+    shared start). The prefix cache keeps the KV there, so a retry or an edit of the last
+    message still reuses all before it. Costs one more render of the template."""
+    if not isinstance(prompt, ChatPrompt) or len(prompt.messages) < 2:
+        return 0
+    try:
+        text = render_chat_text(hf_tokenizer, ChatPrompt(prompt.messages[:-1]), reasoning, tools)
+        before = hf_tokenizer.encode(text, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the shorter chat: no boundary
+        return 0
+    # The longest common start: the shorter chat may render its end differently.
+    common = 0
+    for a, b in zip(before, ids):
+        if a != b:
+            break
+        common += 1
+    return common
+
+
 def _encodable(text: str, param: str) -> str:
     """`text`, or a 400 for text no tokenizer can take: JSON may carry a lone UTF-16
     surrogate (`"\\ud800"`), which Python accepts and the Rust tokenizer refuses."""

@@ -41,6 +41,12 @@ class PromptCacheStats:
     entries: int
     cached_tokens: int  # prompt tokens served from the cache, all requests together
 
+    def engine_fields(self) -> dict[str, int]:
+        """These stats under `replicas.engine.EngineStats`' names."""
+        return dict(cache_hits=self.hits, cache_misses=self.misses,
+                    cache_evictions=self.evictions, cache_bytes=self.bytes,
+                    cache_entries=self.entries, cached_tokens=self.cached_tokens)
+
 
 @dataclass
 class _Entry:
@@ -101,6 +107,20 @@ class PromptCache:
         self._lru.move_to_end(key)
         return CacheHit(_prefix_copy(entry.cache, len(key) - length), length)
 
+    def save_boundaries(self, gen: Any, prefilled: list[Any]) -> None:
+        """Keep the KV of prompts whose first segment (`segments`) the batch step just
+        prefilled, as mlx-lm's server does: a retry, an edit of the last message or a
+        request arriving meanwhile reuses it even before (or without) a finished save.
+        `gen` is the `BatchGenerator`, `prefilled` its step's prompt responses."""
+        done = [r.uid for r in prefilled if r.end_of_segment and not r.end_of_prompt]
+        if not done:
+            return
+        try:
+            for cache, tokens in gen.extract_cache(done).values():
+                self.save(list(tokens), cache)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation
+            log.exception("saving a prompt cache entry at a message boundary failed")
+
     def save(self, tokens: list[int], cache: list[Any]) -> None:
         """Keep `cache`, the KV of exactly `tokens`, then evict to the byte bound."""
         if not tokens or not cache:
@@ -127,6 +147,15 @@ class PromptCache:
             self._evictions += 1
             log.debug("prompt cache eviction: %d tokens, %d bytes (now %d of %d bytes)",
                       len(old_key), old.nbytes, self._bytes, self.max_bytes)
+
+
+def segments(prompt: list[int], cached: int, boundary: int) -> list[list[int]]:
+    """What a request prefills after its cached `cached` tokens, split at its last message
+    boundary when that falls inside: the batch then reports the boundary (`end_of_segment`)
+    and `PromptCache.save_boundaries` keeps the KV there."""
+    if cached < boundary < len(prompt) - 1:
+        return [prompt[cached:boundary], prompt[boundary:]]
+    return [prompt[cached:]]
 
 
 def _prefix_copy(cache: list[Any], drop: int) -> list[Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncGenerator
 
@@ -27,7 +28,7 @@ from replicas.contract import (
 from replicas.control import Grammar, RequestController
 from replicas.decoding import RequestDecoder
 from replicas.detokenizer import Decode, make_decode
-from replicas.engine import Engine, EngineConfig, EngineDead, EngineStats, Submission
+from replicas.engine import EngineConfig, EngineDead, EngineStats, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError, ReplicaError
 from replicas.loading import LoadedModel, load_model
 from replicas.pipeline.channels import (
@@ -44,8 +45,9 @@ from replicas.pipeline.tool_formats import (
     get_tool_format,
     with_tools,
 )
-from replicas.prompt import RenderedPrompt, render_prompt
+from replicas.prompt import RenderedPrompt, last_message_boundary, render_prompt
 from replicas.sampling import validate as validate_sampling
+from replicas.timings import TimedEngine, Timings, TimingSamples
 from replicas.tool_plan import ToolPlan, plan_tools
 
 if TYPE_CHECKING:  # imported on first guided request: llguidance is only loaded when used
@@ -87,7 +89,9 @@ class _QueueSink:
 class ModelReplica:
     def __init__(self, options: ReplicaOptions) -> None:
         self.options = options
-        self._engine = Engine(lambda: load_model(options.source), options.engine)
+        self._timings = Timings()
+        self._engine = TimedEngine(lambda: load_model(options.source), options.engine,
+                                   self._timings)
         self._model: LoadedModel | None = None
         self._format: ChannelFormat = get_format("none")
         self._decode: Decode | None = None
@@ -121,6 +125,10 @@ class ModelReplica:
 
     def stats(self) -> EngineStats:
         return self._engine.stats()
+
+    def drain_timings(self) -> TimingSamples:
+        """Step and grammar-compile samples since the last call (for metrics)."""
+        return self._timings.drain()
 
     @property
     def model(self) -> LoadedModel:
@@ -249,6 +257,9 @@ class ModelReplica:
             decoder=decoder,
             controller=controller,
             sink=sink,
+            boundary=last_message_boundary(model.hf_tokenizer, request.prompt, request.reasoning,
+                                           rendered.token_ids, request.tools)
+            if self.options.engine.prompt_cache_bytes else 0,
         )
         return sub, (clamp_warning,) if clamp_warning else ()
 
@@ -313,7 +324,11 @@ class ModelReplica:
     def _matcher(self, grammar: str) -> Grammar:
         from replicas.guided import GuidedMatcher
 
-        return GuidedMatcher(self._guided_tokenizer(), grammar)
+        tokenizer = self._guided_tokenizer()  # built once: not part of a compile
+        started = time.perf_counter()
+        matcher = GuidedMatcher(tokenizer, grammar)
+        self._timings.grammar_compiled(time.perf_counter() - started)
+        return matcher
 
     def _guided_tokenizer(self) -> GuidedTokenizer:
         from replicas.guided import GuidedTokenizer

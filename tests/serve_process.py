@@ -75,14 +75,12 @@ class ServeProcess:
         """Ids of the requests to `path` the app handled, any status (Serve's access lines,
         `<id> -- POST /v1/messages 200 12.3ms`), and of every request a client hung up on
         once it had what it needed (Codex drops the stream at `response.completed`): only
-        the proxy's cancel line and the model replica's call line record those, without a
-        path, so count them over a window in which one client runs."""
+        the proxy's cancel line records those, without a path, so count them over a window
+        in which one client runs."""
         log = self.log()
         access = re.compile(rf"(\S+) -- {re.escape(method)} {re.escape(path)}(\?\S*)? \d{{3}} ")
         cancelled = re.compile(r"(\S+) -- Client for request \S+ disconnected")
-        called = {m[1] for m in re.finditer(r"(\S+) -- CALL \w+ ", log)}
-        return {m[1] for m in access.finditer(log)} | \
-            {m[1] for m in cancelled.finditer(log) if m[1] in called}
+        return {m[1] for m in access.finditer(log)} | {m[1] for m in cancelled.finditer(log)}
 
     def wait_handled(self, method: str, path: str, count: int,
                      timeout_s: float = 15.0) -> set[str]:

@@ -76,6 +76,7 @@ def to_generation_request(body: MessagesRequest, card: ModelCard) -> GenerationR
         reasoning=_reasoning(body),
         tools=tools,
         tool_choice=tool_choice(body.tool_choice, tools),
+        session_key=body.metadata.user_id if body.metadata is not None else None,
     )
 
 

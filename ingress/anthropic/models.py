@@ -175,7 +175,8 @@ Thinking = Annotated[
 
 
 class Metadata(_Wire):
-    """Validated for shape like Anthropic does; never used and never logged."""
+    """Validated for shape like Anthropic does; `user_id` only keys cache-aware routing
+    (a conversation's turns go to one replica) and is never logged."""
 
     user_id: str | None = None
 

@@ -40,7 +40,7 @@ def chat_request(body: ChatCompletionRequest, model: str) -> GenerationRequest:
     max_tokens = body.max_completion_tokens or body.max_tokens
     request = _request("chatcmpl", body, model, ChatPrompt(messages), reasoning, max_tokens,
                        _guided(body, body.response_format))
-    return replace(request, tools=tools, tool_choice=choice)
+    return replace(request, tools=tools, tool_choice=choice, session_key=body.prompt_cache_key)
 
 
 def completion_request(body: CompletionRequest, model: str) -> GenerationRequest:

@@ -143,6 +143,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoiceField = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = None
+    # Sends a conversation's turns to one replica, whose prefix cache holds it.
+    prompt_cache_key: str | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -91,6 +91,7 @@ def to_plan(body: ResponsesRequest, card: ModelCard,
         guided=_guided(body),
         tools=tuple(_tool_spec(tool) for tool in functions),
         tool_choice=_tool_choice(body, functions),
+        session_key=body.prompt_cache_key,
     )
     items = (*history, *(_dump(item) for item in current))
     summary = body.reasoning is not None and body.reasoning.summary is not None

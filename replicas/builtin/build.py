@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 from mlx_lm.utils import load_tokenizer
 
+from ..startup import Progress
 from .recipe import RandomInit, Recipe, cache_key
 from .scripts import Script, parse_scripts, scripts_text
 from .tokenizer_files import (
@@ -90,7 +91,16 @@ def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     text = scripts_text()
     key = cache_key(recipe, text)
-    return cached_build(root, key, lambda tmp: build(recipe, parse_scripts(text), tmp, key))
+    # Rough times from this package's README: a random-weight model is only written out.
+    expected = "a few seconds" if isinstance(recipe.weights, RandomInit) else \
+        "about a minute on an Apple Silicon Mac, 2-5 minutes on a 2-core CPU-only box"
+    what = f"building the built-in model builtin:{recipe.name}"
+
+    def make(tmp: Path) -> object:
+        with Progress(what, f"once (cached in {root}), {expected}"):
+            return build(recipe, parse_scripts(text), tmp, key)
+
+    return cached_build(root, key, make)
 
 
 def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) -> dict[str, Any]:

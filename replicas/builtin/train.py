@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from ..startup import report as report_progress
 from .recipe import Training
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,9 @@ def train(
     for steps in range(1, plan.max_steps + 1):
         loss = compiled_step()
         mx.eval(state, loss)
+        # For the build's heartbeat. Training usually stops well before max_steps, once
+        # every script clears its margin, so the bound is named as one.
+        report_progress(steps, plan.max_steps, "training step {done} of at most {total}")
         if steps % plan.check_every == 0 or steps == plan.max_steps:
             gaps = _margins(model, batch, examples)
             log.info("step %d: loss %.4g, min margin %.3f", steps, loss.item(), min(gaps.values()))

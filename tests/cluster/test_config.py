@@ -217,3 +217,9 @@ def test_a_batch_smaller_than_a_prefill_is_refused() -> None:
     settings = ModelSettings.model_validate(
         model(engine={"max_batch_size": 4, "prefill_batch_size": 4}))
     assert replica_options(settings).engine.max_batch_size == 4
+
+
+def test_an_empty_queue_bound_is_refused_before_ray_sees_it() -> None:
+    with pytest.raises(ValidationError, match="max_queued_requests is -1"):
+        ModelSettings.model_validate(model(max_queued_requests=0))
+    assert ModelSettings.model_validate(model(max_queued_requests=1)).max_queued_requests == 1

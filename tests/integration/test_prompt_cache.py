@@ -18,7 +18,7 @@ from replicas.contract import (
     ToolCallStart,
 )
 from replicas.engine import EngineConfig
-from replicas.prompt import render_prompt
+from replicas.prompt import last_message_boundary, render_prompt
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.scripted import script_request
 
@@ -226,3 +226,47 @@ def test_two_requests_with_the_same_new_prefix_at_once_are_both_correct(
         assert cached_tokens(events) > 0, sid
     assert not any(isinstance(e, Failed) for events in both_next for e in events)
     assert stats.cache_misses == 2
+
+
+def test_the_kv_before_the_last_message_is_kept_once_prefilled(
+        reference: dict[str, list[OutputEvent]]) -> None:
+    # Four prompt tokens per step: the long last message prefills over hundreds of steps.
+    rep = make_replica(prefill_step_size=4)
+    try:
+        base = script_request("tool-result")
+        assert isinstance(base.prompt, ChatPrompt)
+        long = ChatMessage("user", " ".join(f"word{i}" for i in range(600)))
+        request = dataclasses.replace(base, prompt=ChatPrompt(base.prompt.messages + (long,)))
+        model = rep.model
+        full = render_prompt(model.hf_tokenizer, request.prompt, request.reasoning,
+                             model.vocab_size, tools=request.tools).token_ids
+        boundary = last_message_boundary(model.hf_tokenizer, request.prompt, request.reasoning,
+                                         full, request.tools)
+        assert boundary > 200
+
+        async def cancel_after_the_boundary() -> bool:
+            stream = rep.stream(request)
+            first = asyncio.ensure_future(stream.__anext__())
+            deadline = time.monotonic() + 120
+            while rep.stats().cache_entries == 0:  # the boundary's entry, saved mid-prefill
+                assert time.monotonic() < deadline and not first.done()
+                await asyncio.sleep(0.001)
+            in_prefill = not first.done()
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            await stream.aclose()
+            while rep.stats().active:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.001)
+            return in_prefill
+
+        assert asyncio.run(cancel_after_the_boundary())
+        # The request never finished, yet what preceded its last message is cached: the
+        # same conversation without it (a retry, an edit) reuses all of that.
+        again = generate(rep, "tool-result")
+        stats = rep.stats()
+    finally:
+        rep.shutdown()
+    assert output(again) == output(reference["tool-result"])
+    assert cached_tokens(again) == boundary
+    assert stats.cache_hits == 1 and stats.cache_misses == 1

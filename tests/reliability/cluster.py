@@ -90,7 +90,8 @@ def colocated_args() -> dict[str, Any]:
         "api_keys_env": KEYS_ENV,
         "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S, "colocate": True},
         "models": [{"id": COLO.model, "source": "builtin:tiny",
-                    "max_ongoing_requests": COLO.max_ongoing}],
+                    "max_ongoing_requests": COLO.max_ongoing,
+                    "max_model_len": CONTEXT_LENGTH}],
     }
 
 
@@ -154,7 +155,7 @@ async def wait_idle(pool: Pool, timeout_s: float = 30.0) -> float:
 
 def replica_actors(pool: Pool) -> list[str]:
     """Names of the pool's live replica actors (namespace `serve`)."""
-    prefix = f"SERVE_REPLICA::{APP}#model:{pool.model}#"
+    prefix = f"SERVE_REPLICA::{pool.app}#model:{pool.model}#"
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith(prefix))
 

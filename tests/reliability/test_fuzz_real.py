@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from replicas.builtin import script
-from tests.reliability.cluster import SOLO, auth_headers, wait_idle
+from tests.reliability.cluster import COLO, SOLO, Pool, auth_headers, wait_idle
 from tests.reliability.fuzz_bodies import (
     CHAT,
     COMPLETIONS,
@@ -127,27 +127,27 @@ def _verdict(body: Body, status: int, content_type: str, text: str) -> tuple[str
     return f"{status}", _shape_problem(body.path, status, data)
 
 
-async def _known_good(http: httpx.AsyncClient) -> None:
+async def _known_good(http: httpx.AsyncClient, model: str) -> None:
     """Each API still answers a scripted request exactly, after the fuzz."""
     hello = script("hello")
-    chat = (await http.post(CHAT, json={"model": SOLO.model, "messages": hello.message_dicts,
+    chat = (await http.post(CHAT, json={"model": model, "messages": hello.message_dicts,
                                         "temperature": 0, "max_tokens": 64})).json()
     assert chat["choices"][0]["message"]["content"] == hello.answer, chat
     count = script("count-completion")
-    done = (await http.post(COMPLETIONS, json={"model": SOLO.model, "prompt": count.prompt,
+    done = (await http.post(COMPLETIONS, json={"model": model, "prompt": count.prompt,
                                                "temperature": 0, "max_tokens": 64})).json()
     assert done["choices"][0]["text"] == count.answer, done
     # Anthropic does not think unless asked: the scripted prompt without thinking.
     plain = script("riddle-nothink")
-    message = (await http.post(MESSAGES, json={"model": SOLO.model, "max_tokens": 64,
+    message = (await http.post(MESSAGES, json={"model": model, "max_tokens": 64,
                                                "messages": plain.message_dicts,
                                                "temperature": 0})).json()
     assert [b["text"] for b in message["content"] if b["type"] == "text"] == [plain.answer], \
         message
-    counted = (await http.post(COUNT, json={"model": SOLO.model,
+    counted = (await http.post(COUNT, json={"model": model,
                                             "messages": hello.message_dicts})).json()
     assert counted["input_tokens"] > 0, counted
-    response = (await http.post(RESPONSES, json={"model": SOLO.model, "temperature": 0,
+    response = (await http.post(RESPONSES, json={"model": model, "temperature": 0,
                                                  "input": hello.message_dicts,
                                                  "max_output_tokens": 64})).json()
     texts = [part["text"] for item in response["output"] if item["type"] == "message"
@@ -155,17 +155,22 @@ async def _known_good(http: httpx.AsyncClient) -> None:
     assert response["status"] == "completed" and texts == [hello.answer], response
 
 
-def test_every_api_survives_random_and_adversarial_bodies(cluster: str, tmp_path: Any) -> None:
-    fuzzer = BodyFuzzer(SEED, SOLO.model)
+# The multi-model two-hop app, and the default layout (one model on one replica, HTTP served
+# from the replica) with a third of the bodies: the same app, over the other client.
+@pytest.mark.parametrize(("pool", "bodies"), [(SOLO, BODIES), (COLO, BODIES // 3)],
+                         ids=["two-hop", "default"])
+def test_every_api_survives_random_and_adversarial_bodies(cluster: str, tmp_path: Any,
+                                                          pool: Pool, bodies: int) -> None:
+    fuzzer = BodyFuzzer(SEED, pool.model)
     counts: dict[str, collections.Counter[str]] = {p: collections.Counter() for p in PATHS}
     problems: list[dict[str, Any]] = []
     slowest: list[tuple[float, str, str]] = []
 
     async def scenario() -> None:
-        async with httpx.AsyncClient(base_url=cluster, headers=auth_headers(),
+        async with httpx.AsyncClient(base_url=cluster + pool.prefix, headers=auth_headers(),
                                      timeout=ANSWER_TIMEOUT_S) as http:
-            await wait_idle(SOLO)
-            await _known_good(http)  # the checks themselves hold before the fuzz
+            await wait_idle(pool)
+            await _known_good(http, pool.model)  # the checks themselves hold before the fuzz
             gate = asyncio.Semaphore(CONCURRENCY)
             deadline = time.monotonic() + BUDGET_S
 
@@ -190,9 +195,9 @@ def test_every_api_survives_random_and_adversarial_bodies(cluster: str, tmp_path
 
             # Round robin, so every API gets its share of the budget.
             await asyncio.gather(*(one(fuzzer.body(PATHS[i % len(PATHS)]))
-                                   for i in range(BODIES)))
-            await wait_idle(SOLO, timeout_s=60)  # nothing left running or queued
-            await _known_good(http)
+                                   for i in range(bodies)))
+            await wait_idle(pool, timeout_s=60)  # nothing left running or queued
+            await _known_good(http, pool.model)
 
     started = time.monotonic()
     try:

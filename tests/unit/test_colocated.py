@@ -59,6 +59,24 @@ def test_colocate_serves_exactly_one_model() -> None:
         AppArgs.model_validate({"models": [one, {**one, "id": "b"}], "ingress": {"colocate": True}})
 
 
+@pytest.mark.parametrize(("models", "colocate", "expected"), [
+    ([{}], "auto", True),  # the default config: one model, one replica
+    ([{"num_replicas": 2}], "auto", False),  # the ingress routes by cached prefix
+    ([{"num_replicas": "auto"}], "auto", False),
+    ([{"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}], "auto", False),
+    ([{}, {"id": "b"}], "auto", False),  # the ingress dispatches by model
+    ([{"num_replicas": 2}], True, True),
+    ([{}], False, False),
+])
+def test_which_layouts_are_colocated(models: list[dict[str, object]], colocate: object,
+                                     expected: bool) -> None:
+    one = {"id": "a", "source": "builtin:tiny"}
+    args = AppArgs.model_validate({"models": [{**one, **m} for m in models],
+                                   "ingress": {"colocate": colocate}})
+    assert args.colocated is expected
+    assert AppArgs.model_validate({"models": [one]}).colocated  # unset is `auto`
+
+
 def test_names_resolve_to_the_one_card() -> None:
     card = ModelCard("m", aliases=("alias",))
     client = LocalModelClient(GatedReplica(), card, max_ongoing=1)

@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from replicas.prompt_cache import PromptCache
+from replicas.prompt_cache import PromptCache, segments
 
 
 class Layer:
@@ -95,3 +95,12 @@ def test_a_hit_on_real_kv_shares_the_arrays_and_leaves_the_entry_whole() -> None
     view = hit.cache[0]
     assert view is not kv and view.offset == 4 and kv.offset == 8
     assert view.keys_and_values()[0].shape == (1, 2, 4, 4)
+
+
+def test_a_prompt_is_split_at_its_last_message_boundary_only_inside_the_uncached_part() -> None:
+    prompt = list(range(10))
+    assert segments(prompt, 0, 6) == [list(range(6)), list(range(6, 10))]
+    assert segments(prompt, 2, 6) == [list(range(2, 6)), list(range(6, 10))]
+    assert segments(prompt, 6, 6) == [list(range(6, 10))]  # the cache already covers it
+    assert segments(prompt, 0, 0) == [prompt]  # no boundary (not a chat, one message)
+    assert segments(prompt, 0, 9) == [prompt]  # the last token alone is no segment

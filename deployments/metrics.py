@@ -1,0 +1,185 @@
+"""Orchard's metrics through Ray Serve's metrics API, exported at Ray's Prometheus endpoint.
+
+Ray prefixes every application metric with its namespace, so `orchard_requests_total` is
+scraped as `ray_orchard_requests_total`; the scrape configs in `docs/` drop the prefix, and
+the dashboard queries the `orchard_*` names. Every metric is labelled by `model` (Serve adds
+`deployment`, `replica` and `application`).
+
+Two sources feed them, neither per token: the ingress's one `RequestRecord` per finished
+request (`RequestMetrics`), and a replica's engine, polled every `metrics_interval_s` for
+its gauges and counters and drained of its step and grammar-compile samples (`EnginePoller`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, cast
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from ingress.observe import RequestRecord
+from replicas.engine import EngineStats
+from replicas.timings import TimingSamples
+
+log = logging.getLogger(__name__)
+
+# Seconds. From an M-series Mac's tens of milliseconds to a loaded 2-core box's tens of
+# seconds; ITL and engine steps from about a millisecond.
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+DURATION_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+TOKEN_GAP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0]
+STEP_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.25, 0.5, 1.0]
+BATCH_BUCKETS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+# Every metric's name, as Ray receives it: the README's list and the tests check against it.
+REQUEST_METRICS = (
+    "orchard_requests_total", "orchard_time_to_first_token_seconds",
+    "orchard_inter_token_latency_seconds", "orchard_request_duration_seconds",
+    "orchard_prompt_tokens_total", "orchard_output_tokens_total",
+    "orchard_cached_tokens_total", "orchard_reasoning_tokens_total",
+    "orchard_cancellations_total", "orchard_errors_total",
+    "orchard_backpressure_refusals_total",
+)
+ENGINE_METRICS = (
+    "orchard_queue_depth", "orchard_running_sequences", "orchard_batch_size",
+    "orchard_engine_step_seconds", "orchard_prefix_cache_hits_total",
+    "orchard_prefix_cache_misses_total", "orchard_prefix_cache_evictions_total",
+    "orchard_prefix_cache_bytes", "orchard_grammar_compile_seconds",
+)
+
+
+def _keys(*names: str) -> tuple[str]:
+    # Ray annotates tag_keys as `tuple[str]` (a one-tuple) though it takes any number.
+    return cast("tuple[str]", names)
+
+
+class RequestMetrics:
+    """A `RequestObserver` (ingress.observe) that records each finished request."""
+
+    def __init__(self) -> None:
+        model = _keys("model")
+        by_api = _keys("model", "protocol", "endpoint")
+        self._requests = Counter(
+            "orchard_requests_total", "Finished requests by API, HTTP status and finish "
+            "reason (error / cancelled when there was none).",
+            tag_keys=_keys(*by_api, "status", "finish_reason"))
+        self._ttft = Histogram("orchard_time_to_first_token_seconds", "From the request "
+                               "arriving to the first generated event.", LATENCY_BUCKETS,
+                               tag_keys=by_api)
+        self._itl = Histogram("orchard_inter_token_latency_seconds", "Mean time between "
+                              "output tokens after the first, one sample per request.",
+                              TOKEN_GAP_BUCKETS, tag_keys=model)
+        self._duration = Histogram("orchard_request_duration_seconds", "End-to-end request "
+                                   "time.", DURATION_BUCKETS, tag_keys=by_api)
+        self._tokens = {kind: Counter(f"orchard_{kind}_tokens_total", f"{kind.capitalize()} "
+                                      "tokens of finished requests.", tag_keys=model)
+                        for kind in ("prompt", "output", "cached", "reasoning")}
+        self._cancelled = Counter("orchard_cancellations_total", "Generations stopped before "
+                                  "their end (client gone, deadline).", tag_keys=model)
+        self._errors = Counter("orchard_errors_total", "Failed requests by error kind.",
+                               tag_keys=_keys("model", "kind"))
+        self._refused = Counter("orchard_backpressure_refusals_total", "Requests refused as "
+                                "overloaded (503 / 529).", tag_keys=model)
+
+    def request_finished(self, record: RequestRecord) -> None:
+        model = {"model": record.model}
+        api = {**model, "protocol": record.protocol, "endpoint": record.endpoint}
+        reason = (record.finish_reason.value if record.finish_reason is not None
+                  else "cancelled" if record.cancelled
+                  else "error" if record.error is not None else "none")
+        self._requests.inc(1, {**api, "status": str(record.status), "finish_reason": reason})
+        self._duration.observe(record.duration_s, api)
+        if record.ttft_s is not None:
+            self._ttft.observe(record.ttft_s, api)
+        if record.itl_s is not None:
+            self._itl.observe(record.itl_s, model)
+        usage = record.usage
+        if usage is not None:
+            for kind, count in (("prompt", usage.prompt_tokens),
+                                ("output", usage.completion_tokens),
+                                ("cached", usage.cached_tokens),
+                                ("reasoning", usage.reasoning_tokens)):
+                if count:
+                    self._tokens[kind].inc(count, model)
+        if record.cancelled:
+            self._cancelled.inc(1, model)
+        if record.error is not None:
+            self._errors.inc(1, {**model, "kind": record.error.value})
+            if record.error.value == "overloaded":
+                self._refused.inc(1, model)
+
+
+class EngineMetrics:
+    """A replica's engine, read into gauges, counters (as deltas) and histograms."""
+
+    def __init__(self, model: str) -> None:
+        tags = _keys("model")
+        self._tags = {"model": model}
+        self._queue = Gauge("orchard_queue_depth", "Requests waiting to join the batch.",
+                            tag_keys=tags)
+        self._running = Gauge("orchard_running_sequences", "Sequences in the batch.",
+                              tag_keys=tags)
+        self._batch = Histogram("orchard_batch_size", "Sequences that got a token, per "
+                                "engine step.", BATCH_BUCKETS, tag_keys=tags)
+        self._step = Histogram("orchard_engine_step_seconds", "One engine step (prefill "
+                               "chunk and / or decode).", STEP_BUCKETS, tag_keys=tags)
+        self._hits = Counter("orchard_prefix_cache_hits_total", "Requests that reused a "
+                             "cached prompt prefix.", tag_keys=tags)
+        self._misses = Counter("orchard_prefix_cache_misses_total", "Requests that found no "
+                               "cached prefix.", tag_keys=tags)
+        self._evictions = Counter("orchard_prefix_cache_evictions_total", "Prefix cache "
+                                  "entries dropped for room.", tag_keys=tags)
+        self._bytes = Gauge("orchard_prefix_cache_bytes", "KV bytes the prefix cache holds.",
+                            tag_keys=tags)
+        self._compile = Histogram("orchard_grammar_compile_seconds", "Compiling one "
+                                  "request's grammar (response_format, tools).",
+                                  COMPILE_BUCKETS, tag_keys=tags)
+        self._last: EngineStats | None = None
+
+    def record(self, stats: EngineStats, samples: TimingSamples) -> None:
+        tags = self._tags
+        self._queue.set(stats.waiting, tags)
+        self._running.set(stats.active, tags)
+        self._bytes.set(stats.cache_bytes, tags)
+        last = self._last
+        for counter, now, before in (
+                (self._hits, stats.cache_hits, last.cache_hits if last else 0),
+                (self._misses, stats.cache_misses, last.cache_misses if last else 0),
+                (self._evictions, stats.cache_evictions, last.cache_evictions if last else 0)):
+            if now > before:  # Ray refuses inc(0); a restart's lower count adds nothing
+                counter.inc(now - before, tags)
+        self._last = stats
+        for seconds, batch in samples.steps:
+            self._step.observe(seconds, tags)
+            self._batch.observe(batch, tags)
+        for seconds in samples.grammar_compile_s:
+            self._compile.observe(seconds, tags)
+
+
+class EnginePoller:
+    """A daemon thread that records `read()` every `interval_s` until `stop()`."""
+
+    def __init__(self, metrics: EngineMetrics,
+                 read: Callable[[], tuple[EngineStats, TimingSamples]],
+                 interval_s: float) -> None:
+        self._metrics = metrics
+        self._read = read
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orchard-metrics", daemon=True)
+
+    def start(self) -> "EnginePoller":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._metrics.record(*self._read())
+            except Exception:  # noqa: BLE001 - metrics must never take a replica down
+                log.exception("recording engine metrics failed")
