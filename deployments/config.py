@@ -228,9 +228,10 @@ class IngressSettings(_Strict):
     colocate: bool | Literal["auto"] = Field(
         "auto", description="Serve HTTP from the model's own replicas: one process and one Ray "
         "hop fewer per token, admission in the replica. `auto` (default): when one model runs "
-        "on exactly one fixed replica; `true`: one model at any scale (Serve's proxy then "
-        "picks a replica, with no cache-aware routing); `false`: always an ingress deployment "
-        "in front. Colocated, `num_replicas`, `max_ongoing_requests` and `replica_wait_s` "
+        "on exactly one fixed replica and `num_replicas` here is 1; `true`: one model at any "
+        "scale (Serve's proxy then picks a replica, with no cache-aware routing); `false`: "
+        "always an ingress deployment in front. Colocated, `num_replicas`, "
+        "`max_ongoing_requests` and `replica_wait_s` "
         "here are unused.")
 
 
@@ -286,8 +287,9 @@ class AppArgs(_Strict):
         if self.ingress.colocate != "auto":
             return self.ingress.colocate
         # Several replicas want the ingress's cache-aware routing, several models its
-        # dispatch; one model on one replica gains nothing from a hop in front of it.
-        if len(self.models) != 1:
+        # dispatch, and a scaled ingress was asked for; one model on one replica gains
+        # nothing from a hop in front of it.
+        if len(self.models) != 1 or self.ingress.num_replicas != 1:
             return False
         model = self.models[0]
         return model.num_replicas == 1 and model.autoscaling_config is None

@@ -43,6 +43,26 @@ class ModelClient(Protocol):
         ...
 
 
+class WrappedClient:
+    """A ModelClient around another that forwards everything; a layer at the edge (limits,
+    tracing) overrides only what it adds to."""
+
+    def __init__(self, inner: ModelClient) -> None:
+        self._inner = inner
+
+    def models(self) -> Sequence[ModelCard]:
+        return self._inner.models()
+
+    def resolve(self, model: str) -> ModelCard | None:
+        return self._inner.resolve(model)
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
+        return self._inner.stream(request)
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        return await self._inner.count_tokens(request)
+
+
 def require_model(client: ModelClient, name: str) -> ModelCard:
     """The served model for a request's `model`, or a 404 that lists the valid names."""
     from replicas.errors import NotFoundError

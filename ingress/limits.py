@@ -7,11 +7,11 @@ before the request is sent to a replica (whose stop matcher grows with the stops
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ingress.client import ModelCard, ModelClient
+from ingress.client import ModelClient, WrappedClient
 from ingress.errors import edge_error_response, protocol_for
 from ingress.options import EdgeOptions
 from replicas.contract import GenerationRequest, OutputEvent
@@ -80,25 +80,16 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-class LimitedClient:
+class LimitedClient(WrappedClient):
     """A ModelClient that refuses over-limit requests instead of forwarding them."""
 
     def __init__(self, inner: ModelClient, options: EdgeOptions) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._options = options
-
-    def models(self) -> Sequence[ModelCard]:
-        return self._inner.models()
-
-    def resolve(self, model: str) -> ModelCard | None:
-        return self._inner.resolve(model)
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
         check_stops(request, self._options)
         return self._inner.stream(request)
-
-    async def count_tokens(self, request: GenerationRequest) -> int:
-        return await self._inner.count_tokens(request)
 
 
 def check_stops(request: GenerationRequest, options: EdgeOptions) -> None:

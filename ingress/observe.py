@@ -19,7 +19,7 @@ from typing import AsyncIterator, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ingress.client import ModelCard, ModelClient
+from ingress.client import ModelCard, ModelClient, WrappedClient
 from ingress.errors import route_path
 from ingress.protocols import PROTOCOLS
 from replicas.contract import (
@@ -184,17 +184,8 @@ def _default_model(cards: Sequence[ModelCard]) -> str:
     return cards[0].id if len(cards) == 1 else "unknown"
 
 
-class ObservedClient:
+class ObservedClient(WrappedClient):
     """A ModelClient that notes each generation's events in the current request's trace."""
-
-    def __init__(self, inner: ModelClient) -> None:
-        self._inner = inner
-
-    def models(self) -> Sequence[ModelCard]:
-        return self._inner.models()
-
-    def resolve(self, model: str) -> ModelCard | None:
-        return self._inner.resolve(model)
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
         trace = _TRACE.get()

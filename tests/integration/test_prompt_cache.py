@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -14,6 +14,7 @@ from replicas.contract import (
     ChatPrompt,
     Failed,
     Finished,
+    GenerationRequest,
     OutputEvent,
     ToolCallStart,
 )
@@ -167,6 +168,26 @@ def test_eviction_keeps_bytes_within_the_bound_and_output_identical(
     assert 0 < stats.cache_bytes <= bound
 
 
+async def cancel_in_prefill(rep: ModelReplica, request: GenerationRequest,
+                            reached: Callable[[], bool], timeout_s: float) -> bool:
+    """Cancel `request` once `reached()` holds, as a client disconnect does; whether no token
+    had come yet (the prompt was still being read). Returns once the batch is empty."""
+    stream = rep.stream(request)
+    first = asyncio.ensure_future(stream.__anext__())
+    deadline = time.monotonic() + timeout_s
+    while not reached():
+        assert time.monotonic() < deadline and not first.done()
+        await asyncio.sleep(0.001)
+    in_prefill = not first.done()
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await stream.aclose()
+    while rep.stats().active:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+    return in_prefill
+
+
 def test_a_request_cancelled_in_prefill_leaves_the_cache_consistent(
         reference: dict[str, list[OutputEvent]]) -> None:
     # Four prompt tokens per step: the long prompt below prefills over hundreds of steps.
@@ -180,23 +201,10 @@ def test_a_request_cancelled_in_prefill_leaves_the_cache_consistent(
         long = ChatMessage("user", " ".join(f"word{i}" for i in range(600)))
         request = dataclasses.replace(base, prompt=ChatPrompt(base.prompt.messages + (long,)))
 
-        async def cancel_in_prefill() -> bool:
-            stream = rep.stream(request)
-            first = asyncio.ensure_future(stream.__anext__())
-            deadline = time.monotonic() + 60
-            while rep.stats().submitted == before.submitted:
-                assert time.monotonic() < deadline and not first.done()
-                await asyncio.sleep(0.001)
-            in_prefill = not first.done()  # no token yet: the prompt is still being read
-            first.cancel()  # what a client disconnect does to the stream
-            await asyncio.gather(first, return_exceptions=True)
-            await stream.aclose()
-            while rep.stats().active:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.001)
-            return in_prefill
+        def submitted() -> bool:  # in the batch, its prompt being read
+            return rep.stats().submitted != before.submitted
 
-        assert asyncio.run(cancel_in_prefill())
+        assert asyncio.run(cancel_in_prefill(rep, request, submitted, 60))
         after = rep.stats()
         assert after.cache_hits == before.cache_hits + 1  # it did start from the cache
         assert (after.cache_entries, after.cache_bytes) == (before.cache_entries,
@@ -244,23 +252,10 @@ def test_the_kv_before_the_last_message_is_kept_once_prefilled(
                                          full, request.tools)
         assert boundary > 200
 
-        async def cancel_after_the_boundary() -> bool:
-            stream = rep.stream(request)
-            first = asyncio.ensure_future(stream.__anext__())
-            deadline = time.monotonic() + 120
-            while rep.stats().cache_entries == 0:  # the boundary's entry, saved mid-prefill
-                assert time.monotonic() < deadline and not first.done()
-                await asyncio.sleep(0.001)
-            in_prefill = not first.done()
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
-            await stream.aclose()
-            while rep.stats().active:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.001)
-            return in_prefill
+        def saved() -> bool:  # the boundary's entry, saved mid-prefill
+            return rep.stats().cache_entries > 0
 
-        assert asyncio.run(cancel_after_the_boundary())
+        assert asyncio.run(cancel_in_prefill(rep, request, saved, 120))
         # The request never finished, yet what preceded its last message is cached: the
         # same conversation without it (a retry, an edit) reuses all of that.
         again = generate(rep, "tool-result")

@@ -75,6 +75,8 @@ def test_which_layouts_are_colocated(models: list[dict[str, object]], colocate: 
                                    "ingress": {"colocate": colocate}})
     assert args.colocated is expected
     assert AppArgs.model_validate({"models": [one]}).colocated  # unset is `auto`
+    scaled_ingress = {"models": [one], "ingress": {"num_replicas": 2}}
+    assert not AppArgs.model_validate(scaled_ingress).colocated  # asked for: two-hop
 
 
 def test_names_resolve_to_the_one_card() -> None:
