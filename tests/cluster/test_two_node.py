@@ -26,8 +26,11 @@ def app_args(tiny_replicas: int) -> dict[str, Any]:
     return {
         "cluster": {"placement": {"pin": True, "require_metal": False}},
         "models": [
+            # Routing off: the load below repeats one prompt, which prefix routing keeps on
+            # the replica that holds it (tests/cluster/test_prefix_routing.py), and these
+            # tests want every replica serving.
             {"id": "orchard-tiny", "source": "builtin:tiny", "aliases": ["tiny"],
-             "num_replicas": tiny_replicas},
+             "num_replicas": tiny_replicas, "routing": {"policy": "none"}},
             {"id": "orchard-tiny-stops", "source": "builtin:tiny", "default_stops": ["2."]},
         ],
     }

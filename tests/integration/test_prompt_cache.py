@@ -221,19 +221,26 @@ def test_two_requests_with_the_same_new_prefix_at_once_are_both_correct(
         reference: dict[str, list[OutputEvent]]) -> None:
     rep = make_replica()
     try:
+        one = script_request("tool-one")
+        prompt_tokens = len(render_prompt(rep.model.hf_tokenizer, one.prompt, one.reasoning,
+                                          rep.model.vocab_size, tools=one.tools).token_ids)
         both_new = generate_together(rep, ["tool-one", "tool-one"])
         both_next = generate_together(rep, ["tool-result", "tool-result", "tool-one"])
         stats = rep.stats()
     finally:
         rep.shutdown()
+    missed = 0
     for events in both_new:
         assert output(events) == output(reference["tool-one"])
-        assert cached_tokens(events) == 0
+        # Nothing cached yet; or the engine took the second only once the first had left
+        # its KV behind (the two are submitted together, prepared on separate threads).
+        assert 0 <= cached_tokens(events) < prompt_tokens
+        missed += cached_tokens(events) == 0
     for sid, events in zip(["tool-result", "tool-result", "tool-one"], both_next):
         assert output(events) == output(reference[sid]), sid
         assert cached_tokens(events) > 0, sid
     assert not any(isinstance(e, Failed) for events in both_next for e in events)
-    assert stats.cache_misses == 2
+    assert missed >= 1 and stats.cache_misses == missed
 
 
 def test_the_kv_before_the_last_message_is_kept_once_prefilled(
