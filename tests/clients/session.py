@@ -38,9 +38,9 @@ TIMINGS = Timings({}, [])
 
 
 def served_run(orchard: ServeProcess, client_bin: Path, task: AgentTask, root: Path,
-               path: str, timings: Timings) -> tuple[ClientRun, int]:
-    """The client's run against the served model, and how many requests to `path` the
-    server logged as handled during it."""
+               path: str, timings: Timings) -> ClientRun:
+    """The client's run against the served model, once the server is seen to have handled
+    exactly the loop's two requests to `path` (the call, then the answer) during it."""
     before = orchard.handled("POST", path)
     work, home = make_workspace(root)
     start = time.monotonic()
@@ -50,4 +50,7 @@ def served_run(orchard: ServeProcess, client_bin: Path, task: AgentTask, root: P
     # request show too.
     orchard.wait_handled("POST", path, len(before) + 2)
     time.sleep(1.0)
-    return run, len(orchard.handled("POST", path) - before)
+    requests = len(orchard.handled("POST", path) - before)
+    assert requests == 2, f"the server handled {requests} {path} requests, not 2\n" \
+                          f"{run.describe()}\nserve log: {orchard.log_path}"
+    return run

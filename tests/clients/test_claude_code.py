@@ -65,8 +65,5 @@ def test_loop_through_the_ingress_with_a_scripted_model(captures: dict[str, Capt
 
 def test_real_tool_loop_against_serve_run(orchard: ServeProcess, client_bin: Path,
                                           tmp_path: Path, timings: Timings) -> None:
-    run, requests = served_run(orchard, client_bin, CLAUDE_TASK, tmp_path, "/v1/messages",
-                               timings)
+    run = served_run(orchard, client_bin, CLAUDE_TASK, tmp_path, "/v1/messages", timings)
     assert_read_loop(run)
-    assert requests == 2, f"the server handled {requests} /v1/messages requests, not 2\n" \
-                          f"{run.describe()}\nserve log: {orchard.log_path}"
