@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 import mlx.core as mx
 
 from replicas.contract import Channel
-from replicas.detokenizer import Decode, Detokenizer
+from replicas.pipeline.detokenizer import Decode, Detokenizer
 from replicas.pipeline.channels import ChannelFormat, ChannelRouter
 
 

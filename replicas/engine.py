@@ -32,7 +32,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, SamplingParams
 from replicas.control import RequestController
-from replicas.decoding import RequestDecoder
+from replicas.pipeline.decoding import RequestDecoder
 from replicas.loading import LoadedModel
 from replicas.prompt_cache import CacheHit, PromptCache, segments
 from replicas.sampling import (

@@ -26,8 +26,8 @@ from replicas.contract import (
     is_terminal,
 )
 from replicas.control import Grammar, RequestController
-from replicas.decoding import RequestDecoder
-from replicas.detokenizer import Decode, make_decode
+from replicas.pipeline.decoding import RequestDecoder
+from replicas.pipeline.detokenizer import Decode, make_decode
 from replicas.engine import EngineConfig, EngineDead, EngineStats, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError, ReplicaError
 from replicas.loading import LoadedModel, load_model

@@ -32,7 +32,7 @@ from replicas.builtin.tokenizer_files import (
 )
 from replicas.contract import Channel, ToolChoice, ToolSpec
 from replicas.control import RequestController
-from replicas.detokenizer import make_decode
+from replicas.pipeline.detokenizer import make_decode
 from replicas.errors import InvalidRequestError
 from replicas.guided import GuidedMatcher, GuidedTokenizer
 from replicas.guided.tools import SYNTAX, compile_tool_grammar, open_marker_token_ids

@@ -31,7 +31,7 @@ from replicas.contract import (
     ToolCallStart,
     ToolSpec,
 )
-from replicas.decoding import RequestDecoder
+from replicas.pipeline.decoding import RequestDecoder
 from replicas.pipeline.channel_formats import CallBoundary
 from replicas.pipeline.channels import FORMATS, ChannelRouter, get_format, initial_state
 from replicas.pipeline.tool_calls import ToolCallParser, ToolParsing, new_call_id

@@ -18,7 +18,7 @@ from replicas.contract import (
     ToolCallStart,
     Usage,
 )
-from replicas.detokenizer import Decode, Detokenizer
+from replicas.pipeline.detokenizer import Decode, Detokenizer
 from replicas.pipeline.channels import ChannelFormat, ChannelRouter, Routed
 from replicas.pipeline.stops import StopMatcher
 from replicas.pipeline.tool_calls import ToolCallParser, ToolParsing
