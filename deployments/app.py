@@ -23,6 +23,8 @@ def build_app(args: dict[str, Any]) -> Application:
             # then comes up ready instead of answering 503 while replicas build them. A
             # replica on another node still builds its own copy on first use.
             resolve_source(model.source)
+        if model.shards > 1:
+            _check_sharding(model)
     created = int(time.time())
     cards = [
         {"id": m.id, "aliases": tuple(m.aliases), "created": created,
@@ -54,6 +56,20 @@ def build_app(args: dict[str, Any]) -> Application:
 _COLOCATED_HEADROOM = 16
 
 
+def _check_sharding(model: ModelSettings) -> None:
+    """A `shards`/`sharding` the architecture cannot take fails the deploy, naming the
+    field; a Hub model not on disk is checked by its replica, once fetched."""
+    from replicas.sharding import ShardingError, model_config, sharding_mode
+
+    config = model_config(model.source, fetch=False)
+    if config is None:
+        return
+    try:
+        sharding_mode(config, model.shards, model.sharding)
+    except ShardingError as exc:
+        raise ValueError(f"model '{model.id}': {exc}") from exc
+
+
 def _model_deployment(settings: ModelSettings) -> Deployment:
     options = _deployment_options(settings, settings.max_ongoing_requests)
     return _deployment(ModelDeployment).options(**options)
@@ -73,6 +89,11 @@ def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, 
         "ray_actor_options": _actor_options(settings),
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
     }
+    if settings.shards > 1:
+        # One bundle per shard: Serve reserves them with the replica, which runs in the
+        # first and starts the other ranks in the rest (`deployments.shards`).
+        options["placement_group_bundles"] = [_bundle(settings)] * settings.shards
+        options["placement_group_strategy"] = settings.placement_strategy
     policy = settings.routing_policy
     if policy != "none":
         options["request_router_config"] = {
@@ -97,6 +118,14 @@ def _actor_options(settings: ModelSettings) -> dict[str, Any]:
         options["resources"] = {**options.get("resources", {}),
                                 placement.resource: placement.resource_per_replica}
     return options
+
+
+def _bundle(settings: ModelSettings) -> dict[str, float]:
+    placement = settings.placement
+    if placement is not None and placement.pin:
+        return {placement.resource: placement.resource_per_replica}
+    # Unpinned shards take no resource of their own; Ray needs a bundle to hold something.
+    return {"CPU": 0.01}
 
 
 def _auto_defaults(settings: ModelSettings) -> dict[str, Any]:

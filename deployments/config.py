@@ -110,6 +110,35 @@ class PlacementSettings(_Strict):
         return self.pin if self.require_metal is None else self.require_metal
 
 
+class DistributedSettings(_Strict):
+    """How the processes of a sharded replica (`shards` > 1) find and talk to each other."""
+
+    backend: Literal["ring", "jaccl"] = Field(
+        "ring", description="MLX's backend: `ring` (TCP, over Ethernet or a Thunderbolt "
+        "bridge) or `jaccl` (RDMA over Thunderbolt, where every node has it).")
+    host: str | None = Field(None, min_length=1, description="Address every rank listens "
+                             "on; unset: its node's IP as Ray knows it.")
+    port_range: tuple[int, int] | None = Field(
+        None, description="[low, high]: ports a rank may listen on (the first free one); "
+        "unset: any free port. With `jaccl`, rank 0's port is the coordinator's.")
+    rdma_devices: list[list[str | None]] | None = Field(
+        None, description="`jaccl` only: the RDMA device from rank i to rank j (null on the "
+        "diagonal), `shards` x `shards`, as in an `mlx.launch` hostfile.")
+    placement_strategy: Literal["auto", "STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK"] = \
+        Field("auto", description="Ray placement of a replica's shards; `auto`: one per node "
+              "(STRICT_SPREAD) when the model is pinned to Macs, else PACK.")
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="A batch step that has not returned after this long (a "
+        "collective whose peer is gone) fails the replica; Serve then replaces it.")
+
+    @field_validator("port_range")
+    @classmethod
+    def _range_ordered(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not 1024 <= value[0] <= value[1] <= 65535:
+            raise ValueError("port_range must be [low, high] with 1024 <= low <= high <= 65535")
+        return value
+
+
 class ClusterSettings(_Strict):
     placement: PlacementSettings = Field(
         default_factory=PlacementSettings,
@@ -153,6 +182,13 @@ class ModelSettings(_Strict):
     graceful_shutdown_timeout_s: float = Field(
         300.0, ge=0, description="How long a replica being replaced or scaled down keeps "
                                  "serving its in-flight generations.")
+    shards: int = Field(1, ge=1, le=64, description="Processes (Macs) one replica's model is "
+                        "split over with mx.distributed; `num_replicas` x `shards` nodes.")
+    sharding: Literal["auto", "tensor", "pipeline"] = Field(
+        "auto", description="How the model is split: `tensor` (every rank a slice of every "
+        "layer), `pipeline` (each rank a run of layers); `auto`: tensor where mlx-lm can, "
+        "else pipeline. Checked against the architecture at deploy.")
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
 
     @field_validator("channel_format", "tool_format")
     @classmethod
@@ -195,6 +231,25 @@ class ModelSettings(_Strict):
         """These settings with the effective placement: the cluster's, overridden by ours."""
         own = self.placement.model_dump(exclude_unset=True) if self.placement else {}
         return self.model_copy(update={"placement": cluster.model_copy(update=own)})
+
+    @model_validator(mode="after")
+    def _rdma_matrix(self) -> "ModelSettings":
+        devices = self.distributed.rdma_devices
+        if self.distributed.backend == "jaccl" and self.shards > 1:
+            if devices is None or len(devices) != self.shards or any(
+                    len(row) != self.shards for row in devices):
+                raise ValueError(f"distributed.rdma_devices must be a {self.shards} x "
+                                 f"{self.shards} matrix with backend jaccl (shards: "
+                                 f"{self.shards})")
+        return self
+
+    @property
+    def placement_strategy(self) -> str:
+        """Ray's strategy for a sharded replica's bundles (`distributed.placement_strategy`)."""
+        chosen = self.distributed.placement_strategy
+        if chosen != "auto":
+            return chosen
+        return "STRICT_SPREAD" if self.placement is not None and self.placement.pin else "PACK"
 
     @model_validator(mode="after")
     def _stops_non_empty(self) -> "ModelSettings":

@@ -114,9 +114,15 @@ class RequestMetrics:
 class EngineMetrics:
     """A replica's engine, read into gauges, counters (as deltas) and histograms."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, shards: int = 1) -> None:
         tags = _keys("model")
         self._tags = {"model": model}
+        self._shards = Gauge("orchard_replica_shards", "Processes (Macs) one replica of the "
+                             "model runs on (`shards`).", tag_keys=tags)
+        self._shards.set(shards, self._tags)
+        self._sync = Histogram("orchard_shard_sync_seconds", "A sharded replica's wait per "
+                               "engine step for its other ranks to take the step's batch "
+                               "record (a collective).", STEP_BUCKETS, tag_keys=tags)
         self._queue = Gauge("orchard_queue_depth", "Requests waiting to join the batch.",
                             tag_keys=tags)
         self._running = Gauge("orchard_running_sequences", "Sequences in the batch.",
@@ -156,6 +162,8 @@ class EngineMetrics:
             self._batch.observe(batch, tags)
         for seconds in samples.grammar_compile_s:
             self._compile.observe(seconds, tags)
+        for seconds in samples.sync_s:
+            self._sync.observe(seconds, tags)
 
 
 class EnginePoller:

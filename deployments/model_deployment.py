@@ -16,6 +16,7 @@ from deployments.config import (
     replica_max_stops,
 )
 from deployments.observability import engine_poller
+from deployments.shards import ShardGroup
 from replicas.contract import Failed, GenerationRequest, OutputEvent
 from replicas.engine import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
@@ -50,20 +51,39 @@ class ReplicaOwner:
                  observability: ObservabilitySettings = ObservabilitySettings()) -> None:
         if config.placement is not None and config.placement.metal_required:
             require_metal(config.id)  # before loading: fail fast, with what to do about it
-        self._replica = ModelReplica(replica_options(config, request_max_stops))
+        options = replica_options(config, request_max_stops)
+        self._shards: ShardGroup | None = None
+        if config.shards > 1:
+            # Ranks 1..N-1 start first and wait for rank 0 (this replica) to join them.
+            from replicas.sharding import model_config, sharding_mode
+
+            found = model_config(config.source)
+            assert found is not None  # fetched when not on disk
+            mode = sharding_mode(found, config.shards, config.sharding)
+            self._shards = ShardGroup(config)
+            options = dataclasses.replace(options, shard=self._shards.start(mode, options.engine))
+        self._replica = ModelReplica(options, self._shards.wake if self._shards else None)
+        if self._shards is not None:
+            self._shards.watch(self._replica.abort, self._replica.stalled_for)
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
         self._replica.start()
         replica = self._replica
         self._poller = engine_poller(observability, config.id,
-                                     lambda: (replica.stats(), replica.drain_timings()))
+                                     lambda: (replica.stats(), replica.drain_timings()),
+                                     shards=config.shards)
 
     def check_health(self) -> None:
         self._replica.check_health()  # raises when the engine thread died or is stuck
+        if self._shards is not None:
+            self._shards.check()  # every other rank alive and answering
 
     def stats(self) -> dict[str, Any]:
         # The replica's actor name says which replica answered (a handle picks one).
         name = serve.get_replica_context().replica_id.to_full_id_str()
-        return {"replica": name, **dataclasses.asdict(self._replica.stats())}
+        steps, sync_s = self._replica.sync_totals()
+        return {"replica": name, **dataclasses.asdict(self._replica.stats()),
+                "shards": self._shards.size if self._shards else 1,
+                "sync_steps": steps, "sync_seconds": sync_s}
 
     def __del__(self) -> None:
         poller = getattr(self, "_poller", None)
@@ -71,7 +91,10 @@ class ReplicaOwner:
             poller.stop()
         replica = getattr(self, "_replica", None)  # unset when __init__ refused the node
         if replica is not None:
-            replica.shutdown()
+            replica.shutdown()  # a sharded replica's rank 0 tells the others to stop
+        shards = getattr(self, "_shards", None)
+        if shards is not None:
+            shards.stop()
 
 
 @serve.deployment

@@ -29,10 +29,11 @@ def request_observer(settings: ObservabilitySettings) -> RequestObserver | None:
 
 
 def engine_poller(settings: ObservabilitySettings, model: str,
-                  read: Callable[[], tuple[EngineStats, TimingSamples]]) -> EnginePoller | None:
+                  read: Callable[[], tuple[EngineStats, TimingSamples]],
+                  shards: int = 1) -> EnginePoller | None:
     if not settings.metrics:
         return None
-    return EnginePoller(EngineMetrics(model), read, settings.metrics_interval_s).start()
+    return EnginePoller(EngineMetrics(model, shards), read, settings.metrics_interval_s).start()
 
 
 def _show_info(name: str) -> None:

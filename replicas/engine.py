@@ -1,7 +1,7 @@
 """The engine thread: the sole owner of MLX in a replica.
 
-It runs mlx-lm's BatchGenerator (continuous batching: requests join and leave between
-steps), feeds each generated token through that request's output pipeline, and hands
+It drives the batch (`replicas.batch`: mlx-lm's BatchGenerator with continuous batching,
+requests join and leave between steps, and the KV prefix cache), feeds each generated token through that request's output pipeline, and hands
 events back to asyncio through the sinks' event loops. Commands (submit, cancel) arrive on
 a thread-safe queue and are applied between steps, so a cancel frees its slot before the
 next decode step.
@@ -14,6 +14,9 @@ at once and later submissions raise, so nothing waits on a thread that is gone.
 Prefix reuse: a request joins the batch with the KV of the longest cached prefix of its
 prompt (`replicas.prompt_cache`) and prefills the rest, kept at its last message boundary;
 one that finishes normally leaves its prompt plus output behind for the next turn.
+
+The engine does not know how many processes run the model: on a sharded replica the batch
+it is handed keeps the other ranks in lockstep (`replicas.lockstep`).
 """
 
 from __future__ import annotations
@@ -27,18 +30,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
-
+from replicas.batch import Batch, Done, EngineConfig, Row
 from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, SamplingParams
 from replicas.control import RequestController
-from replicas.pipeline.decoding import RequestDecoder
 from replicas.loading import LoadedModel
-from replicas.prompt_cache import CacheHit, PromptCache, segments
+from replicas.pipeline.decoding import RequestDecoder
 from replicas.sampling import (
     GuardedProcessors,
     LogitsProcessor,
-    Sampler,
     guarded_processors,
     make_request_sampler,
 )
@@ -52,17 +51,6 @@ class EventSink(Protocol):
     loop: asyncio.AbstractEventLoop
 
     def push(self, events: list[OutputEvent]) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_batch_size: int = 32  # sequences decoded together
-    prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
-    stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
-    # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
-    # batch are not counted: this is what stays resident between requests.
-    prompt_cache_bytes: int = 2 * 1024**3
 
 
 @dataclass
@@ -127,10 +115,19 @@ class EngineDead(RuntimeError):
 _REQUEST_FAILED = "generation failed for this request"
 
 
+# Opens the model and the batch that runs it, on the engine thread: a `LocalBatch`, or on a
+# sharded replica's rank 0 a `LockstepBatch` that the other ranks follow.
+Opener = Callable[[], tuple[LoadedModel, Batch]]
+# Called after every batch step with its duration and the rows that got a token (metrics).
+StepCallback = Callable[[float, int], None]
+
+
 class Engine:
-    def __init__(self, loader: Callable[[], LoadedModel], config: EngineConfig) -> None:
-        self._loader = loader
+    def __init__(self, opener: Opener, config: EngineConfig,
+                 on_step: StepCallback | None = None) -> None:
+        self._opener = opener
         self._config = config
+        self._on_step = on_step
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -147,8 +144,7 @@ class Engine:
         self._cancel_latency: deque[int] = deque(maxlen=256)
         self._heartbeat = time.monotonic()
         self._stopping = False
-        self._cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes > 0 \
-            else None
+        self._batch: Batch | None = None
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------
@@ -180,12 +176,25 @@ class Engine:
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDead(self._dead)
-        busy = bool(self._by_uid)
-        if busy and time.monotonic() - self._heartbeat > self._config.stuck_after_s:
+        if self.stalled_for() > self._config.stuck_after_s:
             raise EngineDead(f"engine step stuck for over {self._config.stuck_after_s:g}s")
 
+    def abort(self, reason: str) -> None:
+        """Fail everything queued and in flight now, from any thread, and refuse new work.
+
+        For a fault the engine thread cannot see itself: it may be blocked for good inside
+        a collective whose peer (another rank of a sharded replica) is gone."""
+        if not self._ready.is_set():  # still loading: `wait_ready` raises at once
+            self._load_error = RuntimeError(reason)
+            self._ready.set()
+        self._die(reason)
+
+    def stalled_for(self) -> float:
+        """Seconds the current batch step has run, while requests are in it; else 0."""
+        return time.monotonic() - self._heartbeat if self._by_uid else 0.0
+
     def stats(self) -> EngineStats:
-        cache = self._cache.stats() if self._cache is not None else None
+        cache = self._batch.cache.stats() if self._batch and self._batch.cache else None
         return EngineStats(
             active=len(self._by_uid),
             waiting=self._commands.qsize(),
@@ -200,8 +209,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._loaded = self._loader()
-            self._gen = self._new_generator()
+            self._loaded, self._batch = self._opener()
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
             log.exception("model load failed")
             self._load_error = exc
@@ -220,11 +228,14 @@ class Engine:
             self._die("the model engine stopped")
             return
         self._die("the replica is shutting down")
+        if self._batch is not None:
+            self._batch.close()
 
     def _die(self, reason: str) -> None:
         """Refuse new work, then fail everything queued or in flight."""
         with self._lock:
-            self._dead = reason
+            if self._dead is None:
+                self._dead = reason
             queued: list[tuple[EventSink, list[OutputEvent]]] = []
             while True:
                 try:
@@ -233,18 +244,8 @@ class Engine:
                     break
                 if isinstance(command, Submission):
                     queued.append((command.sink, [Failed(ErrorKind.INTERNAL, reason)]))
-        _deliver(queued)
-        self._fail_all(reason)
-
-    def _new_generator(self) -> BatchGenerator:
-        assert self._loaded is not None
-        return BatchGenerator(
-            self._loaded.model,
-            completion_batch_size=self._config.max_batch_size,
-            prefill_batch_size=self._config.prefill_batch_size,
-            prefill_step_size=self._config.prefill_step_size,
-            stream=mx.new_stream(mx.default_device()),
-        )
+            outbox = queued + self._fail_all_outbox(reason)
+        _deliver(outbox)
 
     def _take_commands(self, block: bool) -> _Commands:
         commands = _Commands()
@@ -261,152 +262,120 @@ class Engine:
         return commands
 
     def _apply(self, commands: _Commands) -> None:
+        assert self._batch is not None
         # A request cancelled while still queued never reaches the batch.
         submits = [s for s in commands.submits if s.request_id not in commands.cancels]
         if submits:
             self._insert(submits)
         gone = [self._by_rid[r] for r in commands.cancels if r in self._by_rid]
         if gone:
-            self._gen.remove([a.uid for a in gone])
+            self._batch.finish([Done(a.uid, keep=False) for a in gone])
             for active in gone:
                 self._forget(active)
                 self._cancel_latency.append(self._steps - commands.cancels[active.sub.request_id])
 
     def _insert(self, subs: list[Submission]) -> None:
-        assert self._loaded is not None
+        assert self._loaded is not None and self._batch is not None
         eos = self._loaded.eos_token_ids
-        ready: list[tuple[Submission, Sampler, GuardedProcessors | None]] = []
+        ready: list[tuple[Submission, Row, GuardedProcessors | None]] = []
         failed: list[tuple[EventSink, list[OutputEvent]]] = []
         for sub in subs:
             try:  # a request whose sampling cannot be built fails alone
-                ready.append((sub, make_request_sampler(sub.sampling), _guarded(sub)))
+                guard = _guarded(sub)
+                row = Row(tuple(sub.prompt_ids), sub.boundary, sub.max_tokens,
+                          eos | sub.stop_token_ids, make_request_sampler(sub.sampling),
+                          (guard,) if guard else ())
+                ready.append((sub, row, guard))
             except Exception:  # noqa: BLE001 - reported to that request
                 log.exception("request %s: building its sampler failed", sub.request_id)
                 failed.append((sub.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]))
         _deliver(failed)
         if not ready:
             return
-        hits = [self._lookup(s) for s, _, _ in ready]
-        uids = self._gen.insert_segments(
-            [segments(s.prompt_ids, h.length if h else 0, s.boundary)
-             for (s, _, _), h in zip(ready, hits)],
-            # None: mlx-lm starts an empty cache (its annotation does not say so).
-            caches=[h.cache if h else None for h in hits],  # type: ignore[misc]
-            # The tokens the cache holds: penalties and the batch's bookkeeping see them.
-            all_tokens=[s.prompt_ids[:h.length] if h else [] for (s, _, _), h in zip(ready, hits)],
-            max_tokens=[s.max_tokens for s, _, _ in ready],
-            samplers=[sampler for _, sampler, _ in ready],
-            # Rows without processors skip mlx-lm's per-row path entirely.
-            logits_processors=[[guard] if guard else [] for _, _, guard in ready],
-            stop_sequences=[StopSequences([[t] for t in eos | s.stop_token_ids])
-                            for s, _, _ in ready],
-        )
-        for uid, (sub, _, guard) in zip(uids, ready):
+        placed = self._batch.insert([row for _, row, _ in ready])
+        for (uid, cached), (sub, _, guard) in zip(placed, ready):
+            sub.decoder.cached_tokens = cached  # reported in the request's usage
             active = _Active(uid, sub, guard)
             self._by_uid[uid] = active
             self._by_rid[sub.request_id] = active
         self._submitted += len(ready)
 
-    def _lookup(self, sub: Submission) -> CacheHit | None:
-        if self._cache is None:
-            return None
-        hit = self._cache.fetch(sub.prompt_ids)
-        sub.decoder.cached_tokens = hit.length if hit else 0
-        return hit
-
-    def _save(self, finished: list[tuple[list[int], list[object]]], batched: list[int]) -> None:
-        """Keep finished requests' KV (`batched`: still batched); a failure costs reuse only."""
-        if self._cache is None:
-            return
-        try:
-            finished += [(t, c) for c, t in self._gen.extract_cache(batched).values()]
-            for tokens, cache in finished:
-                self._cache.save(list(tokens), cache)
-        except Exception:  # noqa: BLE001 - the cache is an optimisation
-            log.exception("saving a prompt cache entry failed")
-
     def _step(self) -> None:
+        assert self._batch is not None
+        started = time.perf_counter()
         try:
-            prefilled, responses = self._gen.next()
+            responses = self._batch.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the replica
             log.exception("batch step failed; failing the batch and starting a fresh one")
             self._fail_all(f"generation failed: {type(exc).__name__}")
-            self._gen = self._new_generator()
+            self._batch.reset()
             return
         self._steps += 1
-        if self._cache is not None:
-            self._cache.save_boundaries(self._gen, prefilled)
+        if self._on_step is not None:
+            self._on_step(time.perf_counter() - started, len(responses))
         outbox: list[tuple[EventSink, list[OutputEvent]]] = []
-        to_remove: list[int] = []
-        to_save: list[int] = []  # finished by us, still batched: their KV is extracted below
-        saved: list[tuple[list[int], list[object]]] = []  # finished by mlx-lm, with their KV
+        done: list[Done] = []
         for response in responses:
             active = self._by_uid.get(response.uid)
             if active is None:
                 continue
             try:
-                events, done, still_batched = self._on_token(active, response)
+                events, finished = self._on_token(active, response)
             except Exception:  # noqa: BLE001 - one request's pipeline must not stop the batch
                 log.exception("request %s: output processing failed", active.sub.request_id)
-                events = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]
-                done, still_batched = True, response.finish_reason is None
+                events, finished = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
             if events:
                 outbox.append((active.sub.sink, events))
-            if done:
+            if finished:
                 self._forget(active)
                 self._finished += 1
                 ok = not any(isinstance(e, Failed) for e in events)
-                if still_batched:
-                    to_remove.append(response.uid)
-                    if ok:
-                        to_save.append(response.uid)
-                elif ok and response.prompt_cache is not None:
-                    saved.append((response.all_tokens, response.prompt_cache))
-        if saved or to_save:
-            self._save(saved, to_save)
-        if to_remove:
-            self._gen.remove(to_remove)
+                done.append(Done(response.uid, keep=ok))
+        if done:
+            self._batch.finish(done)
         _deliver(outbox)
 
-    def _on_token(self, active: _Active, response: object) -> tuple[list[OutputEvent], bool, bool]:
-        """Events for one generated token, whether the request is done, and whether the
-        batch still holds it (mlx-lm drops requests it finished itself)."""
+    def _on_token(self, active: _Active, response: object) -> tuple[list[OutputEvent], bool]:
+        """Events for one generated token, and whether the request is done."""
         sub = active.sub
         token: int = response.token  # type: ignore[attr-defined]
         finish: str | None = response.finish_reason  # type: ignore[attr-defined]
         decoder, ctrl = sub.decoder, sub.controller
         if ctrl is not None and ctrl.error is not None:
-            return [Failed(ErrorKind.INTERNAL, f"constraint failed: {ctrl.error}")], True, finish is None
+            return [Failed(ErrorKind.INTERNAL, f"constraint failed: {ctrl.error}")], True
         if active.guard is not None and active.guard.error is not None:
             log.error("request %s: a logits processor failed: %s", sub.request_id,
                       active.guard.error)
-            return [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True, finish is None
+            return [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
         if finish == "stop":  # an EOS or stop token id: it ends generation, it is not text
             decoder.count(token)
             if token in sub.stop_token_ids:
-                return decoder.finish(FinishReason.STOP_TOKEN, token), True, False
+                return decoder.finish(FinishReason.STOP_TOKEN, token), True
             grammar_done = ctrl is not None and ctrl.grammar_complete
             reason = FinishReason.GRAMMAR_COMPLETE if grammar_done else FinishReason.EOS
-            return decoder.finish(reason), True, False
+            return decoder.finish(reason), True
         events = decoder.feed(token)
         if decoder.matched_stop is not None:
-            return events + decoder.finish(FinishReason.STOP_SEQUENCE), True, finish is None
+            return events + decoder.finish(FinishReason.STOP_SEQUENCE), True
         if ctrl is not None and ctrl.grammar_complete:
-            return events + decoder.finish(FinishReason.GRAMMAR_COMPLETE), True, finish is None
+            return events + decoder.finish(FinishReason.GRAMMAR_COMPLETE), True
         if finish == "length":
-            return events + decoder.finish(FinishReason.LENGTH), True, False
-        return events, False, True
+            return events + decoder.finish(FinishReason.LENGTH), True
+        return events, False
 
     def _forget(self, active: _Active) -> None:
         self._by_uid.pop(active.uid, None)
         self._by_rid.pop(active.sub.request_id, None)
 
     def _fail_all(self, message: str) -> None:
+        _deliver(self._fail_all_outbox(message))
+
+    def _fail_all_outbox(self, message: str) -> list[tuple[EventSink, list[OutputEvent]]]:
         outbox: list[tuple[EventSink, list[OutputEvent]]] = [
-            (a.sub.sink, [Failed(ErrorKind.INTERNAL, message)]) for a in self._by_uid.values()]
+            (a.sub.sink, [Failed(ErrorKind.INTERNAL, message)]) for a in list(self._by_uid.values())]
         self._by_uid.clear()
         self._by_rid.clear()
-        _deliver(outbox)
+        return outbox
 
 
 def _guarded(sub: Submission) -> GuardedProcessors | None:

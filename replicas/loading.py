@@ -53,6 +53,12 @@ def load_model(source: str) -> LoadedModel:
         loaded = mlx_load(str(resolved), return_config=True)
     assert len(loaded) == 3  # model, tokenizer, config: what return_config=True asks for
     model, tokenizer, config = loaded
+    return loaded_model(source, resolved, model, tokenizer, config)
+
+
+def loaded_model(source: str, resolved: Path | str, model: nn.Module,
+                 tokenizer: TokenizerWrapper, config: dict[str, Any]) -> LoadedModel:
+    """What mlx-lm loaded (whole or one shard), with what serving needs to know of it."""
     path = Path(resolved) if isinstance(resolved, Path) else Path(getattr(model, "model_path", "."))
     eos = set(tokenizer.eos_token_ids)
     eos |= _generation_config_eos(resolved)

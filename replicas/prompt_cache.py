@@ -55,8 +55,13 @@ class _Entry:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, cost_scale: tuple[int, int] = (1, 1)) -> None:
+        """`cost_scale` (num, den): an entry counts `nbytes * num // den` against
+        `max_bytes`. A pipeline stage holding `l` of a model's `L` layers on `n` ranks uses
+        (L, l * n): every stage then counts the same bytes for the same tokens, so all
+        ranks of a sharded replica keep and evict the same entries (`replicas.lockstep`)."""
         self.max_bytes = max_bytes
+        self._scale = cost_scale
         self._trie = PromptTrie()
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
@@ -126,7 +131,7 @@ class PromptCache:
         if not tokens or not cache:
             return
         mx.eval([c.state for c in cache])  # a lazy slice would pin the whole batch's KV
-        nbytes = sum(c.nbytes for c in cache)
+        nbytes = sum(c.nbytes for c in cache) * self._scale[0] // self._scale[1]
         if nbytes > self.max_bytes:
             log.debug("prompt cache: %d tokens (%d bytes) exceed the bound", len(tokens), nbytes)
             return

@@ -1,15 +1,17 @@
 """Make a built-in model directory from a recipe, and keep built ones in a cache.
 
 A directory holds exactly what a downloaded Qwen3 checkpoint would (config.json,
-generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json)
+generation_config.json, model-*-of-*.safetensors with their index, tokenizer.json, tokenizer_config.json)
 plus build_info.json describing how it was made.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -20,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen3
 from mlx_lm.utils import load_tokenizer
 
 from ..startup import Progress
@@ -120,7 +121,8 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
     )
 
     mx.random.seed(recipe.seed)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    module = importlib.import_module(f"mlx_lm.models.{arch.model_type}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     info: dict[str, Any] = {"name": recipe.name, "cache_key": key, "vocab_size": vocab_size}
     examples: list[Example] = []
     if isinstance(recipe.weights, RandomInit):
@@ -137,7 +139,7 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
         }
     model.set_dtype(getattr(mx, recipe.dtype))
     weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _save_by_layer(out_dir, weights)
     info["parameters"] = sum(w.size for w in weights.values())
 
     verify_model_dir(out_dir, examples)
@@ -146,6 +148,24 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
     write_json(out_dir / BUILD_INFO, info)
     log.info("built builtin:%s: %s", recipe.name, info)
     return info
+
+
+def _save_by_layer(out_dir: Path, weights: dict[str, mx.array]) -> None:
+    """One safetensors file per decoder layer plus one for the rest, and the index a
+    sharded checkpoint has: a pipeline stage then reads only its own layers' files."""
+    files: dict[str, dict[str, mx.array]] = {}
+    for name, value in weights.items():
+        layer = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        files.setdefault(f"layer-{int(layer.group(1)):03d}" if layer else "shared", {})[name] = value
+    names = sorted(files)
+    weight_map: dict[str, str] = {}
+    for i, part in enumerate(names, start=1):
+        filename = f"model-{i:05d}-of-{len(names):05d}.safetensors"
+        mx.save_safetensors(str(out_dir / filename), files[part], metadata={"format": "mlx"})
+        weight_map.update({k: filename for k in files[part]})
+    total = sum(v.nbytes for v in weights.values())
+    write_json(out_dir / "model.safetensors.index.json",
+               {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
 def _examples(model_dir: Path, scripts: Sequence[Script], eos_id: int) -> list[Example]:

@@ -17,7 +17,8 @@ _PACKAGE_DIR = Path(__file__).parent
 
 @dataclass(frozen=True)
 class Architecture:
-    """The qwen3 shape written to config.json."""
+    """The model shape written to config.json: qwen3, or qwen2 (which mlx-lm can also
+    split into pipeline stages; qwen3 only splits by tensor)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -29,13 +30,14 @@ class Architecture:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
+    model_type: str = "qwen3"
 
     def config(
         self, vocab_size: int, eos_token_id: int, pad_token_id: int, dtype: str
     ) -> dict[str, Any]:
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": [arch],
             "vocab_size": vocab_size,
             "attention_bias": False,
             "hidden_act": "silu",
@@ -138,7 +140,25 @@ BENCH = Recipe(
     dtype="bfloat16",
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH)}
+# Random weights in an architecture mlx-lm runs as pipeline stages (qwen2), for sharding
+# tests: a stage computes exactly what the unsharded model does, so greedy text matches.
+PIPE = Recipe(
+    name="pipe",
+    architecture=Architecture(
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        model_type="qwen2",
+    ),
+    weights=RandomInit(logit_std=5.0),
+    seed=20240603,
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE)}
 
 
 def cache_key(recipe: Recipe, scripts_json: str) -> str:

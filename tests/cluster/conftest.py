@@ -53,8 +53,11 @@ def _exe(name: str) -> str:
 
 
 class LocalCluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, head_slots: int = 0) -> None:
+        """`head_slots`: units of apple_silicon the head advertises too (none by default, so
+        pinned models land on the worker; a sharded replica spreads over both)."""
         self.root = root
+        self.head_slots = head_slots
         self.logs = root / "logs"
         self.logs.mkdir()
         self.token = secrets.token_hex(32)
@@ -78,9 +81,11 @@ class LocalCluster:
 
     def start(self) -> None:
         # Short temp dir: Ray's unix socket paths must fit in 107 bytes.
+        models = ["--with-models", "--allow-no-metal", "--amount", str(self.head_slots)] \
+            if self.head_slots else []
         self.head = self._spawn("head", [
             sys.executable, "-m", "deployments.cluster", "head", "--port", str(GCS_PORT),
-            "--", "--block", "--num-cpus", "2", "--object-store-memory", str(256 << 20),
+            *models, "--", "--block", "--num-cpus", "2", "--object-store-memory", str(256 << 20),
             "--temp-dir", str(self.root / "ray"), *HEAD_PORTS])
         self._wait_nodes(1)
         self.ensure_worker()

@@ -1,0 +1,175 @@
+"""A sharded replica's other ranks: Ray actors that rank 0 (the Serve replica) starts in
+its own placement group, owns, watches and tears down.
+
+Serve reserves the replica's placement group (`placement_group_bundles`, one bundle per
+shard, `app.py`) and runs the replica in bundle 0; rank r runs in bundle r. Ray knows every
+node, so no ssh, hostfile or launcher of ours is involved: each actor reports the address
+it will listen on, rank 0 hands every rank its `ShardPlan`, and MLX's backend connects
+them. An actor is owned by the replica, so when Serve stops or replaces the replica, its
+shards go with it and the placement group is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.config import DistributedSettings, ModelSettings
+from replicas.batch import EngineConfig
+from replicas.sharding import Mode, ShardPlan
+
+log = logging.getLogger(__name__)
+
+# How long a health check waits for a shard to answer a ping.
+_PING_TIMEOUT_S = 10.0
+
+
+def listen_address(settings: DistributedSettings) -> str:
+    """`host:port` this process's rank will listen on: the first free port in the range."""
+    host = settings.host or ray.util.get_node_ip_address()
+    low, high = settings.port_range or (0, 0)
+    for port in range(low, high + 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return f"{host}:{sock.getsockname()[1]}"
+    raise RuntimeError(f"no free port for a shard on {host} in {low}..{high}")
+
+
+class ShardWorker:
+    """Rank r >= 1 of one sharded replica."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._work = threading.Event()  # set by rank 0's `wake`
+
+    def wake(self) -> None:
+        self._work.set()
+
+    def _wait_for_work(self) -> None:
+        self._work.wait()
+        self._work.clear()
+
+    def address(self, settings: DistributedSettings) -> tuple[str, str]:
+        return listen_address(settings), ray.get_runtime_context().get_node_id()
+
+    def run(self, source: str, plan: ShardPlan, engine: EngineConfig) -> int:
+        """Load this rank's shard and follow rank 0 until it stops (the steps run)."""
+        from replicas.sharding import follow
+
+        return follow(source, plan, engine, self._wait_for_work)
+
+    def ping(self) -> int:
+        return self._rank
+
+
+class ShardGroup:
+    """Rank 0's handle on ranks 1..N-1."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        self._settings = settings
+        self._workers: list[Any] = []
+        self._runs: list[Any] = []
+        self._lost: str | None = None
+        self._stopping = False
+        self.nodes: list[str] = []  # node id per rank, rank 0 first
+
+    @property
+    def size(self) -> int:
+        return self._settings.shards
+
+    def start(self, mode: Mode, engine: EngineConfig) -> ShardPlan:
+        """Start the other ranks (they wait for rank 0 to join) and return rank 0's plan."""
+        settings, dist = self._settings, self._settings.distributed
+        group = get_current_placement_group()
+        if group is None:
+            raise RuntimeError("a sharded replica must run in its placement group")
+        resources = {}
+        if settings.placement is not None and settings.placement.pin:
+            resources = {settings.placement.resource: settings.placement.resource_per_replica}
+        owner = ray.get_runtime_context().get_actor_id() or "driver"
+        self._workers = [
+            ray.remote(ShardWorker).options(
+                max_concurrency=4,  # threaded: `ping` and `wake` answer while `run` works
+                # Named, so an operator (or a test) can find a replica's shards by model.
+                name=f"orchard-shard:{settings.id}:{rank}:{owner[:12]}",
+                num_cpus=0, resources=resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=rank),
+            ).remote(rank)
+            for rank in range(1, settings.shards)]
+        found = ray.get([w.address.remote(dist) for w in self._workers])
+        addresses = (listen_address(dist), *(a for a, _ in found))
+        self.nodes = [ray.get_runtime_context().get_node_id(), *(n for _, n in found)]
+        devices = tuple(tuple(row) for row in dist.rdma_devices) if dist.rdma_devices else None
+
+        def plan(rank: int) -> ShardPlan:
+            return ShardPlan(mode, rank, settings.shards, dist.backend, addresses, devices)
+
+        self._runs = [w.run.remote(settings.source, plan(rank), engine)
+                      for rank, w in enumerate(self._workers, start=1)]
+        log.info("model %s: %d shards (%s) at %s", settings.id, settings.shards, mode,
+                 ", ".join(addresses))
+        return plan(0)
+
+    def watch(self, on_lost: Callable[[str], None], stalled_for: Callable[[], float]) -> None:
+        """Call `on_lost(reason)` once, from a daemon thread, when a shard ends or errs or
+        a step stays stuck past `collective_timeout_s`."""
+        timeout = self._settings.distributed.collective_timeout_s
+
+        def loop() -> None:
+            while not self._stopping:
+                ready, _ = ray.wait(self._runs, num_returns=1, timeout=1.0)
+                if self._stopping:
+                    return
+                reason = self._ended(ready[0]) if ready else None
+                stalled = stalled_for()
+                if reason is None and stalled > timeout:
+                    reason = f"a batch step has not returned for {stalled:.0f}s " \
+                             f"(distributed.collective_timeout_s is {timeout:g})"
+                if reason is not None:
+                    self._lost = reason
+                    log.error("model %s: %s; failing the replica", self._settings.id, reason)
+                    on_lost(reason)
+                    return
+
+        threading.Thread(target=loop, name="orchard-shard-watch", daemon=True).start()
+
+    def _ended(self, ref: Any) -> str:
+        rank = self._runs.index(ref) + 1
+        try:
+            ray.get(ref)
+            return f"shard {rank + 1} of {self._settings.shards} stopped"
+        except Exception as exc:  # noqa: BLE001 - any way a shard ends is fatal to the replica
+            return f"shard {rank + 1} of {self._settings.shards} failed: {type(exc).__name__}"
+
+    def wake(self) -> None:
+        """Rank 0's batch is about to step again: the others leave their idle wait."""
+        for worker in self._workers:
+            worker.wake.remote()
+
+    def check(self) -> None:
+        """Raise unless every shard is alive and answering (the replica's health check)."""
+        if self._lost is not None:
+            raise RuntimeError(self._lost)
+        ray.get([w.ping.remote() for w in self._workers], timeout=_PING_TIMEOUT_S)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """After rank 0 told the others to stop: wait briefly, then end any still running."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        for ref, worker in zip(self._runs, self._workers):
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - stuck or gone: end it
+                ray.kill(worker)

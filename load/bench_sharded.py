@@ -1,0 +1,135 @@
+"""One model on one process vs sharded over two (issue 22), same server, same run.
+
+    python load/bench_sharded.py --rounds 3 --tokens 64
+
+Starts one `serve run` on 127.0.0.1 serving `builtin:bench` twice: `bench` (whole) and
+`bench-x2` (`shards: 2`, tensor parallel, the ranks on loopback). Each round measures both,
+in alternating order, at 1 and 8 concurrent streams: aggregate tokens/s and the median
+TTFT over HTTP, and for the sharded model the collective time per step (rank 0's wait for
+the other rank to take the step's batch record, from the deployment's own counters).
+Prints each figure's median over the rounds with its spread (min-max), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+
+from load.bench_serving import BASE, PORT, ROOT, Run, http_streams, port_in_use, stop_server  # noqa: E402
+
+MODELS = {"bench": 1, "bench-x2": 2}
+
+
+def config(source: str) -> dict[str, Any]:
+    models = [{"id": name, "source": source, "shards": shards, "max_ongoing_requests": 64,
+               # Loopback only: both ranks run here.
+               **({"distributed": {"host": "127.0.0.1"}} if shards > 1 else {})}
+              for name, shards in MODELS.items()]
+    return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": PORT},
+            "applications": [{"name": "orchard", "route_prefix": "/",
+                              "import_path": "deployments.app:build_app",
+                              "args": {"models": models,
+                                       "observability": {"request_logs": False}}}]}
+
+
+def start(source: str) -> subprocess.Popen[bytes]:
+    if port_in_use(PORT):
+        raise RuntimeError(f"something already listens on 127.0.0.1:{PORT}; refusing to "
+                           "benchmark it")
+    path = Path(tempfile.mkdtemp()) / "bench_sharded.yaml"
+    path.write_text(json.dumps(config(source)))  # JSON is YAML
+    serve = Path(sys.executable).with_name("serve")
+    proc = subprocess.Popen([str(serve), "run", str(path)], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve run exited during startup (code {proc.returncode})")
+        try:
+            if all(httpx.post(f"{BASE}/v1/completions", timeout=60, json={
+                    "model": m, "prompt": "hi", "max_tokens": 1}).status_code == 200
+                   for m in MODELS):
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise RuntimeError("serve run did not come up")
+
+
+def sync_totals() -> tuple[int, float]:
+    """The sharded replica's steps and seconds spent syncing so far (its `stats`)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address="auto", namespace="serve", log_to_driver=False)
+    stats = serve.get_deployment_handle("model:bench-x2", app_name="orchard") \
+        .stats.remote().result()
+    return int(stats["sync_steps"]), float(stats["sync_seconds"])
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-" \
+           f"{format(max(values), fmt)})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", default="builtin:bench")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+    if args.rounds < 3:
+        parser.error("a headline figure is a median of at least 3 rounds")
+    proc = start(args.source)
+    tps: dict[tuple[str, int], list[float]] = {}
+    ttft: dict[tuple[str, int], list[float]] = {}
+    sync_ms: dict[int, list[float]] = {}
+    try:
+        for r in range(args.rounds):
+            order = list(MODELS) if r % 2 == 0 else list(reversed(MODELS))
+            for model in order:
+                for c in args.concurrency:
+                    before = sync_totals() if MODELS[model] > 1 else None
+                    run: Run = asyncio.run(http_streams(c, args.tokens, model,
+                                                        f"Round {r}. Tell me a story."))
+                    tps.setdefault((model, c), []).append(run.tps)
+                    ttft.setdefault((model, c), []).append(statistics.median(run.ttft))
+                    if before is not None:
+                        steps, seconds = (a - b for a, b in zip(sync_totals(), before))
+                        sync_ms.setdefault(c, []).append(1000 * seconds / max(1, steps))
+                    print(f"round {r + 1} {model} x{c}: {run.tps:.1f} tok/s", flush=True)
+    finally:
+        stop_server(proc)
+    print(f"\n{args.source}, {args.tokens} tokens per stream, {args.rounds} rounds "
+          "(median, min-max):")
+    print("| streams | shards | tok/s | TTFT ms | sync ms/step | tok/s vs 1 shard |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for c in args.concurrency:
+        base = statistics.median(tps[("bench", c)])
+        for model, shards in MODELS.items():
+            ratio = statistics.median(tps[(model, c)]) / base
+            sync = spread(sync_ms[c], ".2f") if shards > 1 else "-"
+            print(f"| {c} | {shards} | {spread(tps[(model, c)], '.1f')} | "
+                  f"{spread([t * 1000 for t in ttft[(model, c)]], '.0f')} | {sync} | "
+                  f"{ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

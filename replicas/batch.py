@@ -1,0 +1,163 @@
+"""The batch a replica decodes: mlx-lm's `BatchGenerator` with the KV prefix cache beside it.
+
+Everything that changes the batch goes through here as a few whole operations (insert rows,
+step, finish rows, reset), never as loose calls on the generator. That is what lets a
+sharded replica run the same batch on every rank: `replicas.lockstep` records these
+operations on rank 0 and replays them on the others, and the engine above never knows how
+many ranks there are.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from replicas.prompt_cache import PromptCache, segments
+from replicas.sampling import LogitsProcessor, Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32  # sequences decoded together
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
+    # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
+    # batch are not counted: this is what stays resident between requests.
+    prompt_cache_bytes: int = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request as the batch sees it: tokens, limits and how to pick the next token."""
+
+    prompt_ids: tuple[int, ...]
+    boundary: int  # prompt tokens before the last message: their KV is kept once prefilled
+    max_tokens: int
+    stop_ids: frozenset[int]  # token ids that end the row (EOS included)
+    sampler: Sampler
+    processors: tuple[LogitsProcessor, ...] = ()
+
+
+@dataclass(frozen=True)
+class Done:
+    """A row the engine is finished with: `keep` saves its KV for reuse (a normal end)."""
+
+    uid: int
+    keep: bool
+
+
+class Batch(Protocol):
+    """What the engine drives; `LocalBatch`, or `replicas.lockstep.LockstepBatch`."""
+
+    @property
+    def cache(self) -> PromptCache | None: ...
+    @property
+    def empty(self) -> bool: ...
+    def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]: ...
+    def step(self) -> list[Any]: ...
+    def finish(self, done: Sequence[Done]) -> None: ...
+    def reset(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class LocalBatch:
+    """The batch of one process. Not thread-safe: the engine thread alone calls it."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
+                 = (1, 1)) -> None:
+        self._model = model
+        self._config = config
+        self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale) \
+            if config.prompt_cache_bytes > 0 else None
+        self.stream = mx.new_stream(mx.default_device())  # the batch's work, in order
+        self._gen = self._new_generator()
+        # Rows mlx-lm ended in the last step, with their KV (it drops them from the batch).
+        self._ended: dict[int, tuple[list[int], list[Any]]] = {}
+        self._rows: set[int] = set()  # uids in the batch
+
+    @property
+    def empty(self) -> bool:
+        """No rows: the engine will not step again until something is inserted."""
+        return not self._rows
+
+    @property
+    def cache(self) -> PromptCache | None:
+        return self._cache
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self._model,
+            completion_batch_size=self._config.max_batch_size,
+            prefill_batch_size=self._config.prefill_batch_size,
+            prefill_step_size=self._config.prefill_step_size,
+            stream=self.stream,
+        )
+
+    def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
+        """Add rows; each reuses the KV of its longest cached prompt prefix. Returns each
+        row's (uid, prompt tokens served from the cache)."""
+        hits = [self._cache.fetch(list(r.prompt_ids)) if self._cache else None for r in rows]
+        uids = self._gen.insert_segments(
+            [segments(list(r.prompt_ids), h.length if h else 0, r.boundary)
+             for r, h in zip(rows, hits)],
+            # None: mlx-lm starts an empty cache (its annotation does not say so).
+            caches=[h.cache if h else None for h in hits],  # type: ignore[misc]
+            # The tokens the cache holds: penalties and the batch's bookkeeping see them.
+            all_tokens=[list(r.prompt_ids[:h.length]) if h else [] for r, h in zip(rows, hits)],
+            max_tokens=[r.max_tokens for r in rows],
+            samplers=[r.sampler for r in rows],
+            # Rows without processors skip mlx-lm's per-row path entirely.
+            logits_processors=[list(r.processors) for r in rows],
+            stop_sequences=[StopSequences([[t] for t in sorted(r.stop_ids)]) for r in rows],
+        )
+        self._rows.update(uids)
+        return [(uid, h.length if h else 0) for uid, h in zip(uids, hits)]
+
+    def step(self) -> list[Any]:
+        """One batch step (prefill and/or decode): mlx-lm's responses, one per row that got
+        a token. Rows mlx-lm ended itself (stop id, length) have left the batch."""
+        prefilled, responses = self._gen.next()
+        if self._cache is not None:
+            self._cache.save_boundaries(self._gen, prefilled)
+        self._ended = {r.uid: (r.all_tokens, r.prompt_cache) for r in responses
+                       if r.finish_reason is not None and r.prompt_cache is not None}
+        self._rows.difference_update(r.uid for r in responses if r.finish_reason is not None)
+        return list(responses)
+
+    def finish(self, done: Sequence[Done]) -> None:
+        """Take rows out of the batch (those still in it) and keep the KV of normal ends."""
+        batched = [d.uid for d in done if d.uid not in self._ended]
+        if self._cache is not None:
+            keep = [d.uid for d in done if d.keep]
+            self._save([self._ended[u] for u in keep if u in self._ended],
+                       [u for u in keep if u not in self._ended])
+        if batched:
+            self._gen.remove(batched)
+        self._rows.difference_update(d.uid for d in done)
+
+    def _save(self, ended: list[tuple[list[int], list[Any]]], batched: list[int]) -> None:
+        assert self._cache is not None
+        try:  # a failure costs reuse only: the cache is an optimisation
+            if batched:
+                ended += [(t, c) for c, t in self._gen.extract_cache(batched).values()]
+            for tokens, cache in ended:
+                self._cache.save(list(tokens), cache)
+        except Exception:  # noqa: BLE001
+            log.exception("saving a prompt cache entry failed")
+
+    def reset(self) -> None:
+        """A fresh, empty batch after a failed step (the cache keeps what it holds)."""
+        self._gen = self._new_generator()
+        self._ended = {}
+        self._rows = set()
+
+    def close(self) -> None:
+        """Nothing to release in one process; a lockstep batch tells the other ranks."""

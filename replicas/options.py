@@ -1,0 +1,32 @@
+"""`ReplicaOptions`: what one model replica is configured with (the deployment builds it
+from the model's settings; `deployments.config` reads its defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replicas.batch import EngineConfig
+from replicas.sharding import ShardPlan
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    model_id: str
+    source: str
+    default_stops: tuple[str, ...] = ()
+    max_stops: int = 16
+    channel_format: str | None = None  # None: detected from the tokenizer
+    thinking_budget: int | None = None  # default budget for reasoning, in tokens
+    tool_format: str | None = None  # None: detected from the chat template and vocabulary
+    # Caps the model's context (vLLM's max_model_len): KV memory grows with it, and a Mac
+    # with little memory can serve a long-context model at a shorter length.
+    max_model_len: int | None = None
+    # A max_tokens past the context: "clamp" lowers it to what is left, "reject" is a 400.
+    max_tokens_past_context: str = "clamp"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    load_timeout_s: float = 600.0
+    # After the first flush, events are held at most this long so one message carries many
+    # tokens when decode is fast: every message costs a hop through Ray and HTTP.
+    flush_interval_s: float = 0.005
+    # This process's part of a sharded replica (rank 0 here); None: the whole model.
+    shard: ShardPlan | None = None

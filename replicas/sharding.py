@@ -1,0 +1,180 @@
+"""One model across several processes (one per Mac): which split an architecture allows,
+joining the `mx.distributed` group, and loading this rank's shard with mlx-lm.
+
+The split is mlx-lm's own: tensor parallel where the model class has `shard()` (every rank
+holds a slice of every layer; two all-reduces per layer), pipeline parallel where its
+layers are a `PipelineMixin` (each rank holds a run of whole layers and reads only their
+weight files; one hop per stage). Who the ranks are and where they listen comes from the
+caller (Ray, in `deployments.shards`): this module starts no process and opens no socket of
+its own; MLX's ring (TCP) or JACCL (RDMA over Thunderbolt) backend does the talking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import mlx.core as mx
+from mlx_lm.models.pipeline import PipelineMixin
+# Private helpers of the pinned mlx-lm: its own architecture lookup and Hub fetch, so a
+# config is judged exactly as `sharded_load` will load it.
+from mlx_lm.utils import _download, _get_classes, sharded_load
+
+from replicas.batch import EngineConfig, LocalBatch
+from replicas.loading import LoadedModel, loaded_model, resolve_source
+from replicas.lockstep import Follower
+from replicas.startup import Progress
+
+Mode = Literal["tensor", "pipeline"]
+Backend = Literal["ring", "jaccl"]
+
+
+class ShardingError(ValueError):
+    """A `shards`/`sharding` value this model cannot take; names the field."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One rank's part in a sharded replica."""
+
+    mode: Mode
+    rank: int
+    size: int
+    backend: Backend
+    # Ring: "ip:port" where each rank listens, by rank. JACCL: rank 0's is the coordinator.
+    addresses: tuple[str, ...]
+    # JACCL only: RDMA device from rank i to rank j (None on the diagonal), as `mlx.launch`
+    # writes it.
+    rdma_devices: tuple[tuple[str | None, ...], ...] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"shard {self.rank + 1} of {self.size} ({self.mode})"
+
+
+def sharding_mode(config: dict[str, Any], shards: int, requested: str = "auto") -> Mode:
+    """The split for `shards` ranks of a model with this config.json, or a ShardingError
+    naming the field. `auto`: tensor where mlx-lm can shard the architecture, else
+    pipeline. Reads only the config and the model class: no weights."""
+    if shards < 1:
+        raise ShardingError(f"shards must be at least 1 (got {shards})")
+    try:
+        model_class, _ = _get_classes(config)  # mlx-lm's own lookup (pinned version)
+    except (KeyError, ValueError) as exc:
+        raise ShardingError(f"shards: {shards}: mlx-lm does not know this architecture "
+                            f"({exc})") from exc
+    tensor = hasattr(model_class, "shard")
+    module = sys.modules[model_class.__module__]
+    pipeline = any(isinstance(v, type) and issubclass(v, PipelineMixin) and v is not PipelineMixin
+                   for v in vars(module).values())
+    kind = config.get("model_type", "?")
+    if requested == "auto":
+        if not (tensor or pipeline):
+            raise ShardingError(f"shards: {shards}: mlx-lm can split a {kind} model neither by "
+                                "tensor nor by pipeline")
+        mode: Mode = "tensor" if tensor else "pipeline"
+    elif requested in ("tensor", "pipeline"):
+        if not (tensor if requested == "tensor" else pipeline):
+            raise ShardingError(f"sharding: {requested}: mlx-lm cannot split a {kind} model "
+                                f"that way")
+        mode = "tensor" if requested == "tensor" else "pipeline"
+    else:
+        raise ShardingError(f"sharding must be auto, tensor or pipeline (got {requested!r})")
+    if shards > 1:
+        _check_divisible(config, shards, mode)
+    return mode
+
+
+def _check_divisible(config: dict[str, Any], shards: int, mode: Mode) -> None:
+    text = config.get("text_config", config)
+    if mode == "pipeline":
+        layers = int(text.get("num_hidden_layers", 0))
+        if layers < shards:
+            raise ShardingError(f"shards: {shards} pipeline stages need at least {shards} "
+                                f"layers; the model has {layers}")
+        return
+    heads = int(text.get("num_attention_heads", 0))
+    sizes = {"num_attention_heads": heads,
+             "num_key_value_heads": int(text.get("num_key_value_heads") or heads),
+             "intermediate_size": int(text.get("intermediate_size") or 0)}
+    for name, value in sizes.items():
+        if value and value % shards:
+            raise ShardingError(f"shards: {shards} does not divide the model's {name} "
+                                f"({value}), which tensor parallelism splits evenly")
+
+
+def model_config(source: str, fetch: bool = True) -> dict[str, Any] | None:
+    """config.json of a model: local, built-in, or (with `fetch`) that file alone from the
+    Hub, as mlx-lm fetches it; None when it is not on disk and `fetch` is off."""
+    resolved = resolve_source(source)
+    if not isinstance(resolved, Path) and fetch:
+        resolved = _download(resolved, allow_patterns=["config.json"])
+    path = Path(resolved) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    assert isinstance(config, dict)
+    return config
+
+
+def join(plan: ShardPlan) -> mx.distributed.Group:
+    """Join the group every rank of this replica joins at the same time (blocking)."""
+    os.environ["MLX_RANK"] = str(plan.rank)
+    if plan.backend == "ring":
+        os.environ["MLX_HOSTFILE"] = _file(json.dumps([[a] for a in plan.addresses]))
+    else:
+        os.environ["MLX_JACCL_COORDINATOR"] = plan.addresses[0]
+        os.environ["MLX_IBV_DEVICES"] = _file(json.dumps(plan.rdma_devices))
+    group = mx.distributed.init(strict=True, backend=plan.backend)
+    if (group.rank(), group.size()) != (plan.rank, plan.size):
+        raise RuntimeError(f"joined as rank {group.rank()} of {group.size()}, expected "
+                           f"{plan.rank} of {plan.size}")
+    return group
+
+
+def _file(text: str) -> str:
+    with tempfile.NamedTemporaryFile("w", prefix="orchard-mlx-", suffix=".json",
+                                     delete=False) as f:
+        f.write(text)
+    return f.name
+
+
+def open_shard(source: str, plan: ShardPlan,
+               config: EngineConfig) -> tuple[LoadedModel, LocalBatch, mx.distributed.Group]:
+    """Join the group, load this rank's shard (mlx-lm's `sharded_load`: a pipeline stage
+    reads only its layers' files) and make its local batch."""
+    resolved = resolve_source(source)
+    with Progress(f"joining {plan.label} of {source} over {plan.backend}"):
+        group = join(plan)
+    with Progress(f"loading model {source}, {plan.label}, from {resolved}"):
+        tensor = group if plan.mode == "tensor" else None
+        pipeline = group if plan.mode == "pipeline" else None
+        model, tokenizer, model_conf = sharded_load(str(resolved), pipeline, tensor,
+                                                    return_config=True)
+    loaded = loaded_model(source, resolved, model, tokenizer, model_conf)
+    return loaded, LocalBatch(model, config, _cache_scale(model, model_conf, plan)), group
+
+
+def follow(source: str, plan: ShardPlan, config: EngineConfig,
+           wait_for_work: Callable[[], None]) -> int:
+    """Ranks 1..N-1: load the shard, then replay rank 0's batch until it stops. Returns
+    the steps run."""
+    _, batch, group = open_shard(source, plan, config)
+    follower = Follower(batch, group, wait_for_work)
+    follower.run()
+    return follower.steps
+
+
+def _cache_scale(model: Any, config: dict[str, Any], plan: ShardPlan) -> tuple[int, int]:
+    """Pipeline stages hold different numbers of layers; counting each entry as the
+    replica's average per rank makes every stage's cache agree (`PromptCache`)."""
+    if plan.mode == "tensor":
+        return (1, 1)
+    total = int(config.get("text_config", config)["num_hidden_layers"])
+    local = model.model.end_idx - model.model.start_idx
+    return (total, local * plan.size)

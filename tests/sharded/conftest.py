@@ -1,0 +1,57 @@
+"""Sharded replicas on a real two-node Ray cluster on this machine: both nodes advertise the
+Apple Silicon resource, so a `shards: 2` replica puts one rank on each (STRICT_SPREAD), and
+the ranks talk over MLX's ring backend on loopback.
+
+One application serves the float32 built-in models whole (the reference) and sharded two
+ways (`tiny`: tensor; `pipe`: tensor and pipeline), whose greedy output must be identical,
+and `bench` (bfloat16) sharded by tensor. Tensor parallelism sums each layer's partial
+products in another order; in bfloat16 that moves a logit by a rounding step, which flips
+the random-weight bench model's near-ties within a few dozen tokens, so bench is checked for
+self-consistency and used where only a long stream matters (a lost shard).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from replicas.builtin import ensure_builtin
+from tests.cluster.conftest import LocalCluster
+
+# (reference id, sharded id, sharding): greedy text must match.
+PAIRS = [("tiny", "tiny-x2", "tensor"), ("pipe", "pipe-x2", "pipeline"),
+         ("pipe", "pipe-t2", "tensor")]
+SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench"}
+
+
+def app_args() -> dict[str, Any]:
+    def sharded(model_id: str, source: str, how: str) -> dict[str, Any]:
+        return {"id": model_id, "source": source, "shards": 2, "sharding": how,
+                # Loopback: the ranks of this test never leave the machine.
+                "distributed": {"host": "127.0.0.1", "collective_timeout_s": 60}}
+
+    models = [{"id": w, "source": SOURCES[w], "placement": {"pin": False}} for w in ("tiny", "pipe")]
+    models += [sharded(s, SOURCES[w], how) for w, s, how in PAIRS]
+    models.append(sharded("bench-x2", SOURCES["bench"], "tensor"))
+    return {"cluster": {"placement": {"pin": True, "require_metal": False}}, "models": models}
+
+
+@pytest.fixture(scope="package")
+def sharded_cluster() -> Iterator[LocalCluster]:
+    for name in SOURCES:
+        ensure_builtin(name)  # once here, not in every replica
+    root = Path(tempfile.mkdtemp(prefix="orc-", dir="/tmp"))
+    # Every sharded replica takes one unit on each node; a replaced one briefly needs two.
+    local = LocalCluster(root, head_slots=6)
+    try:
+        local.start()
+        local.deploy(app_args())
+        local.wait_status("RUNNING", timeout_s=420)
+        yield local
+    finally:
+        local.stop()
+        shutil.rmtree(root, ignore_errors=True)

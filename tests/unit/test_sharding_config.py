@@ -1,0 +1,106 @@
+"""`shards` / `sharding` values: checked against the architecture at deploy, each error
+naming its field; and the lockstep pieces that need no second process."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.app import build_app
+from deployments.config import AppArgs, ModelSettings
+from replicas.batch import Done
+from replicas.builtin import ensure_builtin
+from replicas.lockstep import _Finish, _Insert, _RowSpec
+from replicas.sharding import ShardingError, model_config, sharding_mode
+
+
+@pytest.fixture(scope="module")
+def tiny_config() -> dict[str, Any]:
+    ensure_builtin("tiny")
+    config = model_config("builtin:tiny", fetch=False)
+    assert config is not None
+    return config
+
+
+@pytest.fixture(scope="module")
+def pipe_config() -> dict[str, Any]:
+    config = model_config("builtin:pipe", fetch=False)
+    assert config is not None
+    return config
+
+
+def test_auto_is_tensor_where_mlx_lm_can_shard(tiny_config: dict[str, Any],
+                                               pipe_config: dict[str, Any]) -> None:
+    assert sharding_mode(tiny_config, 2) == "tensor"  # qwen3: shard() only
+    assert sharding_mode(pipe_config, 2) == "tensor"  # qwen2: both, tensor first
+    assert sharding_mode(pipe_config, 2, "pipeline") == "pipeline"
+    assert sharding_mode(pipe_config, 4, "pipeline") == "pipeline"  # one layer a stage
+
+
+@pytest.mark.parametrize("shards,sharding,field,words", [
+    (3, "auto", "shards: 3", "num_attention_heads (4)"),  # 4 heads do not split 3 ways
+    (4, "tensor", "shards: 4", "num_key_value_heads (2)"),  # 2 kv heads do not split 4 ways
+    (2, "pipeline", "sharding: pipeline", "cannot split a qwen3 model"),
+])
+def test_what_the_architecture_cannot_split_names_the_field(
+        tiny_config: dict[str, Any], shards: int, sharding: str, field: str,
+        words: str) -> None:
+    with pytest.raises(ShardingError) as err:
+        sharding_mode(tiny_config, shards, sharding)
+    assert str(err.value).startswith(field) and words in str(err.value)
+
+
+def test_more_stages_than_layers(pipe_config: dict[str, Any]) -> None:
+    with pytest.raises(ShardingError, match=r"^shards: 5 pipeline stages need at least 5 "
+                                            r"layers; the model has 4"):
+        sharding_mode(pipe_config, 5, "pipeline")
+
+
+def test_an_architecture_with_neither_split() -> None:
+    config = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8, "vocab_size": 16,
+              "n_positions": 16}
+    with pytest.raises(ShardingError, match="neither by tensor nor by pipeline"):
+        sharding_mode(config, 2)
+
+
+def test_build_app_refuses_a_bad_shards_value_naming_model_and_field() -> None:
+    args = {"models": [{"id": "tiny-x3", "source": "builtin:tiny", "shards": 3}]}
+    with pytest.raises(ValueError, match=r"model 'tiny-x3': shards: 3 does not divide"):
+        build_app(args)
+
+
+@pytest.mark.parametrize("value", [0, -1, "two"])
+def test_shards_must_be_a_positive_count(value: object) -> None:
+    with pytest.raises(ValidationError) as err:
+        ModelSettings.model_validate({"id": "m", "source": "builtin:tiny", "shards": value})
+    assert err.value.errors()[0]["loc"] == ("shards",)
+
+
+def test_jaccl_needs_the_rdma_matrix() -> None:
+    with pytest.raises(ValidationError, match="distributed.rdma_devices must be a 2 x 2"):
+        ModelSettings.model_validate({"id": "m", "source": "s", "shards": 2,
+                                      "distributed": {"backend": "jaccl"}})
+    ok = ModelSettings.model_validate({
+        "id": "m", "source": "s", "shards": 2, "distributed": {
+            "backend": "jaccl", "rdma_devices": [[None, "rdma_en3"], ["rdma_en3", None]]}})
+    assert ok.distributed.rdma_devices == [[None, "rdma_en3"], ["rdma_en3", None]]
+
+
+def test_placement_spreads_pinned_shards_one_per_node() -> None:
+    pinned = AppArgs.model_validate({
+        "cluster": {"placement": {"pin": True}},
+        "models": [{"id": "m", "source": "s", "shards": 2}]})
+    model = pinned.models[0].with_placement(pinned.cluster.placement)
+    assert model.placement_strategy == "STRICT_SPREAD"
+    loose = ModelSettings.model_validate({"id": "m", "source": "s", "shards": 2})
+    assert loose.placement_strategy == "PACK"
+
+
+def test_a_batch_record_survives_the_wire() -> None:
+    # What rank 0 sends before a step is plain data: pickled, it comes back equal.
+    ops = [_Insert((_RowSpec((1, 2, 3), 2, 16, frozenset({0}), 7, 1),)),
+           _Finish((Done(4, keep=True),))]
+    assert pickle.loads(pickle.dumps(ops)) == ops
