@@ -120,9 +120,9 @@ class EngineMetrics:
         self._shards = Gauge("orchard_replica_shards", "Processes (Macs) one replica of the "
                              "model runs on (`shards`).", tag_keys=tags)
         self._shards.set(shards, self._tags)
-        self._sync = Histogram("orchard_shard_sync_seconds", "A sharded replica's wait per "
-                               "engine step for its other ranks to take the step's batch "
-                               "record (a collective).", STEP_BUCKETS, tag_keys=tags)
+        self._sync = Histogram("orchard_shard_sync_seconds", "A sharded replica's wait at "
+                               "each step boundary: the step's batch record queues behind "
+                               "the step still computing, then crosses to the other ranks.", STEP_BUCKETS, tag_keys=tags)
         self._queue = Gauge("orchard_queue_depth", "Requests waiting to join the batch.",
                             tag_keys=tags)
         self._running = Gauge("orchard_running_sequences", "Sequences in the batch.",

@@ -17,7 +17,8 @@ _KEEP = 4096
 class TimingSamples:
     steps: tuple[tuple[float, int], ...]  # (seconds, sequences that got a token) per step
     grammar_compile_s: tuple[float, ...]
-    # A sharded replica's wait per step for the other ranks to take rank 0's batch record.
+    # A sharded replica's wait at each step boundary: its batch record queues behind the
+    # step mlx-lm still evaluates asynchronously (its collectives included), then crosses.
     sync_s: tuple[float, ...] = ()
 
 
