@@ -518,8 +518,8 @@ def test_weights_are_saved_in_the_recipe_dtype(tmp_path: Path) -> None:
     # bench ships in bfloat16, as released MLX checkpoints do; tiny stays in float32.
     assert (BENCH.dtype, TINY.dtype) == ("bfloat16", "float32")
     built = ensure_recipe(replace(SMALL, dtype="bfloat16"), tmp_path)
-    weights = mx.load(str(built / "model.safetensors"))
-    assert {w.dtype for w in weights.values()} == {mx.bfloat16}
+    weights = {k: v for f in built.glob("model-*.safetensors") for k, v in mx.load(str(f)).items()}
+    assert weights and {w.dtype for w in weights.values()} == {mx.bfloat16}
     assert json.loads((built / "config.json").read_text())["torch_dtype"] == "bfloat16"
     model, _ = mlx_lm.load(str(built))
     assert model.lm_head.weight.dtype == mx.bfloat16
@@ -575,9 +575,26 @@ def test_concurrent_builds_make_one_directory(tmp_path: Path) -> None:
     assert model.args.model_type == "qwen3"
     assert tokenizer.eos_token == "<|im_end|>"
     # A later call reuses the directory without rebuilding.
-    mtime = (built_dir / "model.safetensors").stat().st_mtime_ns
+    mtime = (built_dir / "model.safetensors.index.json").stat().st_mtime_ns
     assert ensure_recipe(SMALL, tmp_path) == built_dir
-    assert (built_dir / "model.safetensors").stat().st_mtime_ns == mtime
+    assert (built_dir / "model.safetensors.index.json").stat().st_mtime_ns == mtime
+
+
+def test_weights_are_split_by_layer_with_an_index(tmp_path: Path) -> None:
+    # As a sharded checkpoint: a pipeline stage reads only its own layers' files.
+    built = ensure_recipe(replace(SMALL, name="small-qwen2", architecture=replace(
+        SMALL.architecture, model_type="qwen2")), tmp_path)
+    index = json.loads((built / "model.safetensors.index.json").read_text())["weight_map"]
+    layers = SMALL.architecture.num_hidden_layers
+    files = {f for f in index.values()}
+    assert len(files) == layers + 1  # one per layer, one for embeddings, norm and head
+    for name, filename in index.items():
+        assert name in mx.load(str(built / filename))
+        if ".layers." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            assert all(filename == f for n, f in index.items() if f".layers.{layer}." in n)
+    model, _ = mlx_lm.load(str(built))
+    assert model.args.model_type == "qwen2"
 
 
 def test_failed_build_leaves_nothing_behind(
