@@ -48,6 +48,8 @@ ENGINE_METRICS = (
     "orchard_prefix_cache_misses_total", "orchard_prefix_cache_evictions_total",
     "orchard_prefix_cache_bytes", "orchard_grammar_compile_seconds",
 )
+# A replica's shard count (1 unless `shards`), and its per-step sync, only when sharded.
+SHARD_METRICS = ("orchard_replica_shards", "orchard_shard_sync_seconds")
 
 
 def _keys(*names: str) -> tuple[str]:

@@ -193,6 +193,11 @@ def test_every_metric_is_exported_with_the_model_label(loaded: App) -> None:
     def missing(text: str) -> list[str]:
         wrong = [name for name, least in expected.items()
                  if _total(text, name, model=MODEL) < least]
+        # One process per replica: no sync samples, and the shard gauge says 1.
+        if _total(text, "orchard_replica_shards", model=MODEL) != 1:
+            wrong.append("orchard_replica_shards (not 1)")
+        if _samples(text, "orchard_shard_sync_seconds"):
+            wrong.append("orchard_shard_sync_seconds (an unsharded replica synced)")
         # Gauges are present (their values are whatever the engine holds right now).
         wrong += [name for name in ("orchard_queue_depth", "orchard_running_sequences")
                   if not _samples(text, name)]
