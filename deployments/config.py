@@ -21,6 +21,7 @@ from pydantic import (
 )
 from ray.serve.config import AutoscalingConfig
 
+from ingress.options import EdgeOptions
 from replicas.pipeline.channels import FORMATS
 from replicas.pipeline.tool_formats import TOOL_FORMATS
 
@@ -73,6 +74,18 @@ class PromptCacheSettings(_Strict):
     max_bytes: int = Field(default_factory=_engine_default("prompt_cache_bytes"), ge=0,
                            description="KV of earlier prompts kept for reuse, in bytes per "
                                        "replica (LRU); 0 turns the cache off.")
+
+
+class MemorySettings(_Strict):
+    """KV memory admission (`replicas.memory`): requests join the batch while the KV they
+    may reach (prompt + max_tokens) fits; the rest wait, then get overloaded errors."""
+
+    budget_bytes: int | None = Field(
+        None, ge=1, description="KV bytes per replica for running requests plus the prefix "
+        "cache (per Mac when sharded); unset: 75% of the machine's memory (a Mac's "
+        "recommended GPU working set) less the weights.")
+    max_waiting: int = Field(64, ge=0, description="Requests that may wait for KV memory; "
+                             "past it, the newest get the API's overloaded error.")
 
 
 RoutingPolicy = Literal["auto", "prefix", "session", "none"]
@@ -176,6 +189,7 @@ class ModelSettings(_Strict):
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     prompt_cache: PromptCacheSettings = Field(default_factory=PromptCacheSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     placement: PlacementSettings | None = Field(
         None, description="Keys set here override `cluster.placement` for this model.")
@@ -262,19 +276,27 @@ class ModelSettings(_Strict):
         return self
 
 
+_EDGE = EdgeOptions()
+
+
 class IngressSettings(_Strict):
+    """The edge's limits take their defaults from `ingress.options.EdgeOptions`, their one
+    home, so an app built without a config (tests, `create_app`) enforces the same ones."""
+
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
     request_timeout_s: float | None = Field(
-        600.0, gt=0, description="Wall-clock limit for one HTTP request, queueing included: "
-        "a 504, or an error event ending a stream that outlives it. null: no limit.")
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024,
+        _EDGE.request_timeout_s, gt=0, description="Wall-clock limit for one HTTP request, "
+        "queueing included: a 504, or an error event ending a stream that outlives it. "
+        "null: no limit.")
+    max_body_bytes: int = Field(_EDGE.max_body_bytes, ge=1024,
                                 description="Larger request bodies are a 413.")
-    max_stops: int = Field(16, ge=1, description="Most stop strings plus stop token ids one "
-                           "request may send, checked before any replica time. A model's "
-                           "replicas allow this many plus its `default_stops` "
+    max_stops: int = Field(_EDGE.max_stops, ge=1, description="Most stop strings plus stop "
+                           "token ids one request may send, checked before any replica time. "
+                           "A model's replicas allow this many plus its `default_stops` "
                            "(`replica_max_stops`), so defaults never eat into it.")
-    max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_stop_chars: int = Field(_EDGE.max_stop_chars, ge=1,
+                                description="Longest stop string, in characters.")
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed to "
                                     "call from a browser (`*` for any); empty: CORS off.")
     replica_wait_s: float | None = Field(

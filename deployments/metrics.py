@@ -48,6 +48,9 @@ ENGINE_METRICS = (
     "orchard_prefix_cache_misses_total", "orchard_prefix_cache_evictions_total",
     "orchard_prefix_cache_bytes", "orchard_grammar_compile_seconds",
 )
+# KV memory admission (`replicas.memory`).
+MEMORY_METRICS = ("orchard_kv_budget_bytes", "orchard_kv_projected_bytes",
+                  "orchard_waiting_for_memory", "orchard_memory_refusals_total")
 # A replica's shard count (1 unless `shards`), and its per-step sync, only when sharded.
 SHARD_METRICS = ("orchard_replica_shards", "orchard_shard_sync_seconds")
 
@@ -144,6 +147,15 @@ class EngineMetrics:
         self._compile = Histogram("orchard_grammar_compile_seconds", "Compiling one "
                                   "request's grammar (response_format, tools).",
                                   COMPILE_BUCKETS, tag_keys=tags)
+        self._budget = Gauge("orchard_kv_budget_bytes", "KV bytes the replica may use for "
+                             "running requests plus the prefix cache.", tag_keys=tags)
+        self._projected = Gauge("orchard_kv_projected_bytes", "KV bytes the running requests "
+                                "may reach (prompt + max_tokens each).", tag_keys=tags)
+        self._memory_waiting = Gauge("orchard_waiting_for_memory", "Requests waiting for KV "
+                                     "memory to join the batch.", tag_keys=tags)
+        self._memory_refused = Counter("orchard_memory_refusals_total", "Requests refused as "
+                                       "overloaded because too many waited for KV memory.",
+                                       tag_keys=tags)
         self._last: EngineStats | None = None
 
     def record(self, stats: EngineStats, samples: TimingSamples) -> None:
@@ -158,6 +170,14 @@ class EngineMetrics:
                 (self._evictions, stats.cache_evictions, last.cache_evictions if last else 0)):
             if now > before:  # Ray refuses inc(0); a restart's lower count adds nothing
                 counter.inc(now - before, tags)
+        memory, before_memory = stats.memory, last.memory if last else None
+        if memory is not None:
+            self._budget.set(memory.budget_bytes, tags)
+            self._projected.set(memory.projected_bytes, tags)
+            self._memory_waiting.set(memory.waiting, tags)
+            refused_before = before_memory.refused if before_memory else 0
+            if memory.refused > refused_before:
+                self._memory_refused.inc(memory.refused - refused_before, tags)
         self._last = stats
         for seconds, batch in samples.steps:
             self._step.observe(seconds, tags)

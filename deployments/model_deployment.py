@@ -39,7 +39,9 @@ def replica_options(settings: ModelSettings,
         max_tokens_past_context=settings.max_tokens_past_context,
         max_model_len=settings.max_model_len,
         engine=EngineConfig(**settings.engine.model_dump(),
-                            prompt_cache_bytes=settings.prompt_cache.max_bytes),
+                            prompt_cache_bytes=settings.prompt_cache.max_bytes,
+                            kv_budget_bytes=settings.memory.budget_bytes,
+                            max_memory_waiting=settings.memory.max_waiting),
         flush_interval_s=settings.stream_flush_ms / 1000,
     )
 

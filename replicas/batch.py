@@ -29,6 +29,10 @@ class EngineConfig:
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
     stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
+    # KV bytes for running requests plus the prefix cache (`replicas.memory`); None: a
+    # share of the machine's memory less the weights.
+    kv_budget_bytes: int | None = None
+    max_memory_waiting: int = 64  # requests waiting for KV memory before overload errors
     # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
     # batch are not counted: this is what stays resident between requests.
     prompt_cache_bytes: int = 2 * 1024**3
@@ -65,6 +69,7 @@ class Batch(Protocol):
     def step(self) -> list[Any]: ...
     def finish(self, done: Sequence[Done]) -> None: ...
     def reset(self) -> None: ...
+    def evict_cache_to(self, nbytes: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -158,6 +163,11 @@ class LocalBatch:
         self._gen = self._new_generator()
         self._ended = {}
         self._rows = set()
+
+    def evict_cache_to(self, nbytes: int) -> None:
+        """Shrink the prefix cache to `nbytes` (KV memory admission making room)."""
+        if self._cache is not None:
+            self._cache.evict_to(nbytes)
 
     def close(self) -> None:
         """Nothing to release in one process; a lockstep batch tells the other ranks."""

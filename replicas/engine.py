@@ -30,10 +30,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import mlx.core as mx
+
 from replicas.batch import Batch, Done, EngineConfig, Row
 from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, SamplingParams
 from replicas.control import RequestController
 from replicas.loading import LoadedModel
+from replicas.memory import KvBudget, MemoryStats, default_budget, kv_bytes_per_token, \
+    weights_bytes
 from replicas.pipeline.decoding import RequestDecoder
 from replicas.sampling import (
     GuardedProcessors,
@@ -66,6 +70,7 @@ class Submission:
     controller: RequestController | None
     sink: EventSink
     boundary: int = 0  # prompt tokens before the last message: their KV is kept once prefilled
+    reserved: int = 0  # KV bytes set aside at admission (set by the engine)
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class EngineStats:
     cache_bytes: int = 0
     cache_entries: int = 0
     cached_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
+    memory: MemoryStats | None = None  # KV admission (None until the model has loaded)
 
 
 @dataclass
@@ -89,6 +95,7 @@ class _Active:
     uid: int
     sub: Submission
     guard: GuardedProcessors | None
+    reserved: int  # KV bytes admission set aside for it
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,7 @@ class EngineDead(RuntimeError):
 
 # What a client is told when its request failed inside the engine; the log has the details.
 _REQUEST_FAILED = "generation failed for this request"
+_MEMORY_FULL = "this replica's KV memory is taken and too many requests wait for it; retry later"
 
 
 # Opens the model and the batch that runs it, on the engine thread: a `LocalBatch`, or on a
@@ -145,6 +153,8 @@ class Engine:
         self._heartbeat = time.monotonic()
         self._stopping = False
         self._batch: Batch | None = None
+        self._kv: KvBudget | None = None
+        self._waiting: deque[Submission] = deque()  # admitted by Serve, waiting for memory
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------
@@ -195,6 +205,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         cache = self._batch.cache.stats() if self._batch and self._batch.cache else None
+        memory = self._kv.stats(len(self._waiting)) if self._kv is not None else None
         return EngineStats(
             active=len(self._by_uid),
             waiting=self._commands.qsize(),
@@ -202,6 +213,7 @@ class Engine:
             finished=self._finished,
             submitted=self._submitted,
             cancel_latency_steps=tuple(self._cancel_latency),
+            memory=memory,
             **({} if cache is None else cache.engine_fields()),
         )
 
@@ -210,6 +222,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self._loaded, self._batch = self._opener()
+            self._kv = self._budget(self._loaded)
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
             log.exception("model load failed")
             self._load_error = exc
@@ -220,7 +233,7 @@ class Engine:
         try:
             while not self._stopping:
                 self._heartbeat = time.monotonic()
-                self._apply(self._take_commands(block=not self._by_uid))
+                self._apply(self._take_commands(block=not self._by_uid and not self._waiting))
                 if self._by_uid:
                     self._step()
         except BaseException:  # noqa: BLE001 - the thread ends here either way
@@ -244,8 +257,29 @@ class Engine:
                     break
                 if isinstance(command, Submission):
                     queued.append((command.sink, [Failed(ErrorKind.INTERNAL, reason)]))
+            waiting, self._waiting = list(self._waiting), deque()
+            queued += [(sub.sink, [Failed(ErrorKind.INTERNAL, reason)]) for sub in waiting]
             outbox = queued + self._fail_all_outbox(reason)
         _deliver(outbox)
+
+    def _budget(self, loaded: LoadedModel) -> KvBudget:
+        weights = weights_bytes(loaded.model)
+        budget = self._config.kv_budget_bytes
+        if budget is None:
+            budget = default_budget(weights)
+        per_token = kv_bytes_per_token(loaded.model, loaded.config)
+        # MLX's own limit from the same numbers (plus a tenth for activations), so a wrong
+        # estimate makes allocation wait on freed memory rather than overrun the machine.
+        mx.set_memory_limit(int(weights + budget * 1.1))
+        log.info("KV memory: budget %d bytes, %d bytes per token (%d tokens), weights %d "
+                 "bytes", budget, per_token, budget // max(1, per_token), weights)
+        return KvBudget(budget, per_token, self._config.max_memory_waiting)
+
+    @property
+    def kv_budget(self) -> KvBudget:
+        """The KV admission of the loaded model (after `wait_ready`)."""
+        assert self._kv is not None
+        return self._kv
 
     def _take_commands(self, block: bool) -> _Commands:
         commands = _Commands()
@@ -263,16 +297,43 @@ class Engine:
 
     def _apply(self, commands: _Commands) -> None:
         assert self._batch is not None
-        # A request cancelled while still queued never reaches the batch.
-        submits = [s for s in commands.submits if s.request_id not in commands.cancels]
-        if submits:
-            self._insert(submits)
+        # A request cancelled while still queued (or waiting for memory) never reaches the
+        # batch; the rest join in order while their KV fits.
+        pending = [s for s in (*self._waiting, *commands.submits)
+                   if s.request_id not in commands.cancels]
+        admitted, self._waiting = self._admit(pending)
+        if admitted:
+            self._insert(admitted)
         gone = [self._by_rid[r] for r in commands.cancels if r in self._by_rid]
         if gone:
             self._batch.finish([Done(a.uid, keep=False) for a in gone])
             for active in gone:
                 self._forget(active)
                 self._cancel_latency.append(self._steps - commands.cancels[active.sub.request_id])
+
+    def _admit(self, pending: list[Submission]) -> tuple[list[Submission], deque[Submission]]:
+        """Those that fit the KV budget now (first come, first served: one that does not
+        fit holds back the ones behind it), and those left waiting; past the waiting
+        bound, the newest get the overloaded error."""
+        assert self._kv is not None and self._batch is not None
+        cache = self._batch.cache
+        admitted: list[Submission] = []
+        waiting: deque[Submission] = deque()
+        for sub in pending:
+            need = self._kv.need(len(sub.prompt_ids) + sub.max_tokens)
+            if not waiting and self._kv.admit(need, cache.nbytes if cache else 0,
+                                              self._batch.evict_cache_to):
+                sub.reserved = need
+                admitted.append(sub)
+            else:
+                waiting.append(sub)
+        refused = []
+        while len(waiting) > self._kv.max_waiting:
+            refused.append(waiting.pop())
+        if refused:
+            self._kv.refused += len(refused)
+            _deliver([(s.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)]) for s in refused])
+        return admitted, waiting
 
     def _insert(self, subs: list[Submission]) -> None:
         assert self._loaded is not None and self._batch is not None
@@ -295,7 +356,7 @@ class Engine:
         placed = self._batch.insert([row for _, row, _ in ready])
         for (uid, cached), (sub, _, guard) in zip(placed, ready):
             sub.decoder.cached_tokens = cached  # reported in the request's usage
-            active = _Active(uid, sub, guard)
+            active = _Active(uid, sub, guard, sub.reserved)
             self._by_uid[uid] = active
             self._by_rid[sub.request_id] = active
         self._submitted += len(ready)
@@ -364,7 +425,8 @@ class Engine:
         return events, False
 
     def _forget(self, active: _Active) -> None:
-        self._by_uid.pop(active.uid, None)
+        if self._by_uid.pop(active.uid, None) is not None and self._kv is not None:
+            self._kv.release(active.reserved)
         self._by_rid.pop(active.sub.request_id, None)
 
     def _fail_all(self, message: str) -> None:
@@ -373,6 +435,9 @@ class Engine:
     def _fail_all_outbox(self, message: str) -> list[tuple[EventSink, list[OutputEvent]]]:
         outbox: list[tuple[EventSink, list[OutputEvent]]] = [
             (a.sub.sink, [Failed(ErrorKind.INTERNAL, message)]) for a in list(self._by_uid.values())]
+        if self._kv is not None:
+            for active in list(self._by_uid.values()):
+                self._kv.release(active.reserved)
         self._by_uid.clear()
         self._by_rid.clear()
         return outbox

@@ -79,6 +79,11 @@ class _Reset:
 
 
 @dataclass(frozen=True)
+class _Evict:
+    nbytes: int  # the prefix cache shrinks to this (its cost, equal on every rank)
+
+
+@dataclass(frozen=True)
 class _Idle:
     """The batch is empty: no step follows until rank 0 wakes the others."""
 
@@ -88,7 +93,7 @@ class _Stop:
     pass
 
 
-_Op = Union[_Insert, _Finish, _Reset, _Idle, _Stop]
+_Op = Union[_Insert, _Finish, _Reset, _Evict, _Idle, _Stop]
 
 
 class Channel:
@@ -198,6 +203,10 @@ class LockstepBatch:
         self._log.append(_Reset())
         self._idle_if_empty()
 
+    def evict_cache_to(self, nbytes: int) -> None:
+        self._local.evict_cache_to(nbytes)
+        self._log.append(_Evict(nbytes))
+
     def _idle_if_empty(self) -> None:
         if self._local.empty:  # the engine waits for work: let the others sleep meanwhile
             self._channel.send(self._log + [_Idle()])
@@ -250,6 +259,8 @@ class Follower:
             self._local.finish(op.done)
         elif isinstance(op, _Reset):
             self._local.reset()
+        elif isinstance(op, _Evict):
+            self._local.evict_cache_to(op.nbytes)
 
     def _row(self, spec: _RowSpec) -> Row:
         sampler = self._samplers.get(spec.sampler_key)

@@ -45,13 +45,14 @@ class InputProcessor:
 
     def __init__(self, options: ReplicaOptions, model: LoadedModel, decode: Decode,
                  channels: ChannelFormat, tools: ToolFormat, context_length: int,
-                 timings: Timings) -> None:
+                 timings: Timings, kv_max_tokens: int | None = None) -> None:
         self._options = options
         self.model = model
         self._decode = decode
         self._channels = channels
         self._tools = tools
         self._context_length = context_length
+        self._kv_max_tokens = kv_max_tokens if kv_max_tokens is not None else context_length
         self._timings = timings
         self._guided_lock = threading.Lock()
         self._guided_tok: GuidedTokenizer | None = None
@@ -154,7 +155,12 @@ class InputProcessor:
         context; refusing that would fail every request on a small model, so by default it
         is lowered to what is left. A prompt that itself leaves no room is always a 400.
         """
-        context = self._context_length
+        # The replica's KV memory budget caps a request like the context does: one that
+        # could not fit even alone would wait forever (`replicas.memory`).
+        context = min(self._context_length, self._kv_max_tokens)
+        by_context = context == self._context_length
+        what = (f"this model's maximum context length is {context} tokens" if by_context
+                else f"this replica's KV memory budget holds at most {context} tokens")
         room = context - prompt_tokens
         wanted = request.sampling.max_tokens
         if wanted is not None and wanted < 1:
@@ -162,13 +168,13 @@ class InputProcessor:
         if room < 1 or (wanted is not None and wanted > room
                         and self._options.max_tokens_past_context == "reject"):
             raise ContextLengthError(
-                f"this model's maximum context length is {context} tokens; the prompt has "
-                f"{prompt_tokens} tokens and max_tokens asks for {wanted or 1} more",
-                param="max_tokens",
-            )
+                f"{what}; the prompt has {prompt_tokens} tokens and max_tokens asks for "
+                f"{wanted or 1} more", param="max_tokens")
         if wanted is not None and wanted > room:
+            where = f"of this model's {context}-token context" if by_context else \
+                f"and {what}"
             return room, (f"max_tokens lowered from {wanted} to {room}: the prompt has "
-                          f"{prompt_tokens} tokens of this model's {context}-token context")
+                          f"{prompt_tokens} tokens {where}")
         return (wanted if wanted is not None else room), None
 
     def _budget(self, request: GenerationRequest) -> int | None:

@@ -70,6 +70,11 @@ class PromptCache:
         self._evictions = 0
         self._cached_tokens = 0
 
+    @property
+    def nbytes(self) -> int:
+        """What the entries count against `max_bytes` (scaled by `cost_scale`)."""
+        return self._bytes
+
     def stats(self) -> PromptCacheStats:
         return PromptCacheStats(self._hits, self._misses, self._evictions, self._bytes,
                                 len(self._lru), self._cached_tokens)
@@ -145,13 +150,18 @@ class PromptCache:
             # Entries on this one's path are its prefixes: it serves them by trimming.
             for _, prefix_key in self._trie.pop_prefixes(_MODEL, list(key)):
                 self._bytes -= self._lru.pop(prefix_key).nbytes
-        while self._bytes > self.max_bytes:
+        self.evict_to(self.max_bytes)
+
+    def evict_to(self, limit: int) -> None:
+        """Drop the least recently used entries until at most `limit` bytes remain (for
+        the bound, and for KV memory admission making room for a request)."""
+        while self._bytes > max(0, limit) and self._lru:
             old_key, old = self._lru.popitem(last=False)
             self._trie.pop(_MODEL, list(old_key))
             self._bytes -= old.nbytes
             self._evictions += 1
             log.debug("prompt cache eviction: %d tokens, %d bytes (now %d of %d bytes)",
-                      len(old_key), old.nbytes, self._bytes, self.max_bytes)
+                      len(old_key), old.nbytes, self._bytes, limit)
 
 
 def segments(prompt: list[int], cached: int, boundary: int) -> list[list[int]]:

@@ -84,7 +84,7 @@ class ModelReplica:
         self._tool_format = get_tool_format(tool_name)
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
                                       self._format, self._tool_format, self.context_length,
-                                      self._timings)
+                                      self._timings, self._engine.kv_budget.max_tokens)
 
     @property
     def tool_format(self) -> ToolFormat:

@@ -23,7 +23,7 @@ from tests.serve_process import free_port
 
 pytestmark = pytest.mark.cluster
 STICKY, SPREAD = "orchard-sticky", "orchard-spread"
-CONVERSATIONS, TURNS = 4, 4
+CONVERSATIONS, TURNS = 8, 4
 SYSTEM = "You are a careful assistant. Answer briefly and stay on topic. " * 12
 
 
@@ -57,12 +57,16 @@ def submitted(model: str, timeout_s: float = 60) -> dict[str, int]:
     return seen
 
 
-def converse(base_url: str, model: str) -> tuple[dict[int, list[str]], dict[int, list[int]]]:
-    """Conversations in lockstep, one request at a time: the replica and the cached prompt
-    tokens of every turn, per conversation."""
+Turns = dict[int, list[int]]
+
+
+def converse(base_url: str, model: str) -> tuple[dict[int, list[str]], Turns, Turns]:
+    """Conversations in lockstep, one request at a time: the replica, the cached prompt
+    tokens and the prompt tokens of every turn, per conversation."""
     history = {c: [{"role": "system", "content": SYSTEM}] for c in range(CONVERSATIONS)}
     where: dict[int, list[str]] = {c: [] for c in range(CONVERSATIONS)}
-    cached: dict[int, list[int]] = {c: [] for c in range(CONVERSATIONS)}
+    cached: Turns = {c: [] for c in range(CONVERSATIONS)}
+    prompt: Turns = {c: [] for c in range(CONVERSATIONS)}
     with httpx.Client(timeout=120) as client:
         for turn in range(TURNS):
             for c in range(CONVERSATIONS):
@@ -78,23 +82,30 @@ def converse(base_url: str, model: str) -> tuple[dict[int, list[str]], dict[int,
                 assert len(grew) == 1, (before, after)
                 where[c].append(grew[0])
                 cached[c].append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                prompt[c].append(body["usage"]["prompt_tokens"])
                 history[c].append({"role": "assistant",
                                    "content": body["choices"][0]["message"]["content"]})
-    return where, cached
+    return where, cached, prompt
 
 
 def test_routing_keeps_each_conversation_on_its_replica(base_url: str) -> None:
-    where, cached = converse(base_url, STICKY)
+    where, cached, prompt = converse(base_url, STICKY)
     for c in range(CONVERSATIONS):
         assert len(set(where[c])) == 1, f"conversation {c} moved: {where[c]}"
-        assert all(n > 0 for n in cached[c][1:]), f"conversation {c}: {cached[c]}"
+        # Each turn reuses at least the whole previous prompt: only the replica that served
+        # it holds that KV (a shared system prompt alone is far shorter).
+        for turn in range(1, TURNS):
+            assert cached[c][turn] >= prompt[c][turn - 1], \
+                f"conversation {c} turn {turn}: {cached[c]} cached of {prompt[c]}"
+    # Staying put is not all going to one replica: new conversations spread over both.
+    assert len({where[c][0] for c in range(CONVERSATIONS)}) == 2, where
 
 
 def test_without_routing_turns_move_between_replicas(base_url: str) -> None:
-    where, _ = converse(base_url, SPREAD)
+    where, _, _ = converse(base_url, SPREAD)
     moves = sum(a != b for c in range(CONVERSATIONS) for a, b in zip(where[c], where[c][1:]))
-    # Each of the 12 later turns picks either idle replica at random: all 12 staying put
-    # has odds of 1 in 4096.
+    # Each of the 24 later turns picks either idle replica at random: all 24 staying put
+    # has odds of 1 in 16 million.
     assert moves > 0, where
 
 
