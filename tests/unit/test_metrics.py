@@ -1,0 +1,125 @@
+"""`deployments.metrics` without Ray: its metric classes replaced by recorders, so each
+update is checked exactly (the HTTP observability suite checks the export end to end)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+import deployments.metrics as metrics
+from ingress.observe import RequestRecord
+from replicas.contract import ErrorKind, FinishReason, Usage
+from replicas.engine import EngineStats
+from replicas.memory import MemoryStats
+from replicas.timings import TimingSamples
+
+
+class _Recorder:
+    """Stands in for Ray's Counter, Gauge and Histogram: keeps every call."""
+
+    def __init__(self, name: str, description: str = "", *args: Any, **kwargs: Any) -> None:
+        self.name = name
+        self.calls: list[tuple[str, float, dict[str, str]]] = []
+        _ALL[name] = self
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        assert value > 0, "Ray refuses inc(0)"
+        self.calls.append(("inc", value, dict(tags)))
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("set", value, dict(tags)))
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("observe", value, dict(tags)))
+
+
+_ALL: dict[str, _Recorder] = {}
+
+
+@pytest.fixture(autouse=True)
+def recorders(monkeypatch: pytest.MonkeyPatch) -> dict[str, _Recorder]:
+    _ALL.clear()
+    for name in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, name, _Recorder)
+    return _ALL
+
+
+RECORD = RequestRecord(
+    request_id="r1", model="m", protocol="openai", endpoint="/v1/chat/completions",
+    status=200, streaming=True, duration_s=1.5, ttft_s=0.25, itl_s=0.01,
+    usage=Usage(prompt_tokens=10, completion_tokens=4, reasoning_tokens=0, cached_tokens=6),
+    finish_reason=FinishReason.LENGTH, error=None, cancelled=False)
+
+
+def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
+    metrics.RequestMetrics()
+    metrics.EngineMetrics("m", shards=2)
+    assert set(recorders) == {*metrics.REQUEST_METRICS, *metrics.ENGINE_METRICS,
+                              *metrics.MEMORY_METRICS, *metrics.SHARD_METRICS}
+
+
+def test_a_finished_request_counts_once_with_its_labels(recorders: dict[str, _Recorder]) -> None:
+    metrics.RequestMetrics().request_finished(RECORD)
+    api = {"model": "m", "protocol": "openai", "endpoint": "/v1/chat/completions"}
+    assert recorders["orchard_requests_total"].calls == [
+        ("inc", 1, {**api, "status": "200", "finish_reason": "length"})]
+    assert recorders["orchard_request_duration_seconds"].calls == [("observe", 1.5, api)]
+    assert recorders["orchard_time_to_first_token_seconds"].calls == [("observe", 0.25, api)]
+    assert recorders["orchard_prompt_tokens_total"].calls == [("inc", 10, {"model": "m"})]
+    assert recorders["orchard_output_tokens_total"].calls == [("inc", 4, {"model": "m"})]
+    assert recorders["orchard_cached_tokens_total"].calls == [("inc", 6, {"model": "m"})]
+    assert recorders["orchard_reasoning_tokens_total"].calls == []  # no inc(0)
+    assert recorders["orchard_errors_total"].calls == []
+
+
+@pytest.mark.parametrize("record,reason", [
+    (replace(RECORD, finish_reason=None, cancelled=True), "cancelled"),
+    (replace(RECORD, finish_reason=None, error=ErrorKind.OVERLOADED, status=503), "error"),
+    (replace(RECORD, finish_reason=None), "none"),
+    (replace(RECORD, finish_reason=FinishReason.TOOL_CALLS), "tool_calls"),
+])
+def test_finish_reason_label(recorders: dict[str, _Recorder], record: RequestRecord,
+                             reason: str) -> None:
+    metrics.RequestMetrics().request_finished(record)
+    ((_, _, tags),) = recorders["orchard_requests_total"].calls
+    assert tags["finish_reason"] == reason
+    overloaded = record.error is ErrorKind.OVERLOADED
+    assert len(recorders["orchard_backpressure_refusals_total"].calls) == int(overloaded)
+    assert len(recorders["orchard_errors_total"].calls) == int(record.error is not None)
+    assert len(recorders["orchard_cancellations_total"].calls) == int(record.cancelled)
+
+
+def _stats(**counts: Any) -> EngineStats:
+    return EngineStats(active=1, waiting=0, steps=0, finished=0, submitted=0,
+                       cancel_latency_steps=(), **counts)
+
+
+def test_engine_counters_are_recorded_as_deltas(recorders: dict[str, _Recorder]) -> None:
+    engine = metrics.EngineMetrics("m")
+    none = TimingSamples((), ())
+    engine.record(_stats(cache_hits=3, cache_misses=1), none)
+    engine.record(_stats(cache_hits=5, cache_misses=1), none)
+    # A replica restart's lower count adds nothing (and never an inc(0)).
+    engine.record(_stats(cache_hits=2, cache_misses=1), none)
+    assert [c[1] for c in recorders["orchard_prefix_cache_hits_total"].calls] == [3, 2]
+    assert [c[1] for c in recorders["orchard_prefix_cache_misses_total"].calls] == [1]
+
+
+def test_samples_and_memory_and_shards(recorders: dict[str, _Recorder]) -> None:
+    engine = metrics.EngineMetrics("m", shards=2)
+    memory = MemoryStats(budget_bytes=1000, projected_bytes=400, waiting=2, refused=1)
+    engine.record(_stats(memory=memory),
+                  TimingSamples(((0.01, 3), (0.02, 4)), (0.5,), (0.001, 0.002)))
+    engine.record(_stats(memory=replace(memory, refused=4)), TimingSamples((), ()))
+    tags = {"model": "m"}
+    assert recorders["orchard_replica_shards"].calls == [("set", 2, tags)]
+    assert [c[1] for c in recorders["orchard_engine_step_seconds"].calls] == [0.01, 0.02]
+    assert [c[1] for c in recorders["orchard_batch_size"].calls] == [3, 4]
+    assert [c[1] for c in recorders["orchard_grammar_compile_seconds"].calls] == [0.5]
+    assert [c[1] for c in recorders["orchard_shard_sync_seconds"].calls] == [0.001, 0.002]
+    assert recorders["orchard_kv_budget_bytes"].calls[-1] == ("set", 1000, tags)
+    assert recorders["orchard_kv_projected_bytes"].calls[-1] == ("set", 400, tags)
+    assert recorders["orchard_waiting_for_memory"].calls[-1] == ("set", 2, tags)
+    assert [c[1] for c in recorders["orchard_memory_refusals_total"].calls] == [1, 3]
