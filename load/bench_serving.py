@@ -215,23 +215,27 @@ def start_server(source: str, model: str, flush_ms: float, layout: str = "defaul
                      "observability": {"metrics": metrics, "request_logs": metrics}},
         }],
     }
+    return run_config(config, [model], env=HAPROXY_ENV if haproxy else {})
+
+
+def run_config(config: dict[str, object], models: list[str],
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`serve run` of `config` on 127.0.0.1, returned once every model answers."""
     path = Path(tempfile.mkdtemp()) / "bench_config.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     serve = Path(sys.executable).with_name("serve")
     proc = subprocess.Popen([str(serve), "run", str(path)], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **(HAPROXY_ENV if haproxy else {}),
-                                 "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"serve run exited during startup (code {proc.returncode})")
         try:
-            if httpx.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
-                r = httpx.post(f"{BASE}/v1/completions", timeout=60,
-                               json={"model": model, "prompt": "hi", "max_tokens": 1})
-                if r.status_code == 200:
-                    return proc
+            if all(httpx.post(f"{BASE}/v1/completions", timeout=60, json={
+                    "model": m, "prompt": "hi", "max_tokens": 1}).status_code == 200
+                   for m in models):
+                return proc
         except httpx.HTTPError:
             pass
         time.sleep(1)

@@ -14,21 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
-from load.bench_serving import BASE, PORT, ROOT, Run, http_streams, port_in_use, stop_server  # noqa: E402
+from load.bench_serving import (  # noqa: E402
+    PORT,
+    Run,
+    http_streams,
+    port_in_use,
+    run_config,
+    stop_server,
+)
 
 MODELS = {"bench": 1, "bench-x2": 2}
 
@@ -49,26 +50,7 @@ def start(source: str) -> subprocess.Popen[bytes]:
     if port_in_use(PORT):
         raise RuntimeError(f"something already listens on 127.0.0.1:{PORT}; refusing to "
                            "benchmark it")
-    path = Path(tempfile.mkdtemp()) / "bench_sharded.yaml"
-    path.write_text(json.dumps(config(source)))  # JSON is YAML
-    serve = Path(sys.executable).with_name("serve")
-    proc = subprocess.Popen([str(serve), "run", str(path)], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited during startup (code {proc.returncode})")
-        try:
-            if all(httpx.post(f"{BASE}/v1/completions", timeout=60, json={
-                    "model": m, "prompt": "hi", "max_tokens": 1}).status_code == 200
-                   for m in MODELS):
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError("serve run did not come up")
+    return run_config(config(source), list(MODELS))
 
 
 def sync_totals() -> tuple[int, float]:
