@@ -404,31 +404,6 @@ def test_store_false_is_stateless() -> None:
         client.responses.retrieve(response.id)
 
 
-def test_memory_store_bounds() -> None:
-    import asyncio
-
-    from ingress.responses.store import StoredResponse
-
-    now = [0.0]
-    store = MemoryResponseStore(max_entries=2, max_bytes=400, ttl_s=10, clock=lambda: now[0])
-
-    def stored(text: str) -> StoredResponse:
-        return StoredResponse({"id": text, "output": []}, ({"role": "user", "content": text},))
-
-    async def run() -> None:
-        for name in ("a", "b", "c"):
-            await store.put(name, stored(name))
-        assert await store.get("a") is None and await store.get("b") is not None  # count
-        await store.put("d", stored("d"))  # "c" is least recently used now
-        assert await store.get("c") is None and await store.get("b") is not None
-        await store.put("big", stored("x" * 500))  # over the byte cap: not kept
-        assert await store.get("big") is None and store.bytes <= 400
-        now[0] = 11.0
-        assert await store.get("b") is None and await store.get("d") is None  # expired
-
-    asyncio.run(run())
-
-
 # --- errors -------------------------------------------------------------------------
 
 
