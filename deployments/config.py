@@ -312,6 +312,22 @@ class IngressSettings(_Strict):
         "here are unused.")
 
 
+class ResponsesSettings(_Strict):
+    """The Responses API's store (`store: true`, `previous_response_id`)."""
+
+    store: Literal["sqlite", "memory"] = Field(
+        "sqlite", description="`sqlite`: a file that survives replica and store restarts; "
+        "`memory`: in the process (lost on a restart).")
+    path: str | None = Field(None, min_length=1, description="The SQLite file; unset: "
+                             "`responses/<app>.sqlite3` under Orchard's cache directory "
+                             "($ORCHARD_CACHE_DIR, else ~/.cache/orchard). With several "
+                             "HTTP-serving replicas one store actor owns it, on one node.")
+    max_entries: int = Field(1024, ge=1, description="Responses kept (least recently used "
+                             "go first).")
+    max_bytes: int = Field(64 << 20, ge=1024, description="JSON bytes kept.")
+    ttl_s: float = Field(3600.0, gt=0, description="How long a response is kept.")
+
+
 class ObservabilitySettings(_Strict):
     """Metrics and logs (`deployments.metrics`, `ingress.observe`); README "Observability"."""
 
@@ -343,6 +359,7 @@ class AppArgs(_Strict):
                                      "with comma-separated API keys, read where the ingress "
                                      "runs (e.g. ORCHARD_API_KEYS); unset or empty is an error.")
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
 
     @field_validator("api_keys")
     @classmethod

@@ -11,8 +11,8 @@ from pydantic import SecretStr
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import AppArgs, IngressSettings, ObservabilitySettings
-from deployments.handle_client import RayModelClient
+from deployments.config import AppArgs, IngressSettings, ObservabilitySettings, ResponsesSettings
+from deployments.model_clients import RayModelClient
 from deployments.observability import request_observer
 from deployments.response_store import response_store
 from ingress.app import create_app
@@ -29,11 +29,12 @@ class EdgeArgs:
     api_keys: tuple[SecretStr, ...] = ()
     api_keys_env: str | None = None
     observability: ObservabilitySettings = ObservabilitySettings()
+    responses: ResponsesSettings = ResponsesSettings()
 
     @classmethod
     def from_config(cls, config: AppArgs) -> "EdgeArgs":
         return cls(config.ingress, tuple(config.api_keys), config.api_keys_env,
-                   config.observability)
+                   config.observability, config.responses)
 
     def options(self, environ: Mapping[str, str]) -> EdgeOptions:
         """Resolved where the ingress runs, since that is where the key variable is set."""
@@ -65,7 +66,7 @@ class Ingress:
         self._client = RayModelClient(model_cards, by_id,
                                       replica_wait_s=edge.ingress.replica_wait_s)
         self._options = edge.options(os.environ)
-        self._store = response_store(edge.ingress.num_replicas)
+        self._store = response_store(edge.ingress.num_replicas, edge.responses)
         self._observer = request_observer(edge.observability)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -2,7 +2,8 @@
 
 `previous_response_id` must find a response whichever replica stored it, so with more than
 one HTTP-serving replica the store lives in one named Ray actor that they all reach. With
-one replica the ingress's own in-process store is as good and costs no extra process.
+one replica the store lives in that replica. Either way the configured store (`responses:`)
+is a SQLite file by default, so a restart of the replica or of the actor loses nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ from typing import Any
 
 import ray
 
+from pathlib import Path
+
+from deployments.config import ResponsesSettings
+from ingress.responses.sqlite_store import SqliteResponseStore
 from ingress.responses.store import MemoryResponseStore, ResponseStore, StoredResponse
+from replicas.builtin.build import orchard_cache
 
 # One store per Serve application (its name), so two apps on a cluster stay apart.
 _ACTOR_NAME = "orchard-responses-{app}"
@@ -22,8 +28,8 @@ class _StoreActor:
     """A `MemoryResponseStore` (its count, byte and age bounds) in one actor. Async, so
     many ingress replicas are served concurrently without a thread per call."""
 
-    def __init__(self) -> None:
-        self._store = MemoryResponseStore()
+    def __init__(self, settings: ResponsesSettings, app: str) -> None:
+        self._store = configured_store(settings, app)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return await self._store.get(response_id)
@@ -33,12 +39,13 @@ class _StoreActor:
 
 
 class RayResponseStore:
-    def __init__(self, app: str) -> None:
+    def __init__(self, settings: ResponsesSettings, app: str) -> None:
         # get_if_exists: every replica asks for the same name, the first one creates it.
-        # Detached, so it outlives the replica that happened to create it.
+        # Detached, so it outlives the replica that happened to create it; restarted by Ray
+        # if it dies, over the same file.
         self._actor: Any = _StoreActor.options(  # type: ignore[attr-defined]
             name=_ACTOR_NAME.format(app=app), namespace="orchard", get_if_exists=True,
-            lifetime="detached").remote()
+            lifetime="detached").remote(settings, app)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         stored: StoredResponse | None = await self._actor.get.remote(response_id)
@@ -48,11 +55,23 @@ class RayResponseStore:
         await self._actor.put.remote(response_id, stored)
 
 
-def response_store(http_replicas: int | str) -> ResponseStore | None:
-    """The shared store where more than one replica serves HTTP; None (the ingress's own
-    in-process store) where exactly one does."""
-    if http_replicas == 1:
-        return None
+def configured_store(settings: ResponsesSettings, app: str) -> ResponseStore:
+    bounds = dict(max_entries=settings.max_entries, max_bytes=settings.max_bytes,
+                  ttl_s=settings.ttl_s)
+    if settings.store == "memory":
+        return MemoryResponseStore(**bounds)  # type: ignore[arg-type]
+    path = Path(settings.path).expanduser() if settings.path else \
+        orchard_cache("responses") / f"{app}.sqlite3"
+    return SqliteResponseStore(path, **bounds)  # type: ignore[arg-type]
+
+
+def response_store(http_replicas: int | str,
+                   settings: ResponsesSettings = ResponsesSettings()) -> ResponseStore:
+    """The configured store in this replica where exactly one replica serves HTTP, else
+    the one store actor they all share."""
     from ray import serve
 
-    return RayResponseStore(serve.get_replica_context().app_name)
+    app = serve.get_replica_context().app_name
+    if http_replicas == 1:
+        return configured_store(settings, app)
+    return RayResponseStore(settings, app)

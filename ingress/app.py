@@ -18,7 +18,7 @@ from ingress.guard import GuardMiddleware
 from ingress.limits import BodyLimitMiddleware, LimitedClient
 from ingress.observe import ObservedClient, ObserveMiddleware, RequestObserver
 from ingress.options import EdgeOptions
-from ingress.protocols import PROTOCOLS, protocol_for
+from ingress.registry import PROTOCOLS, protocol_for
 from ingress.responses.store import MemoryResponseStore, ResponseStore
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ingress.errors import error_response, protocol_for, route_path
+from ingress.errors import error_response
+from ingress.registry import protocol_for, route_path
 from replicas.contract import ErrorKind
 
 # Load balancers and orchestrators probe this without credentials.

@@ -2,21 +2,19 @@
 
 An `ErrorShape` is how one family writes an error body (OpenAI's `{"error": {...}}` or
 Anthropic's `{"type": "error", ...}`) and where its status codes differ from the common
-table. Wire protocols (`ingress/protocol.py`) each name the shape they speak.
+table. Wire protocols (`ingress/protocol.py`) each name the shape they speak; this module
+knows none of them, so anything may import it.
 """
 
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from ingress.wire_json import JSONBody
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
-
-if TYPE_CHECKING:
-    from ingress.protocol import WireProtocol
 
 # The common status codes; a shape overrides some (Anthropic: 529 for overload).
 STATUS = {
@@ -97,19 +95,6 @@ class ErrorRenderer(typing.Protocol):
     def status(self, kind: ErrorKind) -> int: ...
 
 
-class Protocol:
-    """The built-in shapes under the names renderers written before plug-ins use
-    (`error_body(kind, message, Protocol.ANTHROPIC)`)."""
-
-    OPENAI = OPENAI_ERRORS
-    ANTHROPIC = ANTHROPIC_ERRORS
-
-
-def error_body(kind: ErrorKind, message: str, protocol: ErrorRenderer, *,
-               param: str | None = None) -> dict[str, Any]:
-    return protocol.error_body(kind, message, param)
-
-
 def error_response(kind: ErrorKind, message: str, protocol: ErrorRenderer, *,
                    param: str | None = None, code: str | None = None,
                    status: int | None = None) -> JSONBody:
@@ -146,18 +131,3 @@ def edge_error_response(status: int, message: str, protocol: ErrorRenderer) -> J
     kind, code = _EDGE[status]
     return error_response(kind, message, protocol, code=code, status=status)
 
-
-def route_path(scope: Mapping[str, Any]) -> str:
-    """The path the app routes on: Serve mounts an app under its route prefix, which the
-    ASGI scope carries as `root_path` and leaves in `path`."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-def protocol_for(scope: Mapping[str, Any]) -> WireProtocol:
-    """The wire protocol that owns the request's path (see `ingress.protocols`)."""
-    # Imported here: the registry imports every protocol's routes, which import this module.
-    from ingress.protocols import protocol_for as lookup
-
-    return lookup(scope)

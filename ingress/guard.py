@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingress.errors import error_response
 from ingress.protocol import WireProtocol
-from ingress.protocols import protocol_for
+from ingress.registry import protocol_for
 from replicas.contract import ErrorKind
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,9 @@ from typing import AsyncIterator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingress.client import ModelClient, WrappedClient
-from ingress.errors import edge_error_response, protocol_for
+from ingress.errors import edge_error_response
 from ingress.options import EdgeOptions
+from ingress.registry import protocol_for
 from replicas.contract import GenerationRequest, OutputEvent
 from replicas.errors import InvalidRequestError
 

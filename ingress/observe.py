@@ -20,8 +20,7 @@ from typing import AsyncIterator, Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingress.client import ModelCard, ModelClient, WrappedClient
-from ingress.errors import route_path
-from ingress.protocols import PROTOCOLS
+from ingress.registry import PROTOCOLS, route_path
 from replicas.contract import (
     ErrorKind,
     Failed,

@@ -1,7 +1,8 @@
 """What the HTTP edge enforces before a request costs any replica time.
 
 Plain data so the app is buildable without the deployment layer: `deployments/config.py`
-validates the YAML and fills these in; tests build them directly.
+validates the YAML, takes its defaults from here (their one home) and fills these in;
+tests build them directly.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A protocol is its routes (a router whose handlers convert the wire request to a
 `GenerationRequest` and render replica events back), the paths it owns, its error shape,
 how an error and a keep-alive are written inside an open SSE stream, and how malformed
 bodies are phrased. The app, the guard and the error handlers only ever ask the protocol
-that owns a request's path (`ingress.protocols.protocol_for`); none of them branch on
+that owns a request's path (`ingress.registry.protocol_for`); none of them branch on
 which protocol it is.
 """
 
@@ -43,6 +43,8 @@ class WireProtocol:
     error_frame_of: Callable[[dict[str, Any]], str] = _data_error_frame
     # Sent while the replica is silent, so proxies and clients do not time out.
     ping_frame: str = COMMENT_PING
+    # Closes a stream that finished cleanly (OpenAI's `[DONE]`); never after an error.
+    done_frame: str = ""
     # A malformed body -> (message, offending field or None).
     validation_message: Callable[[RequestValidationError], tuple[str, str | None]] = (
         validation_message

@@ -1,10 +1,10 @@
-"""The event-to-wire loop a stateful renderer shares: dispatch by event type, nothing after
-the terminal event, and a stream that ends short of one is a failure."""
+"""The event-to-wire loop every protocol's renderer shares: dispatch by event type, nothing
+after the terminal event, and a stream that ends short of one is a failure."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from replicas.contract import (
     ErrorKind,
@@ -21,9 +21,16 @@ Out = TypeVar("Out")  # what one protocol emits: a stream frame, an SSE event
 
 
 class EventRenderer(ABC, Generic[Out]):
-    """`feed()` each event, then `finish()`; the same calls build the non-streaming body."""
+    """`start()`, `feed()` each event, then `finish()`: a stream's items, each written as SSE
+    text by `frame()`. The same calls build the non-streaming `body()`, so the two paths
+    cannot disagree."""
 
-    done = False
+    done = False  # a terminal event was rendered
+    failure: Failed | None = None  # ... and it was this failure
+
+    def start(self) -> list[Out]:
+        """What a stream opens with, before any event."""
+        return []
 
     def feed(self, event: OutputEvent) -> list[Out]:
         if self.done:
@@ -37,14 +44,28 @@ class EventRenderer(ABC, Generic[Out]):
         if isinstance(event, ToolCallEnd):
             return self._call_end(event)
         if isinstance(event, Finished):
+            self.done = True
             return self._finished(event)
-        return self._failed(event)
+        return self._fail(event)
 
     def finish(self) -> list[Out]:
         """End of the event stream; a stream that stopped short of a terminal event failed."""
         if self.done:
             return []
-        return self._failed(Failed(ErrorKind.INTERNAL, "the model stream ended unexpectedly"))
+        return self._fail(Failed(ErrorKind.INTERNAL, "the model stream ended unexpectedly"))
+
+    def _fail(self, failed: Failed) -> list[Out]:
+        self.done = True
+        self.failure = failed
+        return self._failed(failed)
+
+    @abstractmethod
+    def frame(self, item: Out) -> str:
+        """One stream item as SSE text."""
+
+    @abstractmethod
+    def body(self) -> dict[str, Any]:
+        """The non-streaming response body; complete once a `Finished` event was fed."""
 
     @abstractmethod
     def _text(self, delta: TextDelta) -> list[Out]: ...

@@ -1,16 +1,22 @@
-"""Event streams: opening one (the first events are awaited before any HTTP status is
-chosen), and the one SSE loop every protocol streams through."""
+"""The response path every protocol shares: opening a stream (the first events are awaited
+before any HTTP status is chosen), then `respond`, which renders it through the protocol's
+`EventRenderer` as one JSON body or through the one SSE loop."""
 
 from __future__ import annotations
 
 import asyncio
-import typing
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 
 import anyio
+from fastapi.responses import Response, StreamingResponse
 
 from ingress.client import ModelClient
+from ingress.protocol import WireProtocol
+from ingress.rendering import EventRenderer
+from ingress.sse import SSE_HEADERS
+from ingress.wire_json import JSONBody
 from replicas.contract import Failed, GenerationRequest, OutputEvent
 from replicas.errors import ReplicaError, from_event
 
@@ -65,27 +71,49 @@ async def _close(it: AsyncIterator[list[OutputEvent]]) -> None:
         await aclose()
 
 
-class FrameWriter(typing.Protocol):
-    """One protocol's renderer, writing SSE text.
+async def respond(client: ModelClient, generation: GenerationRequest,
+                  renderer: EventRenderer[Any], protocol: WireProtocol, stream: bool, *,
+                  headers: Mapping[str, str] | None = None,
+                  on_complete: Callable[[], Awaitable[None]] | None = None) -> Response:
+    """One generation as the protocol's response: an SSE stream or one JSON body.
 
-    `feed` gets every event, a `Failed` one included (a `ReplicaError` raised mid-stream
-    arrives as its event), and sets `done` at a terminal event. `finish` ends the stream:
-    after a terminal event its closing frames (e.g. `[DONE]`), otherwise the protocol's
-    error for a stream that stopped short.
+    A failure before the first event raises (a real 4xx/5xx status), and so does any failure
+    of a non-streaming response. `on_complete` runs once the response is whole and did not
+    fail: before a stream closes, so a client that read it to the end can rely on its effect.
     """
+    opened = await open_stream(client, generation)
+    extra = dict(headers or {})
+    if stream:
+        frames = sse_stream(opened, renderer, protocol)
+        if on_complete is not None:
+            frames = _then(frames, renderer, on_complete)
+        return StreamingResponse(frames, media_type="text/event-stream",
+                                 headers=SSE_HEADERS | extra)
+    try:
+        async for event in opened.events():
+            renderer.feed(event)  # to the iterator's end: a finished generation ends itself
+    finally:
+        await opened.aclose()  # a client that left cancels its generation
+    renderer.finish()
+    if renderer.failure is not None:
+        raise from_event(renderer.failure)
+    if on_complete is not None:
+        await on_complete()
+    return JSONBody(renderer.body(), headers=extra)
 
-    @property
-    def done(self) -> bool: ...
 
-    def start(self) -> list[str]: ...
+async def _then(frames: AsyncGenerator[str, None], renderer: EventRenderer[Any],
+                on_complete: Callable[[], Awaitable[None]]) -> AsyncGenerator[str, None]:
+    # Closing this closes the SSE loop at once, so a client that leaves still cancels.
+    async with aclosing(frames):
+        async for frame in frames:
+            yield frame
+    if renderer.failure is None:
+        await on_complete()
 
-    def feed(self, event: OutputEvent) -> list[str]: ...
 
-    def finish(self) -> list[str]: ...
-
-
-async def sse_stream(opened: OpenedStream, writer: FrameWriter, ping_frame: str,
-                     ping_interval_s: float | None = None) -> AsyncIterator[str]:
+async def sse_stream(opened: OpenedStream, renderer: EventRenderer[Any],
+                     protocol: WireProtocol) -> AsyncGenerator[str, None]:
     """The response as SSE text, one write per batch of events, pings while silent.
 
     The next batch is awaited as a task that survives ping timeouts, so waiting never
@@ -93,30 +121,29 @@ async def sse_stream(opened: OpenedStream, writer: FrameWriter, ping_frame: str,
     client went away, or the deadline passed) closes the event iterator, which cancels the
     generation.
     """
-    interval = PING_INTERVAL_S if ping_interval_s is None else ping_interval_s
     waiting: asyncio.Future[list[OutputEvent]] | None = None
     try:
-        first = writer.start() + _feed(writer, opened.first)
+        first = _frames(renderer, renderer.start()) + _feed(renderer, protocol, opened.first)
         if first:
             yield "".join(first)
         # Read to the iterator's end, past the terminal event, so a finished generation ends
         # as finished rather than being closed (cancelled) early.
         while True:
             waiting = asyncio.ensure_future(anext(opened.rest))
-            while not (await asyncio.wait({waiting}, timeout=interval))[0]:
-                if not writer.done:
-                    yield ping_frame
+            while not (await asyncio.wait({waiting}, timeout=PING_INTERVAL_S))[0]:
+                if not renderer.done:
+                    yield protocol.ping_frame
             try:
                 batch = waiting.result()
             except StopAsyncIteration:
                 break
             except ReplicaError as error:
                 batch = [error.as_event()]  # the status is sent: report it in the stream
-            frames = _feed(writer, batch)
+            frames = _feed(renderer, protocol, batch)
             if frames:
                 yield "".join(frames)
-        if not writer.done:
-            yield "".join(writer.finish())  # it stopped short of a terminal event
+        if not renderer.done:  # it stopped short of a terminal event
+            yield "".join(_frames(renderer, renderer.finish()))
     finally:
         # Shielded: on disconnect the server cancels this generator, and cleanup must still
         # reach the replica.
@@ -127,13 +154,18 @@ async def sse_stream(opened: OpenedStream, writer: FrameWriter, ping_frame: str,
             await opened.aclose()
 
 
-def _feed(writer: FrameWriter, batch: list[OutputEvent]) -> list[str]:
-    """The frames for a batch; the terminal event's are followed by the closing ones."""
+def _feed(renderer: EventRenderer[Any], protocol: WireProtocol,
+          batch: list[OutputEvent]) -> list[str]:
+    """The frames for a batch; a clean finish is followed by the protocol's closing frame."""
     frames: list[str] = []
     for event in batch:
-        if writer.done:
+        if renderer.done:
             break  # the contract ends a stream at its terminal event
-        frames.extend(writer.feed(event))
-        if writer.done:
-            frames.extend(writer.finish())
+        frames.extend(_frames(renderer, renderer.feed(event)))
+        if renderer.done and renderer.failure is None and protocol.done_frame:
+            frames.append(protocol.done_frame)
     return frames
+
+
+def _frames(renderer: EventRenderer[Any], items: list[Any]) -> list[str]:
+    return [renderer.frame(item) for item in items]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from load.bench_agent_turns import Run, Turn, median_ttft, spread, text
+from load.agent_turns import Run, Turn, median_ttft, spread, text
 from load.bench_vs_mlx_server import (
     HOST,
     MAX_BATCH,

@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from load.bench_agent_turns import one_turn, text
+from load.agent_turns import one_turn, text
 from replicas.contract import ChatMessage
 from replicas.engine import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions

@@ -25,86 +25,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
-from replicas.contract import (
-    ChatMessage,
-    ChatPrompt,
-    Failed,
-    Finished,
-    GenerationRequest,
-    OutputEvent,
-    ReasoningSpec,
-    SamplingParams,
-    TextDelta,
-)
+from load.agent_turns import Run, conversations, median_ttft, spread
 from replicas.engine import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
-
-_WORDS = ("file", "read", "write", "patch", "test", "error", "line", "function", "class",
-          "return", "value", "module", "import", "config", "result", "search", "path",
-          "command", "output", "build", "check", "change", "review", "index", "token")
-
-
-@dataclass
-class Turn:
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class Run:
-    turns: list[list[Turn]] = field(default_factory=list)  # [turn index][conversation]
-
-
-def text(rng: random.Random, words: int) -> str:
-    return " ".join(f"{rng.choice(_WORDS)}{rng.randrange(100)}" for _ in range(words))
-
-
-async def one_turn(rep: ModelReplica, rid: str, messages: tuple[ChatMessage, ...],
-                   max_tokens: int) -> tuple[Turn, str]:
-    request = GenerationRequest(
-        request_id=rid, model="bench", prompt=ChatPrompt(messages),
-        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-        reasoning=ReasoningSpec(enabled=False))
-    start = time.perf_counter()
-    ttft = None
-    events: list[OutputEvent] = []
-    async for batch in rep.stream(request):
-        if ttft is None:
-            ttft = time.perf_counter() - start
-        events.extend(batch)
-    end = events[-1]
-    if isinstance(end, Failed) or not isinstance(end, Finished) or ttft is None:
-        raise RuntimeError(f"turn failed: {end}")
-    reply = "".join(e.text for e in events if isinstance(e, TextDelta))
-    return Turn(ttft, end.usage.prompt_tokens, end.usage.cached_tokens), reply
-
-
-async def conversations(rep: ModelReplica, args: argparse.Namespace, salt: str) -> Run:
-    rng = random.Random(salt)
-    system = ChatMessage("system", f"[{salt}] You are a coding agent. " +
-                         text(rng, args.system_words))
-    history = [[system] for _ in range(args.conversations)]
-    run = Run()
-    for t in range(args.turns):
-        for conv in history:
-            conv.append(ChatMessage("user", text(rng, args.turn_words)))
-        results = await asyncio.gather(*(
-            one_turn(rep, f"{salt}-{c}-{t}", tuple(conv), args.max_tokens)
-            for c, conv in enumerate(history)))
-        run.turns.append([turn for turn, _ in results])
-        for conv, (_, reply) in zip(history, results):
-            conv.append(ChatMessage("assistant", reply))
-    return run
 
 
 def bench(cache_bytes: int, args: argparse.Namespace) -> list[Run]:
@@ -125,12 +55,8 @@ def bench(cache_bytes: int, args: argparse.Namespace) -> list[Run]:
         rep.shutdown()
 
 
-def median_ttft(run: Run, t: int) -> float:
-    return statistics.median(turn.ttft_s for turn in run.turns[t])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=500)
@@ -146,7 +72,11 @@ def main() -> None:
                         "checking its resident memory (agent_turns_memory)")
     parser.add_argument("--memory-turns", type=int, default=200)
     parser.add_argument("--margin-mib", type=int, default=384)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.memory:
         from load.agent_turns_memory import memory
 
@@ -178,10 +108,6 @@ def main() -> None:
     print(f"cache on: {hits}/{len(turns)} requests hit, {cached_total}/{prompt_total} prompt "
           f"tokens from the cache ({cached_total / prompt_total:.0%}); "
           f"wall {time.perf_counter() - started:.0f}s")
-
-
-def spread(values: list[float], fmt: str) -> str:
-    return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})")
 
 
 if __name__ == "__main__":

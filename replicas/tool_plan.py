@@ -1,8 +1,9 @@
 """How one request's tools are handled: parsed, constrained, or banned.
 
 Pure decisions from the request and the model's tool format; the replica turns the plan
-into its decoder and controller. Everything here runs before the engine sees the request,
-so every bad combination is a 400 with no engine time spent.
+into its decoder and controller. Whatever differs by format is a field of its entry in
+`pipeline/tool_formats.py`, never a check of its name here. Everything here runs before
+the engine sees the request, so every bad combination is a 400 with no engine time spent.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 from replicas.contract import GenerationRequest
 from replicas.errors import InvalidRequestError
-from replicas.pipeline.harmony import END
 from replicas.pipeline.tool_calls import ToolParsing
 from replicas.pipeline.tool_formats import ToolFormat
 
@@ -43,13 +43,14 @@ def plan_tools(
         if choice.mode == "required" or choice.name is not None:
             raise InvalidRequestError("tool_choice needs tools to choose from", param="tool_choice")
         return NO_TOOLS
+    call_grammar = tool_format.grammar  # None exactly for the format without calls
     if choice.mode == "none" and choice.name is None:
+        if call_grammar is None:
+            return NO_TOOLS
         from replicas.guided import open_marker_token_ids
 
-        if tool_format.name == "none":
-            return NO_TOOLS
         return ToolPlan(banned_ids=open_marker_token_ids(tool_format.name, encode))
-    if tool_format.name == "none":
+    if call_grammar is None:
         raise InvalidRequestError(
             "this model has no tool-call format the server knows; set `tool_format` for it "
             "in the serve config", param="tools")
@@ -61,12 +62,9 @@ def plan_tools(
 
     grammar = compile_tool_grammar(tool_format.name, request.tools, choice,
                                    tokenizer=guided_tokenizer())
-    harmony = tool_format.name == "harmony"
     return ToolPlan(
         parsing=ToolParsing.from_specs(tool_format, request.tools),
         grammar=grammar,
-        # Harmony's grammar covers the headers after the analysis message, so it starts when
-        # reasoning ends, and a spent budget may force only the end of that message.
-        grammar_start="reasoning_end" if harmony else "answer",
-        forced_end=END if harmony else None,
+        grammar_start=call_grammar.start,
+        forced_end=call_grammar.forced_end,
     )

@@ -11,7 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from ingress.client import ModelCard, ModelClient
-from ingress.errors import error_response, protocol_for
+from ingress.errors import error_response
+from ingress.registry import protocol_for
 from replicas.contract import (
     Channel,
     ErrorKind,

@@ -12,9 +12,10 @@ import copy
 import json
 from typing import Any
 
-from ingress.errors import Protocol, error_body
+from ingress.errors import ANTHROPIC_ERRORS
 from ingress.protocol import WARNINGS_FIELD
 from ingress.rendering import EventRenderer
+from ingress.sse import event_frame
 from replicas.contract import (
     Channel,
     Failed,
@@ -99,12 +100,17 @@ class MessageRenderer(EventRenderer[Frame]):
         self._omit_thinking = omit_thinking
         self._open: str | None = None  # type of the content block being streamed
         self._arguments: list[str] = []  # the open tool_use block's input, as JSON pieces
-        self.failure: Failed | None = None
 
     @property
     def message(self) -> dict[str, Any]:
         """The non-streaming response body; complete once a `Finished` event was fed."""
         return self._message
+
+    def body(self) -> dict[str, Any]:
+        return self._message
+
+    def frame(self, item: Frame) -> str:
+        return event_frame(*item)
 
     def start(self) -> list[Frame]:
         message = copy.deepcopy(self._message)
@@ -170,7 +176,6 @@ class MessageRenderer(EventRenderer[Frame]):
         return frames
 
     def _finished(self, finished: Finished) -> list[Frame]:
-        self.done = True
         reason, sequence = stop_fields(finished)
         usage = usage_body(finished.usage)
         self._message.update(stop_reason=reason, stop_sequence=sequence, usage=usage)
@@ -185,9 +190,7 @@ class MessageRenderer(EventRenderer[Frame]):
 
     def _failed(self, failed: Failed) -> list[Frame]:
         # Like Anthropic, a failing stream just ends with an error event; open blocks stay open.
-        self.done = True
-        self.failure = failed
-        return [("error", error_body(failed.kind, failed.message, Protocol.ANTHROPIC))]
+        return [("error", ANTHROPIC_ERRORS.error_body(failed.kind, failed.message))]
 
 
 def _delta(index: int, delta: dict[str, str]) -> Frame:

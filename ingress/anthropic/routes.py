@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ingress.anthropic.convert import (
     omits_thinking,
@@ -25,15 +25,8 @@ from ingress.anthropic.render import MessageRenderer
 from ingress.client import ModelClient, require_model
 from ingress.errors import ANTHROPIC_ERRORS
 from ingress.protocol import WireProtocol
-from ingress.sse import SSE_HEADERS, event_frame
-from ingress.streaming import open_stream, sse_stream
-from ingress.wire_json import JSONBody
-from replicas.contract import OutputEvent
-from replicas.errors import from_event
-
-# Seconds without events before a `ping` event, so proxies and clients do not time out
-# while a long prompt is processed. Tests shrink it.
-PING_INTERVAL_S = 5.0
+from ingress.sse import event_frame
+from ingress.streaming import respond
 
 router = APIRouter()
 
@@ -64,23 +57,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     card = require_model(client, body.model)
     generation = to_generation_request(body, card)
     renderer = MessageRenderer(generation.request_id, card.id, omit_thinking=omits_thinking(body))
-    # Raises before any byte is sent when the generation fails at once: a real error status.
-    opened = await open_stream(client, generation)
-    if body.stream:
-        frames = sse_stream(opened, EventWriter(renderer), ANTHROPIC.ping_frame,
-                            PING_INTERVAL_S)
-        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        async for event in opened.events():
-            renderer.feed(event)
-            if renderer.done:
-                break
-    finally:
-        await opened.aclose()
-    renderer.finish()
-    if renderer.failure is not None:
-        raise from_event(renderer.failure)
-    return JSONBody(renderer.message)
+    return await respond(client, generation, renderer, ANTHROPIC, body.stream)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -89,22 +66,3 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     card = require_model(client, body.model)
     return {"input_tokens": await client.count_tokens(to_count_request(body, card))}
 
-
-class EventWriter:
-    """`MessageRenderer` frames as named SSE events."""
-
-    def __init__(self, renderer: MessageRenderer) -> None:
-        self._renderer = renderer
-
-    @property
-    def done(self) -> bool:
-        return self._renderer.done
-
-    def start(self) -> list[str]:
-        return [event_frame(*frame) for frame in self._renderer.start()]
-
-    def feed(self, event: OutputEvent) -> list[str]:
-        return [event_frame(*frame) for frame in self._renderer.feed(event)]
-
-    def finish(self) -> list[str]:
-        return [event_frame(*frame) for frame in self._renderer.finish()]

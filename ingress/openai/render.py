@@ -1,6 +1,6 @@
 """Replica events -> OpenAI response bodies and stream chunks.
 
-One `ResponseBuilder` serves both paths: streaming renders a chunk per delta as events
+One `CompletionRenderer` serves both paths: streaming renders a chunk per delta as events
 arrive, non-streaming feeds every event and renders the body at the end, so the two cannot
 disagree.
 """
@@ -11,9 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ingress.errors import OPENAI_ERRORS
 from ingress.protocol import WARNINGS_FIELD
+from ingress.rendering import EventRenderer
+from ingress.sse import data_frame
 from replicas.contract import (
     Channel,
+    Failed,
     Finished,
     FinishReason,
     OutputEvent,
@@ -36,6 +40,7 @@ FINISH_REASON = {
 }
 
 Kind = Literal["chat", "completion"]
+Chunk = dict[str, Any]  # a stream chunk, or the error body that ends a failed stream
 
 
 @dataclass(frozen=True)
@@ -65,59 +70,71 @@ def call_id(bare: str) -> str:
     return f"call_{bare}"
 
 
-class ResponseBuilder:
+class CompletionRenderer(EventRenderer[Chunk]):
     def __init__(self, meta: ResponseMeta, include_usage: bool = False) -> None:
         self.meta = meta
         self._include_usage = include_usage
         self._answer: list[str] = []
         self._reasoning: list[str] = []
         self._calls: dict[int, dict[str, Any]] = {}  # message.tool_calls by call index
-        self.finished: Finished | None = None
+        self._end: Finished | None = None  # the terminal event, for the body
         self._sent_role = False
 
     # ---- streaming ----------------------------------------------------------------------
 
-    def feed(self, event: OutputEvent) -> list[dict[str, Any]]:
-        """Chunks for one event (a Failed event is the caller's to render)."""
-        chunks: list[dict[str, Any]] = []
-        if self.meta.kind == "chat" and not self._sent_role:
-            self._sent_role = True
-            if isinstance(event, ToolCallStart):
-                # A turn that opens with a call has no content, as OpenAI streams it.
-                return [self._chunk({"role": "assistant", "content": None,
-                                     "tool_calls": [self._start_call(event)]})]
-            chunks.append(self._chunk({"role": "assistant", "content": ""}))
-        if isinstance(event, (ToolCallStart, ToolCallDelta, ToolCallEnd)):
-            chunks.extend(self._tool_event(event))
-        elif isinstance(event, TextDelta) and event.text:
-            if event.channel is Channel.ANSWER:
-                self._answer.append(event.text)
-                chunks.append(self._text_chunk("content", event.text))
-            else:
-                self._reasoning.append(event.text)
-                chunks.append(self._text_chunk("reasoning_content", event.text))
-        elif isinstance(event, Finished):
-            self.finished = event
-            chunks.append(self._final_chunk(event))
-            if self._include_usage:
-                chunks.append(self._usage_chunk(event.usage))
-        return chunks
+    def feed(self, event: OutputEvent) -> list[Chunk]:
+        if self.done or self._sent_role or self.meta.kind != "chat" or isinstance(event, Failed):
+            return super().feed(event)
+        # A chat stream's first chunk names the role, whatever event opens it.
+        self._sent_role = True
+        if isinstance(event, ToolCallStart):
+            # A turn that opens with a call has no content, as OpenAI streams it.
+            return [self._chunk({"role": "assistant", "content": None,
+                                 "tool_calls": [self._start_call(event)]})]
+        return [self._chunk({"role": "assistant", "content": ""}), *super().feed(event)]
 
-    def _tool_event(self, event: ToolCallStart | ToolCallDelta | ToolCallEnd) -> list[dict[str, Any]]:
+    def frame(self, item: Chunk) -> str:
+        return data_frame(item)
+
+    def _text(self, delta: TextDelta) -> list[Chunk]:
+        if delta.channel is Channel.ANSWER:
+            self._answer.append(delta.text)
+            return [self._text_chunk("content", delta.text)]
+        self._reasoning.append(delta.text)
+        return [self._text_chunk("reasoning_content", delta.text)]
+
+    def _call_start(self, start: ToolCallStart) -> list[Chunk]:
         if self.meta.kind != "chat":
             return []  # completions have no tools
-        if isinstance(event, ToolCallStart):
-            return [self._chunk({"tool_calls": [self._start_call(event)]})]
-        function = self._calls[event.index]["function"]
-        if isinstance(event, ToolCallEnd):
-            # The whole text is authoritative for the body; the stream already has every piece.
-            function["arguments"] = event.arguments
+        return [self._chunk({"tool_calls": [self._start_call(start)]})]
+
+    def _call_delta(self, delta: ToolCallDelta) -> list[Chunk]:
+        if self.meta.kind != "chat":
             return []
-        if not event.arguments:
+        function = self._calls[delta.index]["function"]
+        if not delta.arguments:
             return []
-        function["arguments"] += event.arguments
-        piece = {"index": event.index, "function": {"arguments": event.arguments}}
+        function["arguments"] += delta.arguments
+        piece = {"index": delta.index, "function": {"arguments": delta.arguments}}
         return [self._chunk({"tool_calls": [piece]})]
+
+    def _call_end(self, end: ToolCallEnd) -> list[Chunk]:
+        if self.meta.kind != "chat":
+            return []
+        # The whole text is authoritative for the body; the stream already has every piece.
+        self._calls[end.index]["function"]["arguments"] = end.arguments
+        return []
+
+    def _finished(self, finished: Finished) -> list[Chunk]:
+        self._end = finished
+        chunks = [self._final_chunk(finished)]
+        if self._include_usage:
+            chunks.append(self._usage_chunk(finished.usage))
+        return chunks
+
+    def _failed(self, failed: Failed) -> list[Chunk]:
+        # Once a stream's status is sent, its error is the error body as one more chunk.
+        return [OPENAI_ERRORS.error_body(failed.kind, failed.message, failed.param)]
 
     def _start_call(self, start: ToolCallStart) -> dict[str, Any]:
         """Records the call for the body; returns its first stream delta."""
@@ -166,7 +183,7 @@ class ResponseBuilder:
     # ---- non-streaming ------------------------------------------------------------------
 
     def body(self) -> dict[str, Any]:
-        finished = self.finished
+        finished = self._end
         assert finished is not None, "body() before the terminal event"
         answer = "".join(self._answer)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, **_finish_fields(finished)}

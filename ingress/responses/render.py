@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from ingress.protocol import WARNINGS_FIELD
 from ingress.rendering import EventRenderer
+from ingress.sse import event_frame
 from replicas.contract import (
     Channel,
     ErrorKind,
@@ -75,12 +76,17 @@ class ResponseRenderer(EventRenderer[Event]):
         self._sequence = 0
         self._open: _Item | None = None  # the reasoning or message item being written
         self._calls: dict[int, _Item] = {}  # tool call index -> its open function_call
-        self.failure: Failed | None = None
 
     @property
     def response(self) -> dict[str, Any]:
         """The response object; complete once a terminal event was fed."""
         return self._response
+
+    def body(self) -> dict[str, Any]:
+        return self._response
+
+    def frame(self, item: Event) -> str:
+        return event_frame(item["type"], item)
 
     def start(self) -> list[Event]:
         return [self._lifecycle("response.created"), self._lifecycle("response.in_progress")]
@@ -196,7 +202,6 @@ class ResponseRenderer(EventRenderer[Event]):
     # ---- the end -----------------------------------------------------------------------
 
     def _finished(self, finished: Finished) -> list[Event]:
-        self.done = True
         complete = finished.reason is not FinishReason.LENGTH
         status = "completed" if complete else "incomplete"
         events = self._close_text(status)
@@ -212,8 +217,6 @@ class ResponseRenderer(EventRenderer[Event]):
         return events + [self._lifecycle(f"response.{status}")]
 
     def _failed(self, failed: Failed) -> list[Event]:
-        self.done = True
-        self.failure = failed
         # Items stay as far as they got, without their closing events.
         self._close_text("in_progress", events=False)
         for item in self._calls.values():

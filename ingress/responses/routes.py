@@ -6,24 +6,22 @@ Errors leave as exceptions and render in OpenAI's shape (the `RESPONSES` protoco
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS, CodedError
 from ingress.protocol import WireProtocol
-from ingress.responses.convert import Plan, to_plan
+from ingress.responses.convert import to_plan
 from ingress.responses.models import ResponsesRequest
 from ingress.responses.render import ResponseRenderer
 from ingress.responses.store import ResponseStore, StoredResponse
-from ingress.sse import SSE_HEADERS, event_frame
-from ingress.streaming import OpenedStream, open_stream, sse_stream
-from ingress.wire_json import JSONBody
-from replicas.contract import ErrorKind, OutputEvent
-from replicas.errors import NotFoundError, from_event
+from ingress.sse import event_frame
+from ingress.streaming import respond
+from replicas.contract import ErrorKind
+from replicas.errors import NotFoundError
 
 WARNING_HEADER = "x-orchard-warning"
 
@@ -71,22 +69,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     renderer = ResponseRenderer(plan.generation.request_id, body.model, plan.echo,
                                 reasoning_summary=plan.reasoning_summary, warnings=plan.warnings)
     headers = {WARNING_HEADER: "; ".join(plan.warnings)} if plan.warnings else {}
-    opened = await open_stream(client, plan.generation)  # an early failure: a real status
-    if body.stream:
-        return StreamingResponse(_stream(opened, renderer, plan, store if body.store else None),
-                                 media_type="text/event-stream",
-                                 headers=SSE_HEADERS | headers)
-    try:
-        async for event in opened.events():
-            renderer.feed(event)  # to the iterator's end: a finished generation ends itself
-    finally:
-        await opened.aclose()  # a client that left cancels its generation
-    renderer.finish()
-    if renderer.failure is not None:
-        raise from_event(renderer.failure)
-    if body.store:
-        await _save(store, plan, renderer)
-    return JSONBody(renderer.response, headers=headers)
+
+    async def save() -> None:
+        await store.put(renderer.response["id"], StoredResponse(renderer.response, plan.items))
+
+    return await respond(client, plan.generation, renderer, RESPONSES, body.stream,
+                         headers=headers, on_complete=save if body.store else None)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -96,40 +84,3 @@ async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         raise NotFoundError(f"response '{response_id}' not found", param="response_id")
     return stored.response
 
-
-async def _stream(opened: OpenedStream, renderer: ResponseRenderer, plan: Plan,
-                  store: ResponseStore | None) -> AsyncIterator[str]:
-    async for chunk in sse_stream(opened, EventWriter(renderer), RESPONSES.ping_frame):
-        yield chunk
-    # Saved before the stream closes, so a client that read it to the end finds it stored.
-    if store is not None and renderer.failure is None:
-        await _save(store, plan, renderer)
-
-
-async def _save(store: ResponseStore, plan: Plan, renderer: ResponseRenderer) -> None:
-    response = renderer.response
-    await store.put(response["id"], StoredResponse(response, plan.items))
-
-
-class EventWriter:
-    """`ResponseRenderer` events as named SSE events."""
-
-    def __init__(self, renderer: ResponseRenderer) -> None:
-        self._renderer = renderer
-
-    @property
-    def done(self) -> bool:
-        return self._renderer.done
-
-    def start(self) -> list[str]:
-        return _frames(self._renderer.start())
-
-    def feed(self, event: OutputEvent) -> list[str]:
-        return _frames(self._renderer.feed(event))
-
-    def finish(self) -> list[str]:
-        return _frames(self._renderer.finish())
-
-
-def _frames(events: list[dict[str, Any]]) -> list[str]:
-    return [event_frame(event["type"], event) for event in events]

@@ -1,10 +1,12 @@
 """Tool calls valid by construction: one llguidance grammar per request that offers tools.
 
-The grammar constrains the answer channel in the model's own call syntax (the SYNTAX
-table). Each tool is its own alternative, so a call's name and its arguments' schema are
-tied. `auto` lets free text run until the call section's trigger, then constrains from
-there (llguidance's lazy lexeme, or a special-token reference when the trigger is one
-special token of the model: the two forms `llguidance.StructTag` compiles to).
+The grammar constrains the answer channel in the model's own call syntax: the `grammar`
+field of the format's entry in `pipeline/tool_formats.py`, where its parsing lives too, so
+a new format needs no edit here. Each tool is its own alternative, so a call's name and its
+arguments' schema are tied. `auto` lets free text run until the call section's trigger,
+then constrains from there (llguidance's lazy lexeme, or a special-token reference when the
+trigger is one special token of the model: the two forms `llguidance.StructTag` compiles
+to).
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import functools
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
 from replicas.contract import ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
@@ -22,89 +23,8 @@ from replicas.guided.compiler import checked_json_schema, validate
 from replicas.guided.schema_keywords import openai_strict_violations
 from replicas.guided.tokenizer import GuidedTokenizer
 from replicas.guided.tool_params import xml_parameters
+from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar, Syntax, ToolFormat
 
-
-@dataclass(frozen=True)
-class ToolSyntax:
-    """How one model family writes its calls. A section is `open call (sep call)* close`;
-    a call is `head(NAME) ARGS tail`. `trigger` starts the section: `auto` runs free text
-    until it, `none` bans it (when it is one token)."""
-
-    trigger: str
-    head: str  # "{name}" is replaced by the tool's name
-    tail: str
-    open: str = ""
-    sep: str | None = None  # None: one call per turn, whatever `parallel` says
-    close: str = ""
-    markers: tuple[str, ...] = ()  # texts that are special tokens in this family's vocab
-    args: Literal["json", "xml"] = "json"
-    # Where free text must be announced by a header (harmony's final channel), `auto` is
-    # a plain alternative between this header + text and a call; no trigger is needed.
-    text_open: str | None = None
-    # Other ways the same call head may be written ("{name}" as in `head`).
-    alt_heads: tuple[str, ...] = ()
-    # A message the model may write before any of the above (harmony's analysis): its
-    # opening, its end, and what opens the next message. When the prompt itself opened
-    # that message, the grammar starts after its end, at the next message's opening.
-    preamble: tuple[str, str, str] | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.open or self.head).startswith(self.trigger):
-            raise ValueError(f"tool syntax: {self.trigger!r} must open the call section")
-
-
-SYNTAX: Final[dict[str, ToolSyntax]] = {
-    # Qwen3 / Hermes: every call wrapped in its own tags, calls joined by one newline.
-    "hermes": ToolSyntax(
-        trigger="<tool_call>",
-        head='<tool_call>\n{"name": "{name}", "arguments": ',
-        tail="}\n</tool_call>",
-        sep="\n",
-        markers=("<tool_call>", "</tool_call>"),
-    ),
-    # Qwen3-Coder: XML parameters, one `<parameter=KEY>` block per argument (tool_params).
-    "qwen3_coder": ToolSyntax(
-        trigger="<tool_call>",
-        head="<tool_call>\n<function={name}>\n",
-        tail="</function>\n</tool_call>",
-        sep="\n",
-        markers=("<tool_call>", "</tool_call>"),
-        args="xml",
-    ),
-    # Llama 3.1+ JSON tool calling; parallel calls joined by "; " as vLLM's parser reads them.
-    "llama3_json": ToolSyntax(
-        trigger="<|python_tag|>",
-        open="<|python_tag|>",
-        head='{"name": "{name}", "parameters": ',
-        tail="}",
-        sep="; ",
-        markers=("<|python_tag|>",),
-    ),
-    # Mistral: one JSON array of calls after the marker.
-    "mistral": ToolSyntax(
-        trigger="[TOOL_CALLS]",
-        open="[TOOL_CALLS][",
-        head='{"name": "{name}", "arguments": ',
-        tail="}",
-        sep=", ",
-        close="]",
-        markers=("[TOOL_CALLS]",),
-    ),
-    # gpt-oss: the grammar covers the whole completion after the prompt's
-    # `<|start|>assistant`: an optional analysis message, then the final message or one
-    # call (`<|call|>` ends the turn). The encoder writes the recipient after the role
-    # (` to=functions.x<|channel|>commentary ...`); models also write it after the channel.
-    "harmony": ToolSyntax(
-        trigger="<|channel|>",
-        head="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
-        alt_heads=(" to=functions.{name}<|channel|>commentary <|constrain|>json<|message|>",),
-        tail="<|call|>",
-        markers=("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>",
-                 "<|end|>"),
-        text_open="<|channel|>final<|message|>",
-        preamble=("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant"),
-    ),
-}
 
 TOOL_NAME: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TEXT_RULE: Final = "TEXT: /(?s:.+)/"  # free text: any characters, never special tokens
@@ -125,11 +45,9 @@ def compile_tool_grammar(
     matched: as the model's special token where it has one, as text otherwise. Raises
     InvalidRequestError (param `tools` or `tool_choice`) for bad input.
     """
-    syntax = SYNTAX.get(tool_format)
-    if syntax is None:
-        raise ValueError(f"unknown tool format {tool_format!r}; known: {', '.join(SYNTAX)}")
+    fmt, syntax = _format(tool_format)
     _check_names(tools, choice)
-    arguments = {tool.name: _arguments(syntax, tool) for tool in tools}
+    arguments = {tool.name: _arguments(fmt, tool) for tool in tools}
     if choice.mode == "none" or not tools:
         return None
     offered = [t.name for t in tools if choice.name is None or t.name == choice.name]
@@ -147,11 +65,19 @@ def compile_tool_grammar(
 def open_marker_token_ids(tool_format: str, encode: Callable[[str], Sequence[int]]) -> tuple[int, ...]:
     """The token that opens a call, to ban under `tool_choice: none`; () when the opener
     is several tokens (one cannot be banned alone) or also opens plain text (harmony)."""
-    syntax = SYNTAX[tool_format]
+    syntax = _format(tool_format)[1]
     if syntax.text_open is not None:
         return ()
     ids = tuple(encode(syntax.trigger))
     return ids if len(ids) == 1 else ()
+
+
+def _format(name: str) -> tuple[ToolFormat, CallGrammar]:
+    fmt = TOOL_FORMATS.get(name)
+    if fmt is None or fmt.grammar is None:
+        known = ", ".join(n for n, f in TOOL_FORMATS.items() if f.grammar is not None)
+        raise ValueError(f"unknown tool format {name!r}; known: {known}")
+    return fmt, fmt.grammar
 
 
 def _check_names(tools: tuple[ToolSpec, ...], choice: ToolChoice) -> None:
@@ -176,7 +102,7 @@ def _check_names(tools: tuple[ToolSpec, ...], choice: ToolChoice) -> None:
 ArgumentRules = Callable[[str], list[str]]  # a rule name -> the rules that define it
 
 
-def _arguments(syntax: ToolSyntax, tool: ToolSpec) -> ArgumentRules:
+def _arguments(fmt: ToolFormat, tool: ToolSpec) -> ArgumentRules:
     """How to write one tool's arguments in Lark; every problem names the tool."""
     where = f"tool {tool.name!r}"
     try:
@@ -193,7 +119,7 @@ def _arguments(syntax: ToolSyntax, tool: ToolSpec) -> ArgumentRules:
         if violations:
             raise InvalidRequestError(f"{where}: strict mode: " + "; ".join(violations),
                                       param="tools")
-    if syntax.args == "xml":
+    if fmt.syntax is Syntax.XML:
         try:
             xml_parameters(schema, "probe")  # fail now, with the tool's name
         except ValueError as exc:
@@ -228,7 +154,7 @@ class _Markers:
         return " ".join(self.special.get(p) or json.dumps(p) for p in pieces if p)
 
 
-def _lark(syntax: ToolSyntax, marks: _Markers, names: list[str],
+def _lark(syntax: CallGrammar, marks: _Markers, names: list[str],
           arguments: dict[str, ArgumentRules], choice: ToolChoice) -> str:
     # A named choice forces a call to that tool, as OpenAI's does.
     required = choice.mode == "required" or choice.name is not None

@@ -1,11 +1,17 @@
-"""Tool-call formats as data, and their composition with a channel format.
+"""Tool-call formats as data, one entry each, and their composition with a channel format.
 
-A tool format says how a model marks a call in its answer (`call_open`, an optional
-`call_close`) and how the text inside reads (`syntax`). `with_tools(channel_format,
-tool_format)` adds `Channel.TOOL` states to a channel format, so the router that keeps
-reasoning apart from the answer also cuts out each call; `tool_calls.py` turns a call's
-text into events. Markup inside reasoning is never a call: open rules go on answer states
-only (Harmony: a header naming a `to=functions.NAME` recipient).
+An entry holds everything the replica needs to know about one family's calls: how a
+model marks a call in its answer (`call_open`, an optional `call_close`), how the text
+inside reads (`syntax` and the JSON knobs), how to detect the family (`signature`,
+`channel_format`) and how the tool grammar writes a call (`grammar`, read by
+`guided/tools.py`; data only, so this package never imports llguidance). A new format is
+one entry in `TOOL_FORMATS` plus its tests.
+
+`with_tools(channel_format, tool_format)` adds `Channel.TOOL` states to a channel format, so
+the router that keeps reasoning apart from the answer also cuts out each call;
+`tool_calls.py` turns a call's text into events. Markup inside reasoning is never a call:
+open rules go on answer states only (Harmony: a header naming a `to=functions.NAME`
+recipient).
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
+from typing import Literal
 
 from replicas.contract import Channel
 from replicas.pipeline.channel_formats import ByHeader, ChannelFormat, Rule, State
 from replicas.pipeline.channels import detect_format
+from replicas.pipeline.harmony import END as HARMONY_END
 
 __all__ = [
     "TOOL_FORMATS",
+    "CallGrammar",
     "Syntax",
     "ToolFormat",
     "detect_tool_format",
@@ -35,6 +44,41 @@ class Syntax(str, Enum):
     JSON = "json"  # call objects {"name": ..., "arguments": {...}}
     XML = "xml"  # Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter></function>
     RAW = "raw"  # Harmony: the message body is the arguments, the header names the call
+
+
+@dataclass(frozen=True)
+class CallGrammar:
+    """How the tool grammar writes this family's calls. A section is
+    `open call (sep call)* close`; a call is `head(NAME) ARGS tail`, ARGS in the format's
+    syntax (XML parameters for `Syntax.XML`, JSON otherwise). `trigger` starts the section:
+    `auto` runs free text until it, `none` bans it (when it is one token)."""
+
+    trigger: str
+    head: str  # "{name}" is replaced by the tool's name
+    tail: str
+    open: str = ""
+    sep: str | None = None  # None: one call per turn, whatever `parallel` says
+    close: str = ""
+    markers: tuple[str, ...] = ()  # texts that are special tokens in this family's vocab
+    # Where free text must be announced by a header (harmony's final channel), `auto` is
+    # a plain alternative between this header + text and a call; no trigger is needed.
+    text_open: str | None = None
+    # Other ways the same call head may be written ("{name}" as in `head`).
+    alt_heads: tuple[str, ...] = ()
+    # A message the model may write before any of the above (harmony's analysis): its
+    # opening, its end, and what opens the next message. When the prompt itself opened
+    # that message, the grammar starts after its end, at the next message's opening.
+    preamble: tuple[str, str, str] | None = None
+    # Where the controller starts the grammar: a grammar that covers the headers after a
+    # reasoning message (harmony) starts when reasoning ends.
+    start: Literal["answer", "reasoning_end"] = "answer"
+    # What a spent thinking budget forces instead of the channel format's own end: the
+    # grammar must still be free to choose what follows (harmony: only `<|end|>`).
+    forced_end: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.open or self.head).startswith(self.trigger):
+            raise ValueError(f"tool syntax: {self.trigger!r} must open the call section")
 
 
 @dataclass(frozen=True)
@@ -53,23 +97,49 @@ class ToolFormat:
     named: str | None = None  # JSON: "NAME<named>{args}" is a call too (Mistral's [ARGS])
     # Texts that identify the format when all are in a chat template or a vocabulary.
     signature: tuple[str, ...] = ()
+    # A channel format whose models always write this tool format, whatever the
+    # signatures say (Harmony's calls are part of its channel format).
+    channel_format: str | None = None
+    grammar: CallGrammar | None = None  # None only for `none`: calls are never constrained
+
+    def __post_init__(self) -> None:
+        # Every format with calls must be enforceable, or `tool_choice` would be a 500.
+        if (self.syntax is Syntax.NONE) != (self.grammar is None):
+            raise ValueError(f"tool format {self.name!r}: a grammar exactly when it has calls")
 
 
 NONE_TOOLS = ToolFormat(name="none", syntax=Syntax.NONE)
+# Qwen3 / Hermes: every call wrapped in its own tags, calls joined by one newline.
 HERMES = ToolFormat(
     name="hermes",
     syntax=Syntax.JSON,
     call_open="<tool_call>",
     call_close="</tool_call>",
     signature=("<tool_call>",),
+    grammar=CallGrammar(
+        trigger="<tool_call>",
+        head='<tool_call>\n{"name": "{name}", "arguments": ',
+        tail="}\n</tool_call>",
+        sep="\n",
+        markers=("<tool_call>", "</tool_call>"),
+    ),
 )
+# Qwen3-Coder: XML parameters, one `<parameter=KEY>` block per argument (guided/tool_params).
 QWEN3_CODER = ToolFormat(
     name="qwen3_coder",
     syntax=Syntax.XML,
     call_open="<tool_call>",
     call_close="</tool_call>",
     signature=("<tool_call>", "<function=", "<parameter="),
+    grammar=CallGrammar(
+        trigger="<tool_call>",
+        head="<tool_call>\n<function={name}>\n",
+        tail="</function>\n</tool_call>",
+        sep="\n",
+        markers=("<tool_call>", "</tool_call>"),
+    ),
 )
+# Llama 3.1+ JSON tool calling; parallel calls joined by "; " as vLLM's parser reads them.
 LLAMA3_JSON = ToolFormat(
     name="llama3_json",
     syntax=Syntax.JSON,
@@ -78,7 +148,16 @@ LLAMA3_JSON = ToolFormat(
     args_keys=("parameters", "arguments"),
     separator=";",
     signature=("<|python_tag|>",),
+    grammar=CallGrammar(
+        trigger="<|python_tag|>",
+        open="<|python_tag|>",
+        head='{"name": "{name}", "parameters": ',
+        tail="}",
+        sep="; ",
+        markers=("<|python_tag|>",),
+    ),
 )
+# Mistral: one JSON array of calls after the marker (the grammar writes that form).
 MISTRAL = ToolFormat(
     name="mistral",
     syntax=Syntax.JSON,
@@ -86,11 +165,37 @@ MISTRAL = ToolFormat(
     lists=True,
     named="[ARGS]",
     signature=("[TOOL_CALLS]",),
+    grammar=CallGrammar(
+        trigger="[TOOL_CALLS]",
+        open="[TOOL_CALLS][",
+        head='{"name": "{name}", "arguments": ',
+        tail="}",
+        sep=", ",
+        close="]",
+        markers=("[TOOL_CALLS]",),
+    ),
 )
+# gpt-oss: the grammar covers the whole completion after the prompt's
+# `<|start|>assistant`: an optional analysis message, then the final message or one
+# call (`<|call|>` ends the turn). The encoder writes the recipient after the role
+# (` to=functions.x<|channel|>commentary ...`); models also write it after the channel.
 HARMONY_TOOLS = ToolFormat(
     name="harmony",
     syntax=Syntax.RAW,
     signature=("<|channel|>", "to=functions"),
+    channel_format="harmony",
+    grammar=CallGrammar(
+        trigger="<|channel|>",
+        head="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+        alt_heads=(" to=functions.{name}<|channel|>commentary <|constrain|>json<|message|>",),
+        tail="<|call|>",
+        markers=("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>",
+                 "<|end|>"),
+        text_open="<|channel|>final<|message|>",
+        preamble=("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant"),
+        start="reasoning_end",
+        forced_end=HARMONY_END,
+    ),
 )
 
 # Detection order: the more specific signature first (Qwen3-Coder's template also holds
@@ -112,11 +217,13 @@ def get_tool_format(name: str) -> ToolFormat:
 
 
 def detect_tool_format(chat_template: str | None, vocab: Collection[str]) -> str:
-    """The first tool format whose signature texts are all in the vocab or the template;
-    a model whose channel format is Harmony uses Harmony's tool calls."""
+    """The tool format tied to the model's channel format if one is (Harmony), else the
+    first whose signature texts are all in the vocab or the template."""
     template = chat_template or ""
-    if detect_format(chat_template, vocab) == "harmony":
-        return HARMONY_TOOLS.name
+    channel_format = detect_format(chat_template, vocab)
+    for name, fmt in TOOL_FORMATS.items():
+        if fmt.channel_format == channel_format:
+            return name
     for name, fmt in TOOL_FORMATS.items():
         if fmt.signature and all(t in vocab or t in template for t in fmt.signature):
             return name
@@ -139,7 +246,7 @@ def with_tools(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
     hit = _COMPOSED.get(key)
     if hit is not None and hit[0] is fmt:
         return hit[1]
-    composed = _by_header(fmt) if tools.syntax is Syntax.RAW else _by_marker(fmt, tools)
+    composed = _by_header(fmt, tools) if tools.syntax is Syntax.RAW else _by_marker(fmt, tools)
     _COMPOSED[key] = (fmt, composed)
     return composed
 
@@ -170,7 +277,7 @@ def _by_marker(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
     return _derived(fmt, tools, states)
 
 
-def _by_header(fmt: ChannelFormat) -> ChannelFormat:
+def _by_header(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
     """Harmony: a header with a `to=functions.NAME` recipient opens a TOOL message that
     ends like any other message (the rules of the header's default state, minus the ones
     that swallow stray markers in place)."""
@@ -185,10 +292,10 @@ def _by_header(fmt: ChannelFormat) -> ChannelFormat:
             rules.append(rule)
         states[name] = dataclasses.replace(state, rules=tuple(rules))
     if default is None:
-        raise ValueError(f"harmony tool calls need a format with headers, not {fmt.name!r}")
+        raise ValueError(f"{tools.name} tool calls need a format with headers, not {fmt.name!r}")
     message_end = tuple(r for r in fmt.states[default].rules if r.to != default)
     states[TOOL_STATE] = State(Channel.TOOL, message_end)
-    return _derived(fmt, HARMONY_TOOLS, states)
+    return _derived(fmt, tools, states)
 
 
 def _derived(fmt: ChannelFormat, tools: ToolFormat, states: dict[str, State]) -> ChannelFormat:

@@ -21,7 +21,7 @@ from deployments.config import (
     PlacementSettings,
     replica_max_stops,
 )
-from deployments.handle_client import REPLICA_WAIT_S
+from deployments.model_clients import REPLICA_WAIT_S
 from deployments.model_deployment import ModelDeployment, replica_options
 from replicas.engine import EngineConfig
 from replicas.pipeline.channels import FORMATS

@@ -7,11 +7,11 @@ client turns a wait past `replica_wait_s` into an overloaded error and cancels t
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
-from deployments.handle_client import RayModelClient
+from deployments.model_clients import RayModelClient
 from ingress.client import ModelCard
 from replicas.contract import (
     Channel,
@@ -26,6 +26,7 @@ from replicas.contract import (
     Usage,
 )
 from replicas.errors import OverloadedError
+from tests.streams import collect
 
 pytestmark = pytest.mark.cluster
 
@@ -94,10 +95,6 @@ class FakeHandle:
 def client(stream: FakeStream, call: FakeCall | None = None) -> RayModelClient:
     handle = FakeHandle(stream, call or FakeCall(1))
     return RayModelClient([ModelCard("m")], {"m": handle}, replica_wait_s=0.2)  # type: ignore[dict-item]
-
-
-async def collect(events: AsyncIterator[list[OutputEvent]]) -> list[OutputEvent]:
-    return [e async for batch in events for e in batch]
 
 
 def test_no_replica_is_an_overloaded_error_and_cancels_the_request() -> None:

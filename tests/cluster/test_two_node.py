@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from deployments.cluster import metal_available
-from deployments.handle_client import REPLICA_WAIT_S
+from deployments.model_clients import REPLICA_WAIT_S
 from replicas.builtin import script
 from tests.cluster.conftest import BASE_URL, LocalCluster
 

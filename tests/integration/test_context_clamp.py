@@ -3,7 +3,6 @@ or refused (reject), at the exact boundary, on the real tiny model."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Iterator
 
 import pytest
@@ -13,11 +12,11 @@ from replicas.contract import (
     Finished,
     FinishReason,
     GenerationRequest,
-    OutputEvent,
     SamplingParams,
     TokenPrompt,
 )
 from replicas.replica import ModelReplica, ReplicaOptions
+from tests.streams import stream_events
 
 # Leaves this many tokens of the context after the prompt: a few decode steps only.
 ROOM = 3
@@ -57,18 +56,8 @@ def _request(replica: ModelReplica, max_tokens: int, prompt_len: int | None = No
                              sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
-def _run(replica: ModelReplica, request: GenerationRequest) -> list[OutputEvent]:
-    async def go() -> list[OutputEvent]:
-        events: list[OutputEvent] = []
-        async for batch in replica.stream(request):
-            events.extend(batch)
-        return events
-
-    return asyncio.run(go())
-
-
 def test_max_tokens_that_exactly_fits_is_kept(replica: ModelReplica) -> None:
-    finished = _run(replica, _request(replica, ROOM))[-1]
+    finished = stream_events(replica, _request(replica, ROOM))[-1]
     assert isinstance(finished, Finished)
     assert finished.warnings == ()
     assert finished.usage.completion_tokens <= ROOM
@@ -76,7 +65,7 @@ def test_max_tokens_that_exactly_fits_is_kept(replica: ModelReplica) -> None:
 
 def test_one_past_the_context_is_clamped_to_what_is_left(replica: ModelReplica) -> None:
     context = replica.context_length
-    finished = _run(replica, _request(replica, ROOM + 1))[-1]
+    finished = stream_events(replica, _request(replica, ROOM + 1))[-1]
     assert isinstance(finished, Finished)
     assert finished.warnings == (
         f"max_tokens lowered from {ROOM + 1} to {ROOM}: the prompt has {context - ROOM} "
@@ -87,22 +76,22 @@ def test_one_past_the_context_is_clamped_to_what_is_left(replica: ModelReplica) 
 
 
 def test_claude_code_sized_max_tokens_is_clamped(replica: ModelReplica) -> None:
-    finished = _run(replica, _request(replica, 32000))[-1]
+    finished = stream_events(replica, _request(replica, 32000))[-1]
     assert isinstance(finished, Finished)
     assert finished.warnings and f"lowered from 32000 to {ROOM}" in finished.warnings[0]
 
 
 def test_a_prompt_that_fills_the_context_is_still_an_error(replica: ModelReplica) -> None:
     context = replica.context_length
-    failed = _run(replica, _request(replica, 10, prompt_len=context))[-1]
+    failed = stream_events(replica, _request(replica, 10, prompt_len=context))[-1]
     assert isinstance(failed, Failed)
     assert failed.kind.value == "context_length" and failed.param == "max_tokens"
 
 
 def test_reject_refuses_one_past_the_context(rejecting: ModelReplica) -> None:
-    fits = _run(rejecting, _request(rejecting, ROOM))[-1]
+    fits = stream_events(rejecting, _request(rejecting, ROOM))[-1]
     assert isinstance(fits, Finished) and fits.warnings == ()
-    failed = _run(rejecting, _request(rejecting, ROOM + 1))[-1]
+    failed = stream_events(rejecting, _request(rejecting, ROOM + 1))[-1]
     assert isinstance(failed, Failed)
     assert failed.kind.value == "context_length"
     assert "maximum context length" in failed.message

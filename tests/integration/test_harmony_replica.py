@@ -4,7 +4,6 @@ thinking budget and tool-call events."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +35,7 @@ from tests.integration.harmony_model import (
     ensure_harmony_model,
     script,
 )
+from tests.streams import stream_events
 
 WEATHER_TOOL = ToolSpec(
     "get_weather", "The weather in a city.",
@@ -61,13 +61,6 @@ def request(sid: str, **overrides: Any) -> GenerationRequest:
     return GenerationRequest(**fields)
 
 
-def run(replica: ModelReplica, req: GenerationRequest) -> list[OutputEvent]:
-    async def go() -> list[OutputEvent]:
-        return [e async for batch in replica.stream(req) for e in batch]
-
-    return asyncio.run(go())
-
-
 def text(events: list[OutputEvent], channel: Channel) -> str:
     return "".join(e.text for e in events if isinstance(e, TextDelta) and e.channel is channel)
 
@@ -88,18 +81,18 @@ def test_formats_are_the_ones_asked_for(replica: ModelReplica) -> None:
 
 
 def test_analysis_is_reasoning_and_final_is_the_answer(replica: ModelReplica) -> None:
-    events = run(replica, request("greet"))
+    events = stream_events(replica, request("greet"))
     assert text(events, Channel.REASONING) == "The user says hi. I greet the user."
     assert text(events, Channel.ANSWER) == "Hello, dear user! How can I help?"
     assert finished(events).reason is FinishReason.EOS
     no_markup(events)
-    direct = run(replica, request("direct"))
+    direct = stream_events(replica, request("direct"))
     assert text(direct, Channel.REASONING) == "" and text(direct, Channel.ANSWER) == "Yes."
 
 
 def test_stops_fire_in_the_final_channel_only(replica: ModelReplica) -> None:
     # "user" is in the analysis too; only the answer's occurrence stops the turn.
-    events = run(replica, request("greet", stop=StopSpec(strings=("user",))))
+    events = stream_events(replica, request("greet", stop=StopSpec(strings=("user",))))
     assert text(events, Channel.REASONING) == "The user says hi. I greet the user."
     assert text(events, Channel.ANSWER) == "Hello, dear "
     end = finished(events)
@@ -109,7 +102,7 @@ def test_stops_fire_in_the_final_channel_only(replica: ModelReplica) -> None:
 def test_thinking_budget_cuts_the_analysis(replica: ModelReplica) -> None:
     full = "The user says hi. I greet the user."
     budget = 3
-    events = run(replica, request("greet", reasoning=ReasoningSpec(budget_tokens=budget)))
+    events = stream_events(replica, request("greet", reasoning=ReasoningSpec(budget_tokens=budget)))
     reasoning = text(events, Channel.REASONING)
     assert reasoning and full.startswith(reasoning) and reasoning != full  # cut, not rewritten
     end = finished(events)
@@ -122,7 +115,7 @@ def test_thinking_budget_cuts_the_analysis(replica: ModelReplica) -> None:
 
 
 def test_a_commentary_call_is_a_tool_call(replica: ModelReplica) -> None:
-    events = run(replica, request("weather", tools=(WEATHER_TOOL,)))
+    events = stream_events(replica, request("weather", tools=(WEATHER_TOOL,)))
     assert text(events, Channel.REASONING) == "Need the weather. I call get_weather."
     assert text(events, Channel.ANSWER) == ""
     no_markup(events)
@@ -140,7 +133,7 @@ def test_a_commentary_call_is_a_tool_call(replica: ModelReplica) -> None:
 
 def test_without_tools_the_call_is_not_parsed(replica: ModelReplica) -> None:
     # No tools offered: the commentary message is hidden reasoning, never a call or answer.
-    events = run(replica, request("weather"))
+    events = stream_events(replica, request("weather"))
     assert not any(isinstance(e, (ToolCallStart, ToolCallEnd)) for e in events)
     assert text(events, Channel.ANSWER) == ""
     assert finished(events).reason is FinishReason.EOS

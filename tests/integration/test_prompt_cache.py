@@ -22,6 +22,7 @@ from replicas.engine import EngineConfig
 from replicas.prompt import last_message_boundary, render_prompt
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.scripted import script_request
+from tests.streams import collect, stream_events
 
 # tool-result's prompt starts with tool-one's prompt and answer; multi-turn is unrelated.
 CONVERSATION = ["tool-one", "tool-result", "multi-turn"]
@@ -49,20 +50,14 @@ def reference(uncached: ModelReplica) -> dict[str, list[OutputEvent]]:
     return {sid: generate(uncached, sid) for sid in dict.fromkeys(CONVERSATION + BATCH)}
 
 
-async def collect(rep: ModelReplica, sid: str) -> list[OutputEvent]:
-    events: list[OutputEvent] = []
-    async for batch in rep.stream(script_request(sid)):
-        events.extend(batch)
-    return events
-
-
 def generate(rep: ModelReplica, sid: str) -> list[OutputEvent]:
-    return asyncio.run(collect(rep, sid))
+    return stream_events(rep, script_request(sid))
 
 
 def generate_together(rep: ModelReplica, sids: list[str]) -> list[list[OutputEvent]]:
     async def together() -> list[list[OutputEvent]]:
-        return list(await asyncio.gather(*(collect(rep, sid) for sid in sids)))
+        return list(await asyncio.gather(*(collect(rep.stream(script_request(sid)))
+                                           for sid in sids)))
     return asyncio.run(together())
 
 

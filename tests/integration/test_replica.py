@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -31,6 +31,7 @@ from replicas.contract import (
 )
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.scripted import GREEDY, script_request
+from tests.streams import collect
 
 
 def run(coro: Any) -> Any:
@@ -46,13 +47,6 @@ def request_for(sid: str, *, sampling: SamplingParams = GREEDY, stop: StopSpec =
     if rid is not None:
         overrides["request_id"] = rid
     return script_request(sid, **overrides)
-
-
-async def collect(stream: AsyncIterator[list[OutputEvent]]) -> list[OutputEvent]:
-    events: list[OutputEvent] = []
-    async for batch in stream:
-        events.extend(batch)
-    return events
 
 
 def texts(events: list[OutputEvent]) -> tuple[str, str]:

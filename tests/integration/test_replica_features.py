@@ -20,7 +20,8 @@ from replicas.contract import (
     StopSpec,
 )
 from replicas.replica import ModelReplica
-from tests.integration.test_replica import collect, request_for, run, terminal, texts
+from tests.integration.test_replica import request_for, run, terminal, texts
+from tests.streams import collect
 
 PROFILE_SCHEMA = {
     "type": "object",

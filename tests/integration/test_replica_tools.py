@@ -30,18 +30,9 @@ from replicas.contract import (
 )
 from replicas.replica import ModelReplica
 from tests.scripted import script_request
+from tests.streams import collect, stream_events
 
 TOOL_SCRIPTS = [s.id for s in load_scripts() if s.tools and s.expected_calls]
-
-
-def run(replica: ModelReplica, request: Any) -> list[OutputEvent]:
-    async def go() -> list[OutputEvent]:
-        events: list[OutputEvent] = []
-        async for batch in replica.stream(request):
-            events.extend(batch)
-        return events
-
-    return asyncio.run(go())
 
 
 def calls(events: list[OutputEvent]) -> list[tuple[str, str]]:
@@ -60,7 +51,7 @@ def test_the_model_uses_the_tool_format_of_its_template(replica: ModelReplica) -
 @pytest.mark.parametrize("sid", TOOL_SCRIPTS)
 def test_scripted_calls_are_exact_events_in_contract_order(replica: ModelReplica, sid: str) -> None:
     s = script(sid)
-    events = run(replica, script_request(sid))
+    events = stream_events(replica, script_request(sid))
     end = events[-1]
     assert isinstance(end, Finished) and end.reason is FinishReason.TOOL_CALLS
     assert calls(events) == list(s.expected_calls)
@@ -83,7 +74,7 @@ def test_scripted_calls_are_exact_events_in_contract_order(replica: ModelReplica
 
 
 def test_tool_result_in_history_gives_the_scripted_answer(replica: ModelReplica) -> None:
-    events = run(replica, script_request("tool-result"))
+    events = stream_events(replica, script_request("tool-result"))
     end = events[-1]
     # The auto tool grammar is complete once the text ends: the eos completes it.
     assert isinstance(end, Finished)
@@ -95,14 +86,14 @@ def test_tool_result_in_history_gives_the_scripted_answer(replica: ModelReplica)
                                     ToolChoice("auto", "get_weather")])
 def test_required_and_named_choice_give_the_scripted_call(replica: ModelReplica,
                                                           choice: ToolChoice) -> None:
-    events = run(replica, script_request("tool-one", tool_choice=choice))
+    events = stream_events(replica, script_request("tool-one", tool_choice=choice))
     assert calls(events) == list(script("tool-one").expected_calls)
     assert isinstance(events[-1], Finished) and events[-1].reason is FinishReason.TOOL_CALLS
 
 
 def test_named_choice_overrides_the_models_own_pick(replica: ModelReplica) -> None:
     # The model would call get_weather; the grammar admits only get_time.
-    events = run(replica, script_request(
+    events = stream_events(replica, script_request(
         "tool-one", tool_choice=ToolChoice("required", "get_time"),
         sampling=SamplingParams(temperature=0.0, max_tokens=60)))
     made = calls(events)
@@ -113,14 +104,14 @@ def test_named_choice_overrides_the_models_own_pick(replica: ModelReplica) -> No
 
 
 def test_parallel_off_cuts_after_one_call(replica: ModelReplica) -> None:
-    events = run(replica, script_request(
+    events = stream_events(replica, script_request(
         "tool-parallel", tool_choice=ToolChoice("auto", parallel=False)))
     assert calls(events) == list(script("tool-parallel").expected_calls[:1])
     assert isinstance(events[-1], Finished) and events[-1].reason is FinishReason.TOOL_CALLS
 
 
 def test_choice_none_never_calls(replica: ModelReplica) -> None:
-    events = run(replica, script_request(
+    events = stream_events(replica, script_request(
         "tool-one", tool_choice=ToolChoice("none"),
         sampling=SamplingParams(temperature=0.0, max_tokens=40)))
     assert not calls(events)
@@ -130,13 +121,14 @@ def test_choice_none_never_calls(replica: ModelReplica) -> None:
 
 def test_a_stop_string_never_fires_inside_a_call(replica: ModelReplica) -> None:
     # "Paris" is inside the call's arguments only: the call must come through whole.
-    events = run(replica, script_request("tool-one", stop=StopSpec(strings=("Paris",))))
+    events = stream_events(replica, script_request("tool-one", stop=StopSpec(strings=("Paris",))))
     assert calls(events) == list(script("tool-one").expected_calls)
     assert isinstance(events[-1], Finished) and events[-1].reason is FinishReason.TOOL_CALLS
 
 
 def test_a_stop_string_still_ends_the_text_before_a_call(replica: ModelReplica) -> None:
-    events = run(replica, script_request("tool-text-then-call", stop=StopSpec(strings=("check",))))
+    events = stream_events(replica, script_request("tool-text-then-call",
+                                                   stop=StopSpec(strings=("check",))))
     end = events[-1]
     assert isinstance(end, Finished) and end.reason is FinishReason.STOP_SEQUENCE
     assert text(events, Channel.ANSWER) == "Let me " and not calls(events)
@@ -151,7 +143,7 @@ def test_a_stop_string_still_ends_the_text_before_a_call(replica: ModelReplica) 
 def test_bad_tool_input_is_a_400_before_the_engine(replica: ModelReplica, tools: Any,
                                                    choice: ToolChoice, param: str) -> None:
     submitted = replica.stats().submitted
-    events = run(replica, script_request("tool-one", tools=tools, tool_choice=choice))
+    events = stream_events(replica, script_request("tool-one", tools=tools, tool_choice=choice))
     assert len(events) == 1 and isinstance(events[0], Failed)
     assert events[0].kind is ErrorKind.INVALID_REQUEST and events[0].param == param
     assert replica.stats().submitted == submitted
@@ -160,20 +152,14 @@ def test_bad_tool_input_is_a_400_before_the_engine(replica: ModelReplica, tools:
 def test_tools_with_response_format_is_a_400(replica: ModelReplica) -> None:
     from replicas.contract import GuidedSpec
 
-    events = run(replica, script_request("tool-one", guided=GuidedSpec("json_object")))
+    events = stream_events(replica, script_request("tool-one", guided=GuidedSpec("json_object")))
     assert isinstance(events[0], Failed) and events[0].param == "response_format"
 
 
 def test_tool_calls_in_a_batch_match_solo_runs(replica: ModelReplica) -> None:
     async def together() -> list[list[OutputEvent]]:
-        async def one(sid: str) -> list[OutputEvent]:
-            out: list[OutputEvent] = []
-            async for batch in replica.stream(script_request(sid)):
-                out.extend(batch)
-            return out
-
         ids = TOOL_SCRIPTS + ["tool-result", "cities"]
-        return await asyncio.gather(*(one(i) for i in ids))
+        return await asyncio.gather(*(collect(replica.stream(script_request(i))) for i in ids))
 
     results = asyncio.run(together())
     for sid, events in zip(TOOL_SCRIPTS, results):
@@ -183,12 +169,12 @@ def test_tool_calls_in_a_batch_match_solo_runs(replica: ModelReplica) -> None:
 def test_strict_tool_schema_that_openai_would_refuse_is_a_400(replica: ModelReplica) -> None:
     loose = ToolSpec("get_weather", parameters=json.dumps(
         {"type": "object", "properties": {"city": {"type": "string"}}}), strict=True)
-    events = run(replica, script_request("tool-one", tools=(loose,)))
+    events = stream_events(replica, script_request("tool-one", tools=(loose,)))
     assert isinstance(events[0], Failed) and events[0].param == "tools"
 
 
 def test_tools_on_a_completion_are_a_400(replica: ModelReplica) -> None:
     request = dataclasses.replace(script_request("count-completion"),
                                   tools=(ToolSpec("get_weather"),))
-    events = run(replica, request)
+    events = stream_events(replica, request)
     assert isinstance(events[0], Failed) and events[0].param == "tools"

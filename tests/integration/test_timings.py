@@ -8,7 +8,8 @@ import dataclasses
 
 from replicas.contract import Finished, GuidedSpec
 from replicas.replica import ModelReplica
-from tests.integration.test_replica import collect, request_for
+from tests.integration.test_replica import request_for
+from tests.streams import collect
 
 
 def test_steps_and_grammar_compiles_are_sampled_and_drained(replica: ModelReplica) -> None:

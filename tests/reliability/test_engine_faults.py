@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 import pytest
@@ -29,6 +29,7 @@ from replicas.contract import (
 )
 from replicas.engine import Engine, EngineConfig, EngineDead
 from replicas.replica import ModelReplica, ReplicaOptions
+from tests.streams import collect
 
 pytestmark = pytest.mark.reliability
 
@@ -79,10 +80,6 @@ def request(sid: str, rid: str, **sampling: Any) -> GenerationRequest:
 def endless(replica: ModelReplica, rid: str, **sampling: Any) -> GenerationRequest:
     bias = {t: -1e4 for t in replica.model.eos_token_ids}
     return request("hello", rid, max_tokens=3000, logit_bias=bias, **sampling)
-
-
-async def collect(stream: AsyncIterator[list[OutputEvent]]) -> list[OutputEvent]:
-    return [event async for batch in stream for event in batch]
 
 
 def answer(events: list[OutputEvent]) -> str:

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 import pytest
 from pydantic import ValidationError
 
-from deployments.colocated_deployment import LocalModelClient
+from deployments.model_clients import LocalModelClient
 from deployments.config import AppArgs
 from ingress.client import ModelCard
 from replicas.contract import (

@@ -35,9 +35,10 @@ from replicas.control import RequestController
 from replicas.pipeline.detokenizer import make_decode
 from replicas.errors import InvalidRequestError
 from replicas.guided import GuidedMatcher, GuidedTokenizer
-from replicas.guided.tools import SYNTAX, compile_tool_grammar, open_marker_token_ids
+from replicas.guided.tools import compile_tool_grammar, open_marker_token_ids
 from replicas.pipeline.channel_formats import ChannelFormat, Rule, State
 from replicas.pipeline.channels import get_format
+from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar
 from tests.unit.test_guided import build_hf_tokenizer, guided_tokenizer
 
 # Non-special in Qwen3 (they survive skip_special_tokens); special in the other families.
@@ -156,8 +157,10 @@ def section(fmt: str, *calls: str) -> str:
 
 
 PARIS = {"city": "Paris"}
-FORMATS = tuple(SYNTAX)
-PARALLEL = tuple(f for f in FORMATS if SYNTAX[f].sep is not None)
+# Every format with calls has a grammar (its entry's `grammar`).
+GRAMMARS: dict[str, CallGrammar] = {n: f.grammar for n, f in TOOL_FORMATS.items() if f.grammar}
+FORMATS = tuple(GRAMMARS)
+PARALLEL = tuple(f for f in FORMATS if GRAMMARS[f].sep is not None)
 CASES = [(f, v) for f in FORMATS for v in VARIANTS]
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# folder -> the marker its test files carry (sharded replicas run on a Ray cluster too)
-MARKED_FOLDERS = {"e2e": "e2e", "reliability": "reliability", "cluster": "cluster",
-                  "sharded": "cluster", "clients": "clients"}
+# folder -> the marker its test files carry (sharded replicas run on a Ray cluster too;
+# observability runs a real `serve run`, as e2e does)
+MARKED_FOLDERS = {"e2e": "e2e", "observability": "e2e", "reliability": "reliability",
+                  "cluster": "cluster", "sharded": "cluster", "clients": "clients"}
 
 
 def module_marks(path: Path) -> set[str]:

@@ -12,9 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ingress import streaming
-from ingress.anthropic import routes as anthropic_routes
 from ingress.app import create_app
-from ingress.protocols import PROTOCOLS, protocol_for
+from ingress.registry import PROTOCOLS, protocol_for
 from replicas.contract import (
     Channel,
     ErrorKind,
@@ -99,7 +98,6 @@ def test_a_stream_cut_short_ends_with_an_error(protocol: str) -> None:
 def test_a_silent_replica_gets_the_protocols_pings(protocol: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(streaming, "PING_INTERVAL_S", 0.01)
-    monkeypatch.setattr(anthropic_routes, "PING_INTERVAL_S", 0.01)
     script: list[Step] = [TextDelta(Channel.ANSWER, "a"), TextDelta(Channel.ANSWER, "b"), DONE]
     found = post(protocol, script, delay_s=0.08)
     ping = ("ping", {"type": "ping"}) if protocol == "anthropic" else (":", "ping")

@@ -1,15 +1,17 @@
-"""The ingress's ModelClient over Ray Serve deployment handles.
+"""The ingress's two `ModelClient`s: over the replica in this process (`LocalModelClient`,
+the colocated layout) and over Ray Serve deployment handles (`RayModelClient`, two hops).
 
-Every failure of the handle becomes a `Failed` event rather than an exception, so the
-adapters answer with a proper error status before the first byte and with the protocol's
-error event mid-stream, never a cut stream.
+Both turn every failure of the model side into the error taxonomy before the adapters see
+it: a proper error status before the first byte, the protocol's error event mid-stream,
+never a cut stream. Both answer a full model with the same overloaded message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncGenerator, Sequence, cast
+from contextlib import aclosing
+from typing import AsyncGenerator, Protocol, Sequence, cast
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -28,7 +30,61 @@ log = logging.getLogger(__name__)
 REPLICA_WAIT_S: float | None = IngressSettings.model_fields["replica_wait_s"].default
 
 
+class LocalReplica(Protocol):
+    """What the client needs of `ModelReplica`."""
+
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]: ...
+    async def count_tokens(self, request: GenerationRequest) -> int | Failed: ...
+
+
+class LocalModelClient:
+    """The ingress's ModelClient over the replica in this process.
+
+    Admission is here, not in Serve's queue: past `max_ongoing` live streams a request gets
+    the API's own overloaded error (529 / 503 with Retry-After) instead of waiting behind
+    Ray's router, as `RayModelClient` does with Serve's backpressure.
+    """
+
+    def __init__(self, replica: LocalReplica, card: ModelCard, max_ongoing: int) -> None:
+        self._replica = replica
+        self._card = card
+        self._max_ongoing = max_ongoing
+        self._live = 0
+
+    @property
+    def live(self) -> int:
+        return self._live
+
+    def models(self) -> Sequence[ModelCard]:
+        return [self._card]
+
+    def resolve(self, model: str) -> ModelCard | None:
+        return self._card if model in (self._card.id, *self._card.aliases) else None
+
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
+        if self._live >= self._max_ongoing:
+            yield [Failed(ErrorKind.OVERLOADED, at_capacity(request.model))]
+            return
+        self._live += 1
+        try:
+            # Closed with us, not when collected: closing the replica's stream cancels.
+            async with aclosing(self._replica.stream(request)) as events:
+                async for batch in events:
+                    yield batch
+        finally:
+            self._live -= 1
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        result = await self._replica.count_tokens(request)
+        if isinstance(result, Failed):
+            raise from_event(result)
+        return result
+
+
 class RayModelClient:
+    """The ingress's ModelClient over Serve handles: a model by id or alias, a bounded wait
+    for a replica to accept, Ray's failures as the taxonomy's."""
+
     def __init__(self, cards: Sequence[ModelCard], handles: dict[str, DeploymentHandle], *,
                  replica_wait_s: float | None = REPLICA_WAIT_S) -> None:
         self._cards = list(cards)
