@@ -107,7 +107,7 @@ class ModelDeployment(ReplicaOwner):
                          ObservabilitySettings.model_validate(observability or {}))
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
-        yield []  # accepted: the ingress bounds its wait for a replica on this (handle_client)
+        yield []  # accepted: the ingress bounds its wait for a replica on this (model_clients)
         async with aclosing(self._replica.stream(request)) as events:  # closed with us: cancels
             async for batch in events:
                 yield batch
