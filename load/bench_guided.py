@@ -166,12 +166,16 @@ def decode(model: nn.Module, tok: GuidedTokenizer, prompt: list[int], batch: int
     return Decode(stats.decode_tps, stats.generation_tokens, [outputs[u] for u in uids])
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeat", type=int, default=2)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     hf = build_tokenizer()
     eos = [hf.get_vocab()[EOS], hf.get_vocab()[IM_END]]

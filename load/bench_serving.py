@@ -267,7 +267,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", default="builtin:bench", help="model source")
     parser.add_argument("--tokens", type=int, default=128, help="max tokens per request")
@@ -285,7 +285,11 @@ def main() -> None:
                              "and one without for the metrics overhead)")
     parser.add_argument("--repeat", type=int, default=20,
                         help="alternating raw/HTTP single-stream pairs; medians are reported")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     raw = RawModel(args.model)
     raw_batches = {c: raw.batched(args.tokens, c) for c in args.concurrency}

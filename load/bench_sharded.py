@@ -70,13 +70,17 @@ def spread(values: list[float], fmt: str) -> str:
            f"{format(max(values), fmt)})"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", default="builtin:bench")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.rounds < 3:
         parser.error("a headline figure is a median of at least 3 rounds")
     proc = start(args.source)

@@ -107,13 +107,17 @@ def setup_ms(tok: GuidedTokenizer, fmt: str, choice: ToolChoice, cold: bool, n: 
     return 1e3 * float(np.median(times))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--format", default="hermes")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     loaded = load_model("builtin:bench")
     hf = loaded.hf_tokenizer

@@ -319,7 +319,7 @@ def chart(results: dict[str, list[Level]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:bench", help="model source (builtin:NAME or a local path)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -332,7 +332,11 @@ def main() -> int:
     parser.add_argument("--allow-eos", action="store_true",
                         help="do not suppress end-of-sequence (requests that end early then "
                              "count as work not done)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     OUT.mkdir(parents=True, exist_ok=True)
     model_path = local_path(args.model)  # built before any server starts

@@ -62,7 +62,7 @@ def plot(base: str, start: float, end: float, out: Path, step: float = 2.0) -> P
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prometheus", required=True, help="Prometheus base URL")
@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--end", type=float, required=True, help="Unix seconds")
     parser.add_argument("--step", type=float, default=2.0, help="seconds between points")
     parser.add_argument("--out", type=Path, default=Path("docs/observability-run.png"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     print(plot(args.prometheus, args.start, args.end, args.out, args.step))
     return 0
 

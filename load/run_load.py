@@ -164,7 +164,7 @@ def locust_command(args: argparse.Namespace) -> list[str]:
     return command + [WORKLOADS[w] for w in args.workload]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", required=True, help="Orchard base URL, loopback only")
     parser.add_argument("--users", type=int, default=4, help="concurrent users (streams)")
@@ -185,6 +185,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "over the run (needs matplotlib, in the `load` extra)")
     parser.add_argument("--max-failure-ratio", type=float, default=0.0)
     parser.add_argument("--max-p95-ttft-ms", type=float, default=2000.0)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:  # reject a malformed run time before anything starts, as a usage error (exit 2)
         run_time_seconds(args.run_time)

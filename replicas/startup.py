@@ -1,9 +1,11 @@
-"""Startup progress: what is being built or loaded, time so far, a percentage when known.
+"""Startup progress: what is being built or loaded, the time so far, and what the work knows.
 
 A model build or load can take minutes with nothing else to show, so it logs when it starts
 (with the expected time where one is known), a heartbeat every `HEARTBEAT_S` while it runs,
-and when it ends. Work that knows its fraction done (the built-in model's training steps)
-reports it with `report(done, total)`, and the heartbeat shows it as a percentage.
+and when it ends. Work that can say where it is reports that with `report(detail)` (the
+built-in model's training: its step and current margin), and the heartbeat shows the
+latest detail. No percentage: training stops when its margin is met, usually far below its
+step bound, so a fraction of that bound would say little.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ log = logging.getLogger("orchard.startup")
 # Seconds between "still going" lines; tests shrink it.
 HEARTBEAT_S = 10.0
 
-_current: list["Progress"] = []  # the innermost running task gets `report`'s fractions
+_current: list["Progress"] = []  # the innermost running task gets `report`'s details
 _setup = threading.Lock()
 
 
@@ -39,20 +41,18 @@ class Progress:
     def __init__(self, what: str, expected: str | None = None) -> None:
         self.what = what
         self.expected = expected
-        self._fraction: float | None = None
         self._detail = ""
         self._started = 0.0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
-    def update(self, done: int, total: int, label: str | None = None) -> None:
-        self._fraction = min(1.0, done / total) if total > 0 else None
-        self._detail = "" if label is None else label.format(done=done, total=total) + " "
+    def update(self, detail: str) -> None:
+        self._detail = detail
 
     def status(self) -> str:
         elapsed = time.perf_counter() - self._started
-        percent = "" if self._fraction is None else f", {self._detail}({self._fraction:.0%})"
-        return f"{self.what}: {elapsed:.0f}s so far{percent}"
+        detail = f", {self._detail}" if self._detail else ""
+        return f"{self.what}: {elapsed:.0f}s so far{detail}"
 
     def __enter__(self) -> "Progress":
         _visible()
@@ -79,8 +79,8 @@ class Progress:
             log.info("%s", self.status())
 
 
-def report(done: int, total: int, label: str | None = None) -> None:
-    """Fraction done of the innermost running `Progress` (a no-op outside one); `label`
-    may name the units with `{done}` and `{total}`."""
+def report(detail: str) -> None:
+    """Where the innermost running `Progress` is, e.g. "training step 23, min margin 2.41"
+    (a no-op outside one): its next heartbeat shows it."""
     if _current:
-        _current[-1].update(done, total, label)
+        _current[-1].update(detail)

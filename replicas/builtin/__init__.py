@@ -3,7 +3,8 @@
 `builtin:tiny` is a small qwen3 model trained to reproduce the scripts in
 scripts.json exactly; `builtin:bench` has the same tokenizer and architecture with
 random weights and about 25M parameters, for throughput benchmarks. Both are built
-on first use and cached (see README.md).
+on first use and cached; tiny's build writes the trained weights shipped in the package and
+trains only if they fail verification (see README.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A directory holds exactly what a downloaded Qwen3 checkpoint would (config.json,
 generation_config.json, model-*-of-*.safetensors with their index, tokenizer.json, tokenizer_config.json)
-plus build_info.json describing how it was made.
+plus build_info.json describing how it was made, the weights' origin included: shipped in
+the package (see shipped.py), trained (and why), or drawn at random.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import fcntl
 import importlib
 import logging
 import os
+import platform
 import re
+import sys
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +29,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_tokenizer
 
 from ..startup import Progress
-from .recipe import RandomInit, Recipe, cache_key
+from .recipe import RandomInit, Recipe, Training, cache_key
 from .scripts import Script, parse_scripts, scripts_text
+from .shipped import Choice, ShippedMismatch, choose, find_shipped, fingerprint, load_weights, \
+    read_arrays, write_shipped
 from .tokenizer_files import (
     PAD_TOKEN,
     PLAIN_ADDED_TOKENS,
@@ -39,7 +45,7 @@ from .tokenizer_files import (
     write_json,
     write_tokenizer_files,
 )
-from .train import Example, train
+from .train import BuildError, Example, train
 from .verify import verify_model_dir
 
 log = logging.getLogger(__name__)
@@ -92,9 +98,11 @@ def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     text = scripts_text()
     key = cache_key(recipe, text)
-    # Rough times from this package's README: a random-weight model is only written out.
+    # Rough times from this package's README: a random-weight model is only written out,
+    # shipped weights are written and verified; training is the slow path.
     expected = "a few seconds" if isinstance(recipe.weights, RandomInit) else \
-        "about a minute on an Apple Silicon Mac, 2-5 minutes on a 2-core CPU-only box"
+        "a few seconds with the weights shipped in the package; if those fail their check, " \
+        "training takes about a minute on an Apple Silicon Mac, 2-5 minutes on a 2-core box"
     what = f"building the built-in model builtin:{recipe.name}"
 
     def make(tmp: Path) -> object:
@@ -104,8 +112,38 @@ def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
     return cached_build(root, key, make)
 
 
-def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) -> dict[str, Any]:
-    """Write a complete model directory into `out_dir`; returns its build info."""
+def refresh_shipped(recipe: Recipe) -> Path:
+    """Train `recipe` from scratch, ignoring the shipped weights, and ship the result in
+    their place (`python -m replicas.builtin tiny --refresh-shipped`); returns the file."""
+    if not isinstance(recipe.weights, Training):
+        raise ValueError(f"builtin:{recipe.name} has random weights: nothing to ship")
+    text = scripts_text()
+    with tempfile.TemporaryDirectory() as tmp, \
+            Progress(f"training builtin:{recipe.name} to ship its weights", "minutes"):
+        info = build(recipe, parse_scripts(text), Path(tmp), cache_key(recipe, text),
+                     use_shipped=False)
+        weights = {}
+        for part in sorted(Path(tmp).glob("model-*.safetensors")):
+            weights.update(read_arrays(part))
+    # What made them, for reading when they fail verification somewhere else.
+    record = {
+        "fingerprint": info["weights"]["fingerprint"],
+        "training": info["training"],
+        "parameters": info["parameters"],
+        "made_with": {**{name: version(name) for name in ("mlx", "mlx-lm", "tokenizers")},
+                      "platform": f"{sys.platform}-{platform.machine()}"},
+    }
+    return write_shipped(recipe.name, weights, record)
+
+
+def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str,
+          use_shipped: bool = True) -> dict[str, Any]:
+    """Write a complete model directory into `out_dir`; returns its build info.
+
+    A trained recipe takes the weights shipped for it when they were made for exactly this
+    recipe, tokenizer and scripts and the written directory passes verification; else it
+    trains, logging why. `use_shipped=False` always trains.
+    """
     start = time.perf_counter()
     log.info("building builtin:%s into %s", recipe.name, out_dir)
     tokenizer = train_tokenizer(training_texts(scripts), recipe.max_vocab, recipe.min_frequency)
@@ -125,29 +163,63 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str) ->
     model = module.Model(module.ModelArgs.from_dict(config))
     info: dict[str, Any] = {"name": recipe.name, "cache_key": key, "vocab_size": vocab_size}
     examples: list[Example] = []
+    weights: dict[str, mx.array] | None = None
     if isinstance(recipe.weights, RandomInit):
         added = [token_id(tokenizer, t) for t in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS]
         _randomize(model, recipe.weights, added)
+        info["weights"] = {"source": "random", "seed": recipe.seed}
     else:
         examples = _examples(out_dir, scripts, eos_id)
-        report = train(model, examples, pad_id, recipe.weights)
-        info["training"] = {
-            "steps": report.steps,
-            "seconds": round(report.seconds, 2),
-            "final_loss": report.loss,
-            "min_margin": round(report.min_margin, 3),
-        }
-    model.set_dtype(getattr(mx, recipe.dtype))
-    weights = dict(tree_flatten(model.parameters()))
-    _save_by_layer(out_dir, weights)
+        expected = fingerprint(recipe, tokenizer.get_vocab(with_added_tokens=True), examples)
+        choice = choose(expected, find_shipped(recipe.name)) if use_shipped \
+            else Choice(None, "asked to train (use_shipped=False)")
+        weights, reason = _verified_shipped(choice, model, recipe, out_dir, examples)
+        if weights is not None:
+            info["weights"] = {"source": "shipped", "fingerprint": expected,
+                               "shipped_training": choice.use.record.get("training")
+                               if choice.use else None}
+        else:
+            if use_shipped:
+                log.warning("builtin:%s: training instead of using shipped weights: %s",
+                            recipe.name, reason)
+            report = train(model, examples, pad_id, recipe.weights)
+            info["weights"] = {"source": "trained", "reason": reason, "fingerprint": expected}
+            info["training"] = {
+                "steps": report.steps,
+                "seconds": round(report.seconds, 2),
+                "final_loss": report.loss,
+                "min_margin": round(report.min_margin, 3),
+            }
+    if weights is None:  # random or freshly trained: save, then check as production loads
+        model.set_dtype(getattr(mx, recipe.dtype))
+        weights = dict(tree_flatten(model.parameters()))
+        _save_by_layer(out_dir, weights)
+        verify_model_dir(out_dir, examples)
     info["parameters"] = sum(w.size for w in weights.values())
-
-    verify_model_dir(out_dir, examples)
     info["verified_scripts"] = [e.script_id for e in examples]
     info["build_seconds"] = round(time.perf_counter() - start, 2)
     write_json(out_dir / BUILD_INFO, info)
     log.info("built builtin:%s: %s", recipe.name, info)
     return info
+
+
+def _verified_shipped(choice: Choice, model: nn.Module, recipe: Recipe, out_dir: Path,
+                      examples: Sequence[Example]) -> tuple[dict[str, mx.array] | None, str]:
+    """The shipped weights, written into `out_dir` and verified against the scripts, or
+    None and the reason to train instead (not chosen, not fitting, or failing the check:
+    say, a new MLX moved the numerics)."""
+    if choice.use is None:
+        return None, choice.reason
+    params: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
+    shapes = {name: tuple(value.shape) for name, value in params.items()}
+    try:
+        weights = load_weights(choice.use, shapes, getattr(mx, recipe.dtype))
+        _save_by_layer(out_dir, weights)
+        verify_model_dir(out_dir, examples)
+    except (ShippedMismatch, BuildError) as err:
+        # Training rewrites the same per-layer files, so nothing of these is left behind.
+        return None, f"the shipped weights failed their check: {err}"
+    return weights, choice.reason
 
 
 def _save_by_layer(out_dir: Path, weights: dict[str, mx.array]) -> None:
