@@ -1,7 +1,7 @@
 """The typed shape of `serve_config.yaml`'s `args:`; unknown keys are errors.
 
-Each value has one home. Engine defaults live in `replicas.engine.EngineConfig`, replica
-defaults in `replicas.replica.ReplicaOptions`, the valid format names in the replica's
+Each value has one home. Engine defaults live in `replicas.batch.EngineConfig`, replica
+defaults in `replicas.options.ReplicaOptions`, the valid format names in the replica's
 registries; the settings here read them (engine and replica defaults lazily: those modules
 import mlx, which the cluster CLI that reads these settings must not need).
 """
@@ -32,7 +32,7 @@ class _Strict(BaseModel):
 
 def _engine_default(name: str) -> Callable[[], Any]:
     def default() -> Any:
-        from replicas.engine import EngineConfig
+        from replicas.batch import EngineConfig
 
         return getattr(EngineConfig(), name)
 
@@ -41,7 +41,7 @@ def _engine_default(name: str) -> Callable[[], Any]:
 
 def _replica_default(name: str, scale: float = 1.0) -> Callable[[], Any]:
     def default() -> Any:
-        from replicas.replica import ReplicaOptions
+        from replicas.options import ReplicaOptions
 
         return getattr(ReplicaOptions(model_id="", source=""), name) * scale
 
@@ -49,7 +49,7 @@ def _replica_default(name: str, scale: float = 1.0) -> Callable[[], Any]:
 
 
 class EngineSettings(_Strict):
-    """Defaults are `replicas.engine.EngineConfig`'s (32 / 8 / 2048 as of writing)."""
+    """Defaults are `replicas.batch.EngineConfig`'s (32 / 8 / 2048 as of writing)."""
 
     max_batch_size: int = Field(default_factory=_engine_default("max_batch_size"), ge=1,
                                 description="Sequences decoded together per replica.")
@@ -69,7 +69,7 @@ class EngineSettings(_Strict):
 
 
 class PromptCacheSettings(_Strict):
-    """The replica's KV prefix cache; the default is `replicas.engine.EngineConfig`'s."""
+    """The replica's KV prefix cache; the default is `replicas.batch.EngineConfig`'s."""
 
     max_bytes: int = Field(default_factory=_engine_default("prompt_cache_bytes"), ge=0,
                            description="KV of earlier prompts kept for reuse, in bytes per "

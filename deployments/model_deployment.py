@@ -18,7 +18,7 @@ from deployments.config import (
 from deployments.observability import engine_poller
 from deployments.shards import ShardGroup
 from replicas.contract import Failed, GenerationRequest, OutputEvent
-from replicas.engine import EngineConfig
+from replicas.batch import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
 

@@ -21,24 +21,19 @@ it is handed keeps the other ranks in lockstep (`replicas.lockstep`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
-
-import mlx.core as mx
+from typing import Callable
 
 from replicas.batch import Batch, Done, EngineConfig, Row
-from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, SamplingParams
-from replicas.control import RequestController
+from replicas.submission import EventSink, Submission, deliver
+from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent
 from replicas.loading import LoadedModel
-from replicas.memory import KvBudget, MemoryStats, default_budget, kv_bytes_per_token, \
-    weights_bytes
-from replicas.pipeline.decoding import RequestDecoder
+from replicas.memory import KvBudget, MemoryStats, open_budget
 from replicas.sampling import (
     GuardedProcessors,
     LogitsProcessor,
@@ -47,30 +42,6 @@ from replicas.sampling import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class EventSink(Protocol):
-    """Where one request's events go; `push` runs on `loop`, never on the engine thread."""
-
-    loop: asyncio.AbstractEventLoop
-
-    def push(self, events: list[OutputEvent]) -> None: ...
-
-
-@dataclass
-class Submission:
-    """A validated request, ready for the batch. Built off the engine thread, pure Python."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]  # the user's; EOS ids come from the model
-    decoder: RequestDecoder
-    controller: RequestController | None
-    sink: EventSink
-    boundary: int = 0  # prompt tokens before the last message: their KV is kept once prefilled
-    reserved: int = 0  # KV bytes set aside at admission (set by the engine)
 
 
 @dataclass(frozen=True)
@@ -222,7 +193,9 @@ class Engine:
     def _run(self) -> None:
         try:
             self._loaded, self._batch = self._opener()
-            self._kv = self._budget(self._loaded)
+            self._kv = open_budget(self._loaded.model, self._loaded.config,
+                                   self._config.kv_budget_bytes,
+                                   self._config.max_memory_waiting)
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
             log.exception("model load failed")
             self._load_error = exc
@@ -260,20 +233,7 @@ class Engine:
             waiting, self._waiting = list(self._waiting), deque()
             queued += [(sub.sink, [Failed(ErrorKind.INTERNAL, reason)]) for sub in waiting]
             outbox = queued + self._fail_all_outbox(reason)
-        _deliver(outbox)
-
-    def _budget(self, loaded: LoadedModel) -> KvBudget:
-        weights = weights_bytes(loaded.model)
-        budget = self._config.kv_budget_bytes
-        if budget is None:
-            budget = default_budget(weights)
-        per_token = kv_bytes_per_token(loaded.model, loaded.config)
-        # MLX's own limit from the same numbers (plus a tenth for activations), so a wrong
-        # estimate makes allocation wait on freed memory rather than overrun the machine.
-        mx.set_memory_limit(int(weights + budget * 1.1))
-        log.info("KV memory: budget %d bytes, %d bytes per token (%d tokens), weights %d "
-                 "bytes", budget, per_token, budget // max(1, per_token), weights)
-        return KvBudget(budget, per_token, self._config.max_memory_waiting)
+        deliver(outbox)
 
     @property
     def kv_budget(self) -> KvBudget:
@@ -312,28 +272,17 @@ class Engine:
                 self._cancel_latency.append(self._steps - commands.cancels[active.sub.request_id])
 
     def _admit(self, pending: list[Submission]) -> tuple[list[Submission], deque[Submission]]:
-        """Those that fit the KV budget now (first come, first served: one that does not
-        fit holds back the ones behind it), and those left waiting; past the waiting
-        bound, the newest get the overloaded error."""
+        """Those whose KV fits now, in order; the rest wait; past the waiting bound the
+        newest get the overloaded error."""
         assert self._kv is not None and self._batch is not None
-        cache = self._batch.cache
-        admitted: list[Submission] = []
-        waiting: deque[Submission] = deque()
-        for sub in pending:
-            need = self._kv.need(len(sub.prompt_ids) + sub.max_tokens)
-            if not waiting and self._kv.admit(need, cache.nbytes if cache else 0,
-                                              self._batch.evict_cache_to):
-                sub.reserved = need
-                admitted.append(sub)
-            else:
-                waiting.append(sub)
-        refused = []
-        while len(waiting) > self._kv.max_waiting:
-            refused.append(waiting.pop())
-        if refused:
-            self._kv.refused += len(refused)
-            _deliver([(s.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)]) for s in refused])
-        return admitted, waiting
+        batch, cache = self._batch, self._batch.cache
+        admitted, waiting, refused = self._kv.take(
+            pending, lambda s: len(s.prompt_ids) + s.max_tokens,
+            lambda: cache.nbytes if cache else 0, batch.evict_cache_to)
+        for sub, reserved in admitted:
+            sub.reserved = reserved
+        deliver([(s.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)]) for s in refused])
+        return [sub for sub, _ in admitted], waiting
 
     def _insert(self, subs: list[Submission]) -> None:
         assert self._loaded is not None and self._batch is not None
@@ -350,7 +299,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - reported to that request
                 log.exception("request %s: building its sampler failed", sub.request_id)
                 failed.append((sub.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]))
-        _deliver(failed)
+        deliver(failed)
         if not ready:
             return
         placed = self._batch.insert([row for _, row, _ in ready])
@@ -394,7 +343,7 @@ class Engine:
                 done.append(Done(response.uid, keep=ok))
         if done:
             self._batch.finish(done)
-        _deliver(outbox)
+        deliver(outbox)
 
     def _on_token(self, active: _Active, response: object) -> tuple[list[OutputEvent], bool]:
         """Events for one generated token, and whether the request is done."""
@@ -430,7 +379,7 @@ class Engine:
         self._by_rid.pop(active.sub.request_id, None)
 
     def _fail_all(self, message: str) -> None:
-        _deliver(self._fail_all_outbox(message))
+        deliver(self._fail_all_outbox(message))
 
     def _fail_all_outbox(self, message: str) -> list[tuple[EventSink, list[OutputEvent]]]:
         outbox: list[tuple[EventSink, list[OutputEvent]]] = [
@@ -446,20 +395,3 @@ class Engine:
 def _guarded(sub: Submission) -> GuardedProcessors | None:
     extra: list[LogitsProcessor] = [sub.controller] if sub.controller is not None else []
     return guarded_processors(sub.sampling, extra)
-
-
-def _deliver(outbox: list[tuple[EventSink, list[OutputEvent]]]) -> None:
-    """One thread hop per event loop per step, however many requests it carries."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[EventSink, list[OutputEvent]]]] = {}
-    for sink, events in outbox:
-        by_loop.setdefault(sink.loop, []).append((sink, events))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_push_all, items)
-        except RuntimeError:  # the loop closed: its requests are gone
-            pass
-
-
-def _push_all(items: list[tuple[EventSink, list[OutputEvent]]]) -> None:
-    for sink, events in items:
-        sink.push(events)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections import deque
+from typing import Any, Callable, Sequence, TypeVar
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -70,6 +71,24 @@ def default_budget(weights: int) -> int:
     return max(0, int(machine_bytes() * DEFAULT_SHARE) - weights)
 
 
+def open_budget(model: Any, config: dict[str, Any], budget: int | None,
+                max_waiting: int) -> "KvBudget":
+    """The loaded model's KV admission; also sets MLX's memory limit from it (weights plus
+    1.1x the budget, a tenth for activations), so a wrong estimate makes allocation wait on
+    freed memory rather than overrun the machine."""
+    weights = weights_bytes(model)
+    if budget is None:
+        budget = default_budget(weights)
+    per_token = kv_bytes_per_token(model, config)
+    mx.set_memory_limit(int(weights + budget * 1.1))
+    log.info("KV memory: budget %d bytes, %d bytes per token (%d tokens), weights %d bytes",
+             budget, per_token, budget // max(1, per_token), weights)
+    return KvBudget(budget, per_token, max_waiting)
+
+
+Item = TypeVar("Item")
+
+
 @dataclass(frozen=True)
 class MemoryStats:
     budget_bytes: int
@@ -104,6 +123,26 @@ class KvBudget:
             evict_to(room)
         self._projected += need
         return True
+
+    def take(self, pending: Sequence[Item], tokens: Callable[[Item], int],
+             cache_bytes: Callable[[], int], evict_to: Callable[[int], None]
+             ) -> tuple[list[tuple[Item, int]], deque[Item], list[Item]]:
+        """Admit `pending` in order while each fits (first come, first served: one that does
+        not fit holds back the ones behind it). Returns (admitted with the bytes reserved,
+        still waiting, refused: the newest past `max_waiting`)."""
+        admitted: list[tuple[Item, int]] = []
+        waiting: deque[Item] = deque()
+        for item in pending:
+            need = self.need(tokens(item))
+            if not waiting and self.admit(need, cache_bytes(), evict_to):
+                admitted.append((item, need))
+            else:
+                waiting.append(item)
+        refused: list[Item] = []
+        while len(waiting) > self.max_waiting:
+            refused.append(waiting.pop())
+        self.refused += len(refused)
+        return admitted, waiting, refused
 
     def release(self, need: int) -> None:
         self._projected -= need

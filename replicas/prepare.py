@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from replicas.contract import Channel, ChatPrompt, GenerationRequest, SamplingParams
 from replicas.control import Grammar, RequestController
-from replicas.engine import EventSink, Submission
+from replicas.submission import EventSink, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError
 from replicas.loading import LoadedModel
 from replicas.options import ReplicaOptions

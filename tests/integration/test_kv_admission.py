@@ -20,7 +20,7 @@ from replicas.contract import (
     TextDelta,
     TokenPrompt,
 )
-from replicas.engine import EngineConfig
+from replicas.batch import EngineConfig
 from replicas.memory import weights_bytes
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect, stream_events

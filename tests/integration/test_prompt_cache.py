@@ -18,7 +18,7 @@ from replicas.contract import (
     OutputEvent,
     ToolCallStart,
 )
-from replicas.engine import EngineConfig
+from replicas.batch import EngineConfig
 from replicas.prompt import last_message_boundary, render_prompt
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.scripted import script_request

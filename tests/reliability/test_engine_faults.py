@@ -27,7 +27,8 @@ from replicas.contract import (
     SamplingParams,
     TextDelta,
 )
-from replicas.engine import Engine, EngineConfig, EngineDead
+from replicas.batch import EngineConfig
+from replicas.engine import Engine, EngineDead
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect
 
