@@ -21,6 +21,7 @@ it is handed keeps the other ranks in lockstep (`replicas.lockstep`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -67,6 +68,7 @@ class _Active:
     sub: Submission
     guard: GuardedProcessors | None
     reserved: int  # KV bytes admission set aside for it
+    cached: int  # prompt tokens the prefix cache served, for its usage
 
 
 @dataclass(frozen=True)
@@ -304,8 +306,7 @@ class Engine:
             return
         placed = self._batch.insert([row for _, row, _ in ready])
         for (uid, cached), (sub, _, guard) in zip(placed, ready):
-            sub.decoder.cached_tokens = cached  # reported in the request's usage
-            active = _Active(uid, sub, guard, sub.reserved)
+            active = _Active(uid, sub, guard, sub.reserved, cached)
             self._by_uid[uid] = active
             self._by_rid[sub.request_id] = active
         self._submitted += len(ready)
@@ -351,6 +352,7 @@ class Engine:
         token: int = response.token  # type: ignore[attr-defined]
         finish: str | None = response.finish_reason  # type: ignore[attr-defined]
         decoder, ctrl = sub.decoder, sub.controller
+        end = functools.partial(decoder.finish, cached_tokens=active.cached)
         if ctrl is not None and ctrl.error is not None:
             return [Failed(ErrorKind.INTERNAL, f"constraint failed: {ctrl.error}")], True
         if active.guard is not None and active.guard.error is not None:
@@ -360,17 +362,17 @@ class Engine:
         if finish == "stop":  # an EOS or stop token id: it ends generation, it is not text
             decoder.count(token)
             if token in sub.stop_token_ids:
-                return decoder.finish(FinishReason.STOP_TOKEN, token), True
+                return end(FinishReason.STOP_TOKEN, token), True
             grammar_done = ctrl is not None and ctrl.grammar_complete
             reason = FinishReason.GRAMMAR_COMPLETE if grammar_done else FinishReason.EOS
-            return decoder.finish(reason), True
+            return end(reason), True
         events = decoder.feed(token)
         if decoder.matched_stop is not None:
-            return events + decoder.finish(FinishReason.STOP_SEQUENCE), True
+            return events + end(FinishReason.STOP_SEQUENCE), True
         if ctrl is not None and ctrl.grammar_complete:
-            return events + decoder.finish(FinishReason.GRAMMAR_COMPLETE), True
+            return events + end(FinishReason.GRAMMAR_COMPLETE), True
         if finish == "length":
-            return events + decoder.finish(FinishReason.LENGTH), True
+            return events + end(FinishReason.LENGTH), True
         return events, False
 
     def _forget(self, active: _Active) -> None:

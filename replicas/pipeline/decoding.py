@@ -22,7 +22,6 @@ from replicas.pipeline.detokenizer import Decode, Detokenizer
 from replicas.pipeline.channels import ChannelFormat, ChannelRouter, Routed
 from replicas.pipeline.stops import StopMatcher
 from replicas.pipeline.tool_calls import ToolCallParser, ToolParsing
-from replicas.pipeline.tool_formats import with_tools
 
 _log = logging.getLogger(__name__)
 
@@ -34,12 +33,13 @@ class RequestDecoder:
     """One request's output pipeline.
 
     `tools`: None keeps tool-call markup as plain text. With a `ToolParsing` (e.g.
-    `ToolParsing.from_specs(get_tool_format(name), request.tools)`), `fmt` is composed with
-    its tool format (`tool_formats.with_tools`; pass the base format, or the composed one);
-    each call's text leaves as ToolCallStart/Delta/End events and never reaches the stop
-    matcher, text after the first call is dropped (the contract's event order), and
-    a turn that ends by itself after a call finishes with `FinishReason.TOOL_CALLS`.
-    A `RequestController` for the same request should route with the same composed format.
+    `ToolParsing.from_specs(get_tool_format(name), request.tools)`), `fmt` must already be
+    composed with its tool format (`tool_formats.with_tools`, done once per request by
+    `replicas.prepare`); each call's text leaves as ToolCallStart/Delta/End events and
+    never reaches the stop matcher, text after the first call is dropped (the contract's
+    event order), and a turn that ends by itself after a call finishes with
+    `FinishReason.TOOL_CALLS`. A `RequestController` for the same request routes with the
+    same composed format.
     """
 
     def __init__(
@@ -54,15 +54,12 @@ class RequestDecoder:
         tools: ToolParsing | None = None,
     ) -> None:
         self._detok = Detokenizer(decode)
-        if tools is not None:
-            fmt = with_tools(fmt, tools.format)
         self._router = ChannelRouter(fmt, initial, state=state)
         self._stops = StopMatcher(stops, include_stop)
         self._calls = ToolCallParser(tools) if tools is not None else None
         self._answer_closed = False  # a call started: no more text, stops are done
         self._dropped = False
         self._prompt_tokens = prompt_tokens
-        self.cached_tokens = 0  # of the prompt, served from the prefix cache (set by the engine)
         self.completion_tokens = 0
         self.reasoning_tokens = 0
 
@@ -90,7 +87,9 @@ class RequestDecoder:
             self.reasoning_tokens += 1
         return events
 
-    def finish(self, reason: FinishReason, stop: str | int | None = None) -> list[OutputEvent]:
+    def finish(self, reason: FinishReason, stop: str | int | None = None,
+               cached_tokens: int = 0) -> list[OutputEvent]:
+        """`cached_tokens`: prompt tokens the prefix cache served (the engine knows)."""
         events: list[OutputEvent] = []
         if self._stops.matched is None and reason is not FinishReason.CANCELLED:
             events = self._route(self._detok.finish())
@@ -110,7 +109,7 @@ class RequestDecoder:
         elif self.tool_calls and reason in _CALL_ENDINGS:
             reason = FinishReason.TOOL_CALLS
         usage = Usage(self._prompt_tokens, self.completion_tokens, self.reasoning_tokens,
-                      self.cached_tokens)
+                      cached_tokens)
         events.append(Finished(reason, usage, stop))
         return _merge(events)
 

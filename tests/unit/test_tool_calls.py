@@ -186,7 +186,8 @@ def decode(sample: Sample, chunks: Sequence[str], reason: FinishReason | None = 
                           new_id=lambda: f"id{next(counter)}")
     decoder = RequestDecoder(
         lambda ids: "".join(chunks[i] for i in ids),
-        get_format(sample.channels), A, sample.state, sample.stops, False, 5, tools=parsing,
+        with_tools(get_format(sample.channels), parsing.format), A, sample.state, sample.stops,
+        False, 5, tools=parsing,
     )
     events: list[OutputEvent] = []
     for token in range(len(chunks)):
