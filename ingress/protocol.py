@@ -27,6 +27,8 @@ COMMENT_PING = ": ping\n\n"
 # Top-level response field, in every API, for what the server changed about or left out
 # of the request (a lowered max_tokens, a hosted tool it cannot run).
 WARNINGS_FIELD = "orchard_warnings"
+# The same warnings as one response header, joined by "; ", for clients that read headers.
+WARNING_HEADER = "x-orchard-warning"
 
 
 def _data_error_frame(body: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ before any HTTP status is chosen), then `respond`, which renders it through the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -13,11 +14,11 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 
 from ingress.client import ModelClient
-from ingress.protocol import WireProtocol
+from ingress.protocol import WARNING_HEADER, WireProtocol
 from ingress.rendering import EventRenderer
 from ingress.sse import SSE_HEADERS
 from ingress.wire_json import JSONBody
-from replicas.contract import Failed, GenerationRequest, OutputEvent
+from replicas.contract import Failed, Finished, GenerationRequest, OutputEvent
 from replicas.errors import ReplicaError, from_event
 
 # Seconds without events before the protocol's ping frame, so proxies and clients do not
@@ -47,6 +48,27 @@ class OpenedStream:
     async def aclose(self) -> None:
         await _close(self.rest)
 
+    def with_warnings(self, warnings: tuple[str, ...]) -> OpenedStream:
+        """This stream with `warnings` (what the adapter changed about the request) before
+        the replica's own in its `Finished`, which every renderer already reports."""
+        if not warnings:
+            return self
+        return OpenedStream(_warned(self.first, warnings), _warned_batches(self.rest, warnings))
+
+
+def _warned(batch: list[OutputEvent], warnings: tuple[str, ...]) -> list[OutputEvent]:
+    return [dataclasses.replace(e, warnings=warnings + e.warnings) if isinstance(e, Finished)
+            else e for e in batch]
+
+
+async def _warned_batches(rest: AsyncIterator[list[OutputEvent]],
+                          warnings: tuple[str, ...]) -> AsyncGenerator[list[OutputEvent], None]:
+    try:
+        async for batch in rest:
+            yield _warned(batch, warnings)
+    finally:  # closing this must still close (cancel) the generation underneath
+        await _close(rest)
+
 
 async def open_stream(client: ModelClient, request: GenerationRequest) -> OpenedStream:
     """Start a generation and wait for its first events.
@@ -74,15 +96,21 @@ async def _close(it: AsyncIterator[list[OutputEvent]]) -> None:
 async def respond(client: ModelClient, generation: GenerationRequest,
                   renderer: EventRenderer[Any], protocol: WireProtocol, stream: bool, *,
                   headers: Mapping[str, str] | None = None,
-                  on_complete: Callable[[], Awaitable[None]] | None = None) -> Response:
+                  on_complete: Callable[[], Awaitable[None]] | None = None,
+                  warnings: tuple[str, ...] = ()) -> Response:
     """One generation as the protocol's response: an SSE stream or one JSON body.
+
+    `warnings` (what the adapter left out of the request) go in the `x-orchard-warning`
+    header and, through the terminal `Finished`, in the body's `orchard_warnings`.
 
     A failure before the first event raises (a real 4xx/5xx status), and so does any failure
     of a non-streaming response. `on_complete` runs once the response is whole and did not
     fail: before a stream closes, so a client that read it to the end can rely on its effect.
     """
-    opened = await open_stream(client, generation)
+    opened = (await open_stream(client, generation)).with_warnings(warnings)
     extra = dict(headers or {})
+    if warnings:
+        extra[WARNING_HEADER] = "; ".join(warnings)
     if stream:
         frames = sse_stream(opened, renderer, protocol)
         if on_complete is not None:

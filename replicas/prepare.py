@@ -128,7 +128,7 @@ class InputProcessor:
                                            rendered.token_ids, request.tools)
             if self._options.engine.prompt_cache_bytes else 0,
         )
-        return sub, (clamp_warning,) if clamp_warning else ()
+        return sub, ((clamp_warning,) if clamp_warning else ()) + tools.warnings
 
     def _stops(self, request: GenerationRequest) -> tuple[str, ...]:
         for stop in request.stop.strings:

@@ -27,6 +27,7 @@ class ToolPlan:
     banned_ids: tuple[int, ...] = ()  # `tool_choice: none`: the token that opens a call
     grammar_start: Literal["answer", "reasoning_end"] = "answer"
     forced_end: str | None = None  # what a spent thinking budget forces, if not the format's
+    warnings: tuple[str, ...] = ()  # schema keywords the grammar leaves out, for the response
 
 
 NO_TOOLS = ToolPlan()
@@ -60,11 +61,12 @@ def plan_tools(
                                   param="response_format")
     from replicas.guided import compile_tool_grammar
 
-    grammar = compile_tool_grammar(tool_format.name, request.tools, choice,
-                                   tokenizer=guided_tokenizer())
+    compiled = compile_tool_grammar(tool_format.name, request.tools, choice,
+                                    tokenizer=guided_tokenizer())
     return ToolPlan(
         parsing=ToolParsing.from_specs(tool_format, request.tools),
-        grammar=grammar,
+        grammar=compiled.grammar if compiled is not None else None,
         grammar_start=call_grammar.start,
         forced_end=call_grammar.forced_end,
+        warnings=compiled.warnings if compiled is not None else (),
     )

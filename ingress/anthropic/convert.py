@@ -24,6 +24,7 @@ from ingress.anthropic.models import (
 )
 from ingress.anthropic.tools import tool_call, tool_choice, tool_result, tool_specs
 from ingress.client import ModelCard
+from ingress.media import OmittedMedia
 from replicas.contract import (
     ChatMessage,
     ChatPrompt,
@@ -54,7 +55,9 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def to_generation_request(body: MessagesRequest, card: ModelCard) -> GenerationRequest:
+def to_generation_request(body: MessagesRequest, card: ModelCard,
+                          omitted: OmittedMedia | None = None) -> GenerationRequest:
+    """The request; image and document blocks left out of it are noted in `omitted`."""
     thinking = body.thinking
     if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= body.max_tokens:
         raise InvalidRequestError(
@@ -64,7 +67,7 @@ def to_generation_request(body: MessagesRequest, card: ModelCard) -> GenerationR
     return GenerationRequest(
         request_id=new_message_id(),
         model=card.id,
-        prompt=to_prompt(body),
+        prompt=to_prompt(body, OmittedMedia() if omitted is None else omitted),
         sampling=SamplingParams(
             max_tokens=body.max_tokens,
             # Anthropic's defaults: temperature 1.0, nucleus and top-k sampling off.
@@ -86,7 +89,7 @@ def to_count_request(body: CountTokensRequest, card: ModelCard) -> GenerationReq
     return GenerationRequest(
         request_id=new_message_id(),
         model=card.id,
-        prompt=to_prompt(body),
+        prompt=to_prompt(body, OmittedMedia()),  # counted with the placeholders it would run
         reasoning=_reasoning(body),
         tools=tools,
         tool_choice=tool_choice(body.tool_choice, tools),
@@ -143,8 +146,9 @@ class _Parts:
         return not (self.text or self.reasoning or self.calls or self.results)
 
 
-def to_prompt(body: CountTokensRequest) -> ChatPrompt:
+def to_prompt(body: CountTokensRequest, omitted: OmittedMedia) -> ChatPrompt:
     """System first, then one message per turn; each tool_result is a `tool` message.
+    Image and document blocks become placeholders, noted in `omitted`.
 
     Leading `system` messages join the `system` prompt; later ones stay system turns. A final
     assistant message is a prefill: it stays the last message, and the replica continues that
@@ -158,7 +162,7 @@ def to_prompt(body: CountTokensRequest) -> ChatPrompt:
     last = len(body.messages) - 1
     turns: list[_Turn] = []
     for index, message in enumerate(body.messages):
-        parts = _message_parts(message, f"messages.{index}", called)
+        parts = _message_parts(message, f"messages.{index}", called, omitted)
         _check_content(parts, message.role, index, last)
         _add(turns, message.role, parts)
 
@@ -200,7 +204,8 @@ def _add(turns: list[_Turn], role: str, parts: _Parts) -> None:
     turn.calls.extend(parts.calls)
 
 
-def _message_parts(message: Message, where: str, called: dict[str, str]) -> _Parts:
+def _message_parts(message: Message, where: str, called: dict[str, str],
+                   omitted: OmittedMedia) -> _Parts:
     parts = _Parts()
     texts: list[str] = []
     thoughts: list[str] = []
@@ -214,11 +219,14 @@ def _message_parts(message: Message, where: str, called: dict[str, str]) -> _Par
         elif isinstance(block, ToolUseBlock):
             parts.calls.append(tool_call(block))
         elif isinstance(block, ToolResultBlock):
-            parts.results.append(tool_result(block, at, called))
+            parts.results.append(tool_result(block, at, called, omitted))
+        elif (text := omitted.replace(block.type, at)) is not None:
+            texts.append(text)
         else:
             raise InvalidRequestError(
                 f"{at}: content blocks of type {block.type!r} are not supported by this server; "
-                "only text, tool_use and tool_result (and thinking in assistant messages) are"
+                "only text, image, document, tool_use and tool_result (and thinking in assistant "
+                "messages) are"
             )
     called.update((call.id, call.name) for call in parts.calls)
     parts.text, parts.reasoning = "".join(texts), "".join(thoughts)

@@ -43,8 +43,9 @@ class ToolUseBlock(_Wire):
 class OtherBlock(_Wire):
     """Any other block type (image, document, server tool blocks, ...).
 
-    Parsed rather than rejected here so `convert.py` can answer with a 400 that names the
-    type, instead of a union error listing every type this server does not support.
+    Parsed rather than rejected here: `convert.py` turns image and document blocks into
+    placeholders (`ingress/media.py`) and answers any other type with a 400 that names it,
+    instead of a union error listing every type this server does not support.
     """
 
     type: str
@@ -59,7 +60,8 @@ def _result_kind(value: Any) -> str:
     return "text" if _block_kind(value) == "text" else "other"
 
 
-# What a tool_result may hold: text, or another type that tools.py names in its 400.
+# What a tool_result may hold: text, or another type (an image becomes a placeholder;
+# tools.py names any type that is not media in its 400).
 ResultBlock = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
     Discriminator(_result_kind),

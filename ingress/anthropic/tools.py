@@ -18,6 +18,7 @@ from ingress.anthropic.models import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from ingress.media import OmittedMedia
 from replicas.contract import ChatMessage, ToolCall, ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
 
@@ -73,19 +74,23 @@ def tool_call(block: ToolUseBlock) -> ToolCall:
     return ToolCall(block.id, block.name, json.dumps(block.input))
 
 
-def tool_result(block: ToolResultBlock, at: str, called: dict[str, str]) -> ChatMessage:
-    """The result as a `tool` message; `called` maps earlier tool_use ids to tool names."""
+def tool_result(block: ToolResultBlock, at: str, called: dict[str, str],
+                omitted: OmittedMedia) -> ChatMessage:
+    """The result as a `tool` message; `called` maps earlier tool_use ids to tool names.
+    An image or document in it becomes a placeholder, noted in `omitted`."""
     if block.tool_use_id not in called:
         raise InvalidRequestError(
             f"{at}: tool_result block(s) provided with tool_use_id {block.tool_use_id!r}, "
             "which matches no tool_use block in an earlier assistant message")
     texts = []
     for position, part in enumerate(block.content):
-        if not isinstance(part, TextBlock):
+        where = f"{at}.content.{position}"
+        text = part.text if isinstance(part, TextBlock) else omitted.replace(part.type, where)
+        if text is None:
             raise InvalidRequestError(
-                f"{at}.content.{position}: content blocks of type {part.type!r} are not "
-                "supported in tool_result by this server; only text is")
-        texts.append(part.text)
+                f"{where}: content blocks of type {part.type!r} are not supported in "
+                "tool_result by this server; only text, image and document are")
+        texts.append(text)
     text = "".join(texts)
     if block.is_error:
         text = ERROR_PREFIX + text if text else ERROR_PREFIX.rstrip(": ")

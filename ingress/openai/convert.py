@@ -6,6 +6,7 @@ import json
 import uuid
 from dataclasses import replace
 
+from ingress.media import OmittedMedia
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ingress.openai.tools import chat_messages, tool_choice, tool_specs
 from replicas.contract import (
@@ -22,11 +23,13 @@ from replicas.contract import (
 from replicas.errors import InvalidRequestError
 
 
-def chat_request(body: ChatCompletionRequest, model: str) -> GenerationRequest:
+def chat_request(body: ChatCompletionRequest, model: str,
+                 omitted: OmittedMedia | None = None) -> GenerationRequest:
+    """The request; media parts left out of it are noted in `omitted`."""
     _common_checks(body)
     if body.top_logprobs:
         raise InvalidRequestError("logprobs are not supported yet", param="top_logprobs")
-    messages = chat_messages(body.messages)
+    messages = chat_messages(body.messages, OmittedMedia() if omitted is None else omitted)
     tools = tool_specs(body)
     choice = tool_choice(body, tools)
     kwargs = dict(body.chat_template_kwargs or {})

@@ -6,6 +6,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ingress.media import OmittedMedia
+
 
 class _Wire(BaseModel):
     # Unknown fields are ignored, as vLLM does, so newer SDKs keep working.
@@ -15,6 +17,13 @@ class _Wire(BaseModel):
 class TextPart(_Wire):
     type: Literal["text"]
     text: str
+
+
+class MediaPart(_Wire):
+    """An image, audio or file part: the model reads text only, so `tools.py` leaves it
+    out with a placeholder (`ingress/media.py`)."""
+
+    type: Literal["image_url", "input_audio", "file"]
 
 
 class FunctionCallIn(_Wire):
@@ -32,18 +41,21 @@ class ToolCallIn(_Wire):
 
 class ChatMessageIn(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, MediaPart]], None] = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, omitted: OmittedMedia, where: str) -> str:
+        """The content as text; media parts become placeholders noted in `omitted`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart)
+                       else omitted.replace(part.type, f"{where}.{position}") or ""
+                       for position, part in enumerate(self.content))
 
 
 class FunctionDef(_Wire):

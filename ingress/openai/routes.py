@@ -7,6 +7,7 @@ from fastapi.responses import Response
 
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS
+from ingress.media import OmittedMedia
 from ingress.openai.convert import chat_request, completion_request
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest
 from ingress.openai.render import CompletionRenderer, ResponseMeta
@@ -29,11 +30,13 @@ OPENAI = WireProtocol(
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     client: ModelClient = request.app.state.client
     card = require_model(client, body.model)
-    gen = chat_request(body, card.id)
+    omitted = OmittedMedia()
+    gen = chat_request(body, card.id, omitted)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     renderer = CompletionRenderer(ResponseMeta.new(gen.request_id, body.model, "chat"),
                                   include_usage)
-    return await respond(client, gen, renderer, OPENAI, body.stream)
+    return await respond(client, gen, renderer, OPENAI, body.stream,
+                         warnings=omitted.warnings())
 
 
 @router.post("/v1/completions")

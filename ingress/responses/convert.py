@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from pydantic import TypeAdapter
 
 from ingress.client import ModelCard
+from ingress.media import OmittedMedia
 from ingress.responses.models import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -71,13 +72,16 @@ def to_plan(body: ResponsesRequest, card: ModelCard,
     if not current and not history:
         raise InvalidRequestError("'input' is required", param="input")
     earlier = _ITEMS.validate_python(list(history))
-    messages = to_messages(body.instructions, [*earlier, *current], offset=len(earlier))
+    omitted = OmittedMedia()
+    messages = to_messages(body.instructions, [*earlier, *current], omitted,
+                           offset=len(earlier))
     functions = [tool for tool in body.tools if isinstance(tool, FunctionTool)]
     if len({tool.name for tool in functions}) < len(functions):
         raise InvalidRequestError("function tool names must be unique", param="tools")
     hosted = sorted({tool.type for tool in body.tools if not isinstance(tool, FunctionTool)})
-    warnings = (f"hosted tools are not available on this server and were left out: "
-                f"{', '.join(hosted)}",) if hosted else ()
+    hosted_warnings = (f"hosted tools are not available on this server and were left out: "
+                       f"{', '.join(hosted)}",) if hosted else ()
+    warnings = hosted_warnings + omitted.warnings()
     generation = GenerationRequest(
         request_id=new_response_id(),
         model=card.id,
@@ -98,9 +102,10 @@ def to_plan(body: ResponsesRequest, card: ModelCard,
     return Plan(generation, items, _echo(body, functions), warnings, summary)
 
 
-def to_messages(instructions: str | None, items: Sequence[Any],
+def to_messages(instructions: str | None, items: Sequence[Any], omitted: OmittedMedia,
                 offset: int = 0) -> list[ChatMessage]:
-    """Chat messages for the input items; `offset` items are history (not the client's)."""
+    """Chat messages for the input items; `offset` items are history (not the client's).
+    Image and file parts become placeholders, noted in `omitted`."""
     messages: list[ChatMessage] = []
     if instructions:
         messages.append(ChatMessage("system", instructions))
@@ -114,7 +119,7 @@ def to_messages(instructions: str | None, items: Sequence[Any],
             extendable = False
         elif isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            text = _text(item.content, f"{where}.content")
+            text = _text(item.content, f"{where}.content", omitted)
             extendable = role == "assistant"
             thought = ("".join(reasoning) or None) if extendable else None
             messages.append(ChatMessage(role, text, reasoning=thought))
@@ -135,7 +140,7 @@ def to_messages(instructions: str | None, items: Sequence[Any],
                 raise InvalidRequestError(
                     f"no function_call with call_id '{item.call_id}' precedes this output",
                     param=f"{where}.call_id")
-            messages.append(ChatMessage("tool", _text(item.output, f"{where}.output"),
+            messages.append(ChatMessage("tool", _text(item.output, f"{where}.output", omitted),
                                         tool_call_id=item.call_id, name=names[item.call_id]))
             extendable = False
         else:
@@ -156,14 +161,16 @@ def _check_arguments(arguments: str, where: str) -> None:
                                   param=where)
 
 
-def _text(content: Sequence[TextPart | OtherPart], where: str) -> str:
+def _text(content: Sequence[TextPart | OtherPart], where: str, omitted: OmittedMedia) -> str:
     texts = []
     for position, part in enumerate(content):
-        if isinstance(part, OtherPart):
+        text = part.text if isinstance(part, TextPart) else omitted.replace(
+            part.type, f"{where}.{position}")
+        if text is None:  # a refusal, or a type this server does not know
             raise InvalidRequestError(
                 f"content parts of type '{part.type}' are not supported by this server; "
-                "only text is", param=f"{where}.{position}.type")
-        texts.append(part.text)
+                "only text, input_image and input_file are", param=f"{where}.{position}.type")
+        texts.append(text)
     return "".join(texts)
 
 
@@ -190,11 +197,15 @@ def _guided(body: ResponsesRequest) -> GuidedSpec | None:
 
 
 def _tool_spec(tool: FunctionTool) -> ToolSpec:
+    # Only an explicit `strict: true` must meet strict mode's rules. Omitted, OpenAI uses
+    # strict mode where the schema allows and best-effort calling otherwise: the grammar
+    # enforces every schema it can either way (a schema that meets strict's rules is
+    # enforced whole non-strict too), so omitted is non-strict here.
     return ToolSpec(
         name=tool.name,
         description=tool.description,
         parameters=json.dumps(tool.parameters or {"type": "object", "properties": {}}),
-        strict=True if tool.strict is None else tool.strict,
+        strict=bool(tool.strict),
     )
 
 

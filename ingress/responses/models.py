@@ -25,7 +25,8 @@ class TextPart(_Wire):
 
 
 class OtherPart(_Wire):
-    """Images, files, refusals...: rejected in convert.py with the type's name."""
+    """Images and files (placeholders, `ingress/media.py`), refusals...: convert.py
+    answers any type that is not media with a 400 naming it."""
 
     type: str
 
@@ -115,7 +116,7 @@ class FunctionTool(_Wire):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the API's default is true
+    strict: bool | None = None  # omitted: best effort (convert.py), only true is strict
 
 
 class HostedTool(_Wire):

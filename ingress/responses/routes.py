@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS, CodedError
-from ingress.protocol import WireProtocol
+from ingress.protocol import WARNING_HEADER, WireProtocol
 from ingress.responses.convert import to_plan
 from ingress.responses.models import ResponsesRequest
 from ingress.responses.render import ResponseRenderer
@@ -22,8 +22,6 @@ from ingress.sse import event_frame
 from ingress.streaming import respond
 from replicas.contract import ErrorKind
 from replicas.errors import NotFoundError
-
-WARNING_HEADER = "x-orchard-warning"
 
 router = APIRouter()
 

@@ -4,12 +4,13 @@ from replicas.guided.bitmask import apply_token_bitmask
 from replicas.guided.compiler import compile_guided
 from replicas.guided.matcher import GuidedLogitsProcessor, GuidedMatcher
 from replicas.guided.tokenizer import GuidedTokenizer
-from replicas.guided.tools import compile_tool_grammar, open_marker_token_ids
+from replicas.guided.tools import ToolGrammar, compile_tool_grammar, open_marker_token_ids
 
 __all__ = [
     "GuidedLogitsProcessor",
     "GuidedMatcher",
     "GuidedTokenizer",
+    "ToolGrammar",
     "apply_token_bitmask",
     "compile_guided",
     "compile_tool_grammar",

@@ -60,12 +60,13 @@ def _json_schema(spec: GuidedSpec) -> str:
     return LLMatcher.grammar_from_json_schema(schema)
 
 
-def checked_json_schema(text: str, *, strict: bool) -> dict[str, Any]:
+def checked_json_schema(text: str, *, strict: bool, lenient: bool = False) -> dict[str, Any]:
     """The schema in `text`, checked, with the house JSON options in its `x-guidance`.
 
     Shared by response_format and tool parameters. Raises InvalidRequestError for text
     that is not JSON, a schema that is not an object, or (strict) unknown keywords.
-    llguidance's own checks (unimplemented keywords, bad bounds) come at validation.
+    llguidance's own checks (unimplemented keywords, bad bounds) come at validation:
+    errors, or with `lenient` warnings, the keyword left out of the grammar.
     """
     try:
         schema: Any = json.loads(text)
@@ -88,7 +89,8 @@ def checked_json_schema(text: str, *, strict: bool) -> dict[str, Any]:
             )
     # Non-strict relaxes what exact enforcement would refuse: oneOf becomes anyOf (its
     # "exactly one" cannot be checked token by token); unknown keywords are annotations.
-    options: JsonCompileOptions = {**_JSON_OPTIONS, "coerce_one_of": not strict}
+    options: JsonCompileOptions = {**_JSON_OPTIONS, "coerce_one_of": not strict,
+                                   "lenient": lenient}
     try:
         # Applied as overrides, so the schema's own x-guidance cannot loosen them; the
         # result is the schema with the merged options, usable as a Lark `%json` body.
@@ -104,6 +106,13 @@ def validate(grammar: str, what: str, tokenizer: LLTokenizer | None = None) -> s
 
     `tokenizer` is needed when the grammar names special tokens (`<tool_call>`).
     """
+    return grammar_warnings(grammar, what, tokenizer)[0]
+
+
+def grammar_warnings(grammar: str, what: str,
+                     tokenizer: LLTokenizer | None = None) -> tuple[str, list[str]]:
+    """`validate`, plus llguidance's warnings: under `lenient`, what the grammar leaves
+    out (`Unimplemented keys: ["uniqueItems"]`, `Unknown format: ...`)."""
     is_error, messages = LLMatcher.validate_grammar_with_warnings(
         grammar, tokenizer, limits=PARSER_LIMITS
     )
@@ -112,7 +121,7 @@ def validate(grammar: str, what: str, tokenizer: LLTokenizer | None = None) -> s
         if "coerce_one_of" in message:  # an llguidance option clients cannot set directly
             message += " (non-strict schemas do that)"
         raise InvalidRequestError(f"{what}: {message}")
-    return grammar
+    return grammar, [m.strip() for m in messages]
 
 
 def _regex(spec: GuidedSpec) -> str:

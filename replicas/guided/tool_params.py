@@ -9,24 +9,34 @@ The model writes one block per argument, in the schema's property order:
 A plain string value is raw text up to the closing tag (a lazy lexeme), bounded by the
 schema's `minLength`/`maxLength` or limited to its `enum`/`const`; any other value is JSON
 checked by its subschema (`%json`, with the root's `$defs` and JSON options, so `$ref`s
-and the house whitespace rules still hold).
+and the house whitespace rules still hold). Raw text cannot carry a string's other
+constraints (`pattern`, `format`, ...): the grammar leaves them out, and
+`unenforced_string_keywords` names them for the response's warnings. The model still sees
+them, in the schema its prompt shows.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Final
+
+from replicas.guided.schema_keywords import KNOWN_KEYWORDS
 
 CLOSE = "\n</parameter>"
-_STRING_KEYWORDS = {"type", "enum", "const", "minLength", "maxLength", "title",
-                    "description", "default", "examples"}
+# What raw text enforces of a string schema.
+_ENFORCED: Final = frozenset({"type", "enum", "const", "minLength", "maxLength"})
+# Keywords that constrain nothing: leaving them out of the grammar loses nothing. Unknown
+# keywords (`x-*`, `nullable`, ...) are annotations too, as JSON Schema has it.
+_ANNOTATIONS: Final = frozenset({"title", "description", "default", "examples", "deprecated",
+                                 "readOnly", "writeOnly", "$comment", "$schema", "$id",
+                                 "$anchor"})
 
 
 def xml_parameters(schema: dict[str, Any], rule: str) -> list[str]:
-    """Rules defining `rule` as the argument blocks of an object `schema`.
+    """Rules defining `rule` as the argument blocks of an object `schema`; a plain
+    string's keywords other than `_ENFORCED` are left out (`unenforced_string_keywords`).
 
-    Raises ValueError for a string constraint that raw text cannot carry (`pattern`,
-    `format`): those need the JSON formats.
+    Raises ValueError for a schema raw text cannot write at all (an enum with no string).
     """
     properties: dict[str, Any] = schema.get("properties") or {}
     required = set(schema.get("required") or ())
@@ -51,6 +61,20 @@ def xml_parameters(schema: dict[str, Any], rule: str) -> list[str]:
     return rules
 
 
+def unenforced_string_keywords(schema: dict[str, Any]) -> list[str]:
+    """The constraints of `schema`'s plain string parameters that the grammar leaves out,
+    as "parameter 'url': format", in property order; annotations are not listed."""
+    found: list[str] = []
+    for name, sub in (schema.get("properties") or {}).items():
+        if not _is_plain_string(sub):
+            continue
+        dropped = sorted(key for key in sub if key in KNOWN_KEYWORDS
+                         and key not in _ENFORCED and key not in _ANNOTATIONS)
+        if dropped:
+            found.append(f"parameter {name!r}: {', '.join(dropped)}")
+    return found
+
+
 def _as_schema(sub: Any) -> dict[str, Any]:
     if sub is True:
         return {}
@@ -71,10 +95,6 @@ def _is_plain_string(sub: Any) -> bool:
 
 
 def _string_value(rule: str, sub: dict[str, Any], name: str) -> list[str]:
-    unsupported = sorted(set(sub) - _STRING_KEYWORDS)
-    if unsupported:
-        raise ValueError(f"parameter {name!r}: qwen3_coder writes strings as raw text and "
-                         f"cannot enforce {', '.join(unsupported)}")
     if "const" in sub or "enum" in sub:
         options = [sub["const"]] if "const" in sub else list(sub["enum"])
         texts = [o for o in options if isinstance(o, str)]

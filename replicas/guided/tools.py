@@ -7,6 +7,10 @@ arguments' schema are tied. `auto` lets free text run until the call section's t
 then constrains from there (llguidance's lazy lexeme, or a special-token reference when the
 trigger is one special token of the model: the two forms `llguidance.StructTag` compiles
 to).
+
+A keyword the grammar cannot enforce never refuses a request that is not `strict`: it is
+left out of the grammar and named in the result's warnings, which the response carries
+(`orchard_warnings`); the model still sees the whole schema in its prompt.
 """
 
 from __future__ import annotations
@@ -15,19 +19,26 @@ import functools
 import json
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from replicas.contract import ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
-from replicas.guided.compiler import checked_json_schema, validate
+from replicas.guided.compiler import checked_json_schema, grammar_warnings
 from replicas.guided.schema_keywords import openai_strict_violations
 from replicas.guided.tokenizer import GuidedTokenizer
-from replicas.guided.tool_params import xml_parameters
+from replicas.guided.tool_params import unenforced_string_keywords, xml_parameters
 from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar, Syntax, ToolFormat
 
 
 TOOL_NAME: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TEXT_RULE: Final = "TEXT: /(?s:.+)/"  # free text: any characters, never special tokens
+
+
+@dataclass(frozen=True)
+class ToolGrammar:
+    grammar: str  # llguidance's grammar for the answer channel
+    warnings: tuple[str, ...] = ()  # what the grammar leaves out of the tools' schemas
 
 
 @functools.lru_cache(maxsize=64)  # agents send the same tools on every turn
@@ -37,7 +48,7 @@ def compile_tool_grammar(
     choice: ToolChoice,
     *,
     tokenizer: GuidedTokenizer,
-) -> str | None:
+) -> ToolGrammar | None:
     """The llguidance grammar for the answer channel of a request that offers `tools`.
 
     None when nothing is constrained: `tool_choice: none` (ban `open_marker_token_ids`
@@ -47,19 +58,26 @@ def compile_tool_grammar(
     """
     fmt, syntax = _format(tool_format)
     _check_names(tools, choice)
-    arguments = {tool.name: _arguments(fmt, tool) for tool in tools}
+    arguments: dict[str, ArgumentRules] = {}
+    dropped: list[str] = []
+    for tool in tools:
+        arguments[tool.name], unenforced = _arguments(fmt, tool)
+        dropped.extend(unenforced)
     if choice.mode == "none" or not tools:
         return None
     offered = [t.name for t in tools if choice.name is None or t.name == choice.name]
     marks = _Markers(syntax.markers, tokenizer)
     lark = _lark(syntax, marks, offered, arguments, choice)
     try:
-        return validate(lark, "invalid tool grammar", tokenizer.ll)
+        grammar, lenient = grammar_warnings(lark, "invalid tool grammar", tokenizer.ll)
     except InvalidRequestError as exc:
         # Validating each tool alone costs milliseconds apiece: only to name the culprit.
         for spec in tools:
             _check_alone(spec, arguments[spec.name])
         raise InvalidRequestError(exc.message, param="tools") from None
+    if lenient:  # rare: only then is each tool validated alone, to name it in the warning
+        dropped.extend(w for spec in tools for w in _check_alone(spec, arguments[spec.name]))
+    return ToolGrammar(grammar, tuple(dict.fromkeys(dropped)))
 
 
 def open_marker_token_ids(tool_format: str, encode: Callable[[str], Sequence[int]]) -> tuple[int, ...]:
@@ -102,11 +120,17 @@ def _check_names(tools: tuple[ToolSpec, ...], choice: ToolChoice) -> None:
 ArgumentRules = Callable[[str], list[str]]  # a rule name -> the rules that define it
 
 
-def _arguments(fmt: ToolFormat, tool: ToolSpec) -> ArgumentRules:
-    """How to write one tool's arguments in Lark; every problem names the tool."""
+def _arguments(fmt: ToolFormat, tool: ToolSpec) -> tuple[ArgumentRules, list[str]]:
+    """How to write one tool's arguments in Lark, and the warnings for what the raw-text
+    strings of the XML syntax leave out; every problem names the tool.
+
+    Only an explicit `strict` must be enforced exactly: otherwise a keyword the grammar
+    cannot enforce is left out of it (llguidance's `lenient`), and warned about.
+    """
     where = f"tool {tool.name!r}"
     try:
-        schema = checked_json_schema(tool.parameters, strict=tool.strict)
+        schema = checked_json_schema(tool.parameters, strict=tool.strict,
+                                     lenient=not tool.strict)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{where}: {exc.message}", param="tools") from None
     kind = schema.get("type", "object")
@@ -124,16 +148,32 @@ def _arguments(fmt: ToolFormat, tool: ToolSpec) -> ArgumentRules:
             xml_parameters(schema, "probe")  # fail now, with the tool's name
         except ValueError as exc:
             raise InvalidRequestError(f"{where}: {exc}", param="tools") from None
-        return lambda rule: xml_parameters(schema, rule)
-    return lambda rule: [f"{rule}: %json {json.dumps(schema)}"]
+        unenforced = unenforced_string_keywords(schema)
+        if unenforced and tool.strict:
+            raise InvalidRequestError(
+                f"{where}: strict mode: {fmt.name} writes strings as raw text and cannot "
+                f"enforce {'; '.join(unenforced)}", param="tools")
+        warnings = [_left_out(where, f"{u} ({fmt.name} writes strings as raw text)")
+                    for u in unenforced]
+        return (lambda rule: xml_parameters(schema, rule)), warnings
+    return (lambda rule: [f"{rule}: %json {json.dumps(schema)}"]), []
 
 
-def _check_alone(tool: ToolSpec, arguments: ArgumentRules) -> None:
+def _check_alone(tool: ToolSpec, arguments: ArgumentRules) -> list[str]:
+    """Warnings for what the grammar leaves out of this tool's schema; InvalidRequestError
+    naming the tool if its schema cannot be compiled."""
+    where = f"tool {tool.name!r}"
     try:
-        validate("%llguidance {}\nstart: args\n" + "\n".join(arguments("args")),
-                 f"tool {tool.name!r}: invalid parameters schema")
+        _, lenient = grammar_warnings("%llguidance {}\nstart: args\n"
+                                      + "\n".join(arguments("args")),
+                                      f"{where}: invalid parameters schema")
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.message, param="tools") from None
+    return [_left_out(where, w) for w in lenient]
+
+
+def _left_out(where: str, what: str) -> str:
+    return f"{where}: not enforced by the grammar: {what}; the model still sees the whole schema"
 
 
 class _Markers:

@@ -226,18 +226,19 @@ def test_a_result_only_user_message_and_an_empty_error_result() -> None:
     )
 
 
-def test_image_in_a_tool_result_is_named_in_a_400() -> None:
+def test_an_unknown_block_in_a_tool_result_is_named_in_a_400() -> None:
+    # Images are placeholders (test_media_placeholders.py); unknown types stay a 400.
     client, fake = http()
     messages = USER + [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                            "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                      "content": [{"type": "image", "source": {}}]}]},
+                                      "content": [{"type": "hologram", "source": {}}]}]},
     ]
     response = client.post("/v1/messages", json=body(messages=messages))
     assert response.status_code == 400 and fake.requests == []
     assert "messages.2.content.0.content.0" in response.json()["error"]["message"]
-    assert "'image'" in response.json()["error"]["message"]
+    assert "'hologram'" in response.json()["error"]["message"]
 
 
 def test_system_role_messages() -> None:

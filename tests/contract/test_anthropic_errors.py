@@ -133,7 +133,8 @@ def test_bad_requests_are_anthropic_400s(overrides: dict[str, Any], named: str) 
 
 
 @pytest.mark.parametrize(
-    "kind", ["image", "document", "server_tool_use", "web_search_tool_result", "redacted_thinking"]
+    # image and document blocks are placeholders instead (test_media_placeholders.py).
+    "kind", ["server_tool_use", "web_search_tool_result", "redacted_thinking"]
 )
 def test_unsupported_blocks_are_named_in_a_400(kind: str) -> None:
     client, _ = http()

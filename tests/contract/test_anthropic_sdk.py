@@ -136,14 +136,8 @@ def test_count_tokens() -> None:
                     {
                         "role": "user",
                         "content": [
-                            {
-                                "type": "image",
-                                "source": {
-                                    "type": "base64",
-                                    "media_type": "image/png",
-                                    "data": "AA==",
-                                },
-                            }
+                            # Images are placeholders now; an unknown block is a 400.
+                            {"type": "hologram", "source": {}}
                         ],
                     }
                 ]

@@ -178,3 +178,12 @@ def test_tools_on_a_completion_are_a_400(replica: ModelReplica) -> None:
                                   tools=(ToolSpec("get_weather"),))
     events = stream_events(replica, request)
     assert isinstance(events[0], Failed) and events[0].param == "tools"
+
+
+def test_a_keyword_the_grammar_cannot_enforce_is_a_warning_not_a_400(replica: ModelReplica) -> None:
+    unique = ToolSpec("get_weather", parameters=json.dumps({"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "array", "uniqueItems": True}}}))
+    events = stream_events(replica, script_request("tool-one", tools=(unique,)))
+    end = events[-1]
+    assert isinstance(end, Finished), end
+    assert any("tool 'get_weather'" in w and "uniqueItems" in w for w in end.warnings)

@@ -105,7 +105,7 @@ def grammar(fmt: str, choice: ToolChoice, name: str = "tokens",
             tools: tuple[ToolSpec, ...] = TOOLS) -> str:
     result = compile_tool_grammar(fmt, tools, choice, tokenizer=variant(name)[1])
     assert result is not None
-    return result
+    return result.grammar
 
 
 def accepts(grammar_text: str, text: str, name: str = "tokens", *, end: bool = True) -> bool:
@@ -293,8 +293,9 @@ def test_strict_tools_that_follow_openai_rules_compile() -> None:
     ((tool("café", {}),), ToolChoice("none"), "tools", "invalid tool name"),
     ((tool("u", {"type": "array", "uniqueItems": True}),), ToolChoice("auto"), "tools",
      "tool 'u'"),
-    ((tool("u", {"type": "object", "properties": {"t": {"type": "array",
-                                                        "uniqueItems": True}}}),),
+    # Only an explicit strict refuses what the grammar cannot enforce (else: a warning).
+    ((tool("u", {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}},
+                 "required": ["t"], "additionalProperties": False}, strict=True),),
      ToolChoice("auto"), "tools", "tool 'u': invalid parameters schema"),
     ((ToolSpec("j", parameters="{nope"),), ToolChoice("auto"), "tools", "tool 'j': JSON schema"),
     ((tool("s", {"type": "string"}),), ToolChoice("auto"), "tools", "must be an object schema"),
@@ -316,11 +317,17 @@ def test_bad_tools_and_choices_are_invalid_requests(
     assert expected in info.value.message
 
 
-def test_qwen3_coder_refuses_string_constraints_raw_text_cannot_carry() -> None:
+def test_qwen3_coder_leaves_out_string_constraints_raw_text_cannot_carry() -> None:
     patterned = tool("p", {"type": "object", "properties": {"d": {"type": "string",
                                                                   "pattern": "^[0-9]+$"}}})
-    with pytest.raises(InvalidRequestError, match="cannot enforce pattern") as info:
-        compile_tool_grammar("qwen3_coder", (patterned,), ToolChoice("auto"),
+    compiled = compile_tool_grammar("qwen3_coder", (patterned,), ToolChoice("auto"),
+                                    tokenizer=builtin_guided_tokenizer())
+    assert compiled is not None
+    assert [w for w in compiled.warnings if "'d': pattern" in w]
+    strict = tool("p", {**json.loads(patterned.parameters), "required": ["d"],
+                        "additionalProperties": False}, strict=True)
+    with pytest.raises(InvalidRequestError, match="cannot enforce parameter 'd': pattern") as info:
+        compile_tool_grammar("qwen3_coder", (strict,), ToolChoice("auto"),
                              tokenizer=builtin_guided_tokenizer())
     assert info.value.param == "tools"
     # The JSON formats carry it.

@@ -100,9 +100,9 @@ def test_random_calls_validate_against_their_tool_schema(
 ) -> None:
     name = tools[-1].name if named else None
     choice = ToolChoice("required", name=name, parallel=parallel)
-    grammar = compile_tool_grammar(fmt, tools, choice, tokenizer=variant(tok_name)[1])
-    assert grammar is not None
-    text = sample(grammar, tok_name, seed, PREFIX.get(fmt, ""))
+    compiled = compile_tool_grammar(fmt, tools, choice, tokenizer=variant(tok_name)[1])
+    assert compiled is not None
+    text = sample(compiled.grammar, tok_name, seed, PREFIX.get(fmt, ""))
     # Open objects (no additionalProperties: false) can outgrow MAX_TOKENS on random logits;
     # a grammar that rarely finishes still fails, through hypothesis's filter health check.
     assume(text is not None)
