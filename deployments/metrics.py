@@ -124,7 +124,7 @@ class EngineMetrics:
         self._tags = {"model": model}
         self._shards = Gauge("orchard_replica_shards", "Processes (Macs) one replica of the "
                              "model runs on (`shards`).", tag_keys=tags)
-        self._shards.set(shards, self._tags)
+        self._shards_value = shards
         self._sync = Histogram("orchard_shard_sync_seconds", "A sharded replica's wait at "
                                "each step boundary: the step's batch record queues behind "
                                "the step still computing, then crosses to the other ranks.", STEP_BUCKETS, tag_keys=tags)
@@ -160,6 +160,9 @@ class EngineMetrics:
 
     def record(self, stats: EngineStats, samples: TimingSamples) -> None:
         tags = self._tags
+        # Set on every poll, not once: a value set before Ray's exporter saw the metric can
+        # be missing from the scrape.
+        self._shards.set(self._shards_value, tags)
         self._queue.set(stats.waiting, tags)
         self._running.set(stats.active, tags)
         self._bytes.set(stats.cache_bytes, tags)

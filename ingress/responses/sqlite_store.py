@@ -64,6 +64,8 @@ class SqliteResponseStore:
         await asyncio.to_thread(self._put, response_id, stored)
 
     def _get(self, response_id: str) -> StoredResponse | None:
+        if not _encodable(response_id):  # a lone surrogate names nothing we stored
+            return None
         now = self._clock()
         with self._lock:
             row = self._db.execute("SELECT body, expires FROM responses WHERE id = ?",
@@ -107,3 +109,12 @@ class SqliteResponseStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _encodable(text: str) -> bool:
+    """SQLite takes UTF-8 only; a client's id with a lone surrogate cannot be a key."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

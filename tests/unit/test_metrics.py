@@ -114,7 +114,7 @@ def test_samples_and_memory_and_shards(recorders: dict[str, _Recorder]) -> None:
                   TimingSamples(((0.01, 3), (0.02, 4)), (0.5,), (0.001, 0.002)))
     engine.record(_stats(memory=replace(memory, refused=4)), TimingSamples((), ()))
     tags = {"model": "m"}
-    assert recorders["orchard_replica_shards"].calls == [("set", 2, tags)]
+    assert recorders["orchard_replica_shards"].calls == [("set", 2, tags)] * 2
     assert [c[1] for c in recorders["orchard_engine_step_seconds"].calls] == [0.01, 0.02]
     assert [c[1] for c in recorders["orchard_batch_size"].calls] == [3, 4]
     assert [c[1] for c in recorders["orchard_grammar_compile_seconds"].calls] == [0.5]

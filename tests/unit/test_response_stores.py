@@ -47,6 +47,11 @@ def test_bounds(make: Make) -> None:
     asyncio.run(run())
 
 
+def test_an_id_that_is_not_utf8_is_not_found(make: Make) -> None:
+    # A client's previous_response_id may carry a lone surrogate (the fuzz suite sends one).
+    assert asyncio.run(make().get("a\udc00b")) is None
+
+
 def test_sqlite_keeps_everything_across_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "store" / "responses.sqlite3"
     first = SqliteResponseStore(path)
