@@ -9,7 +9,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reliability.cluster import REQUEST_TIMEOUT_S, SOLO, TIGHT, auth_headers, wait_idle
+from tests.reliability.cluster import (
+    ENDLESS_TOKENS,
+    REQUEST_TIMEOUT_S,
+    TIGHT,
+    TINY,
+    auth_headers,
+    wait_idle,
+)
 from tests.reliability.wire import Reply, anthropic_message, openai_chat, running_stream, send
 
 pytestmark = pytest.mark.reliability
@@ -74,8 +81,12 @@ def test_deadline_ends_streams_with_an_error_event_and_others_with_504(cluster: 
     async def scenario() -> list[tuple[float, Reply]]:
         async with client(cluster) as http:
             await wait_idle(TIGHT)
-            endless_stream = openai_chat(SOLO.model, stream=True, max_tokens=4000, endless=True)
-            endless = openai_chat(SOLO.model, stream=False, max_tokens=4000, endless=True)
+            await wait_idle(TINY)
+            # TIGHT and TINY serve the model's whole context: no clamp ends these early.
+            endless_stream = openai_chat(TINY.model, stream=True, max_tokens=ENDLESS_TOKENS,
+                                         endless=True)
+            endless = openai_chat(TINY.model, stream=False, max_tokens=ENDLESS_TOKENS,
+                                  endless=True)
             runner_started = asyncio.Event()
             runner = asyncio.create_task(timed(http, "/v1/chat/completions",
                                                {**endless_stream, "model": TIGHT.model},
@@ -90,7 +101,7 @@ def test_deadline_ends_streams_with_an_error_event_and_others_with_504(cluster: 
                 timed(http, "/v1/chat/completions", {**endless, "model": TIGHT.model}),
             )
             results = [await runner, *replies]
-            await wait_idle(SOLO, timeout_s=10)
+            await wait_idle(TINY, timeout_s=10)
             await wait_idle(TIGHT, timeout_s=10)
             return results
 
