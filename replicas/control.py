@@ -5,8 +5,8 @@ ending in the token just sampled. This controller tracks the channel at token le
 own detokenizer and channel router, so it agrees with the output pipeline), forces the
 format's end-of-reasoning tokens once the budget is spent, and hands answer-channel tokens
 to the guided matcher (tool-call bodies, Channel.TOOL, count as answer here: the tool
-grammar began before the call opened). It can also ban ids at every step (the token that
-opens a tool call, under `tool_choice: none`). It runs on the engine thread inside the batch
+grammar began before the call opened). It can also ban ids at every step (the tool
+format's markers, under `tool_choice: none`). It runs on the engine thread inside the batch
 step, so it never raises: a failure is recorded in `error` and the engine ends just this
 request.
 """

@@ -30,7 +30,7 @@ from replicas.pipeline.channels import (
 from replicas.pipeline.decoding import RequestDecoder
 from replicas.pipeline.detokenizer import Decode
 from replicas.pipeline.stops import merge_stops
-from replicas.pipeline.tool_formats import ToolFormat, with_tools
+from replicas.pipeline.tool_formats import ToolFormat, with_tools, without_calls
 from replicas.prompt import RenderedPrompt, last_message_boundary, render_prompt
 from replicas.sampling import validate as validate_sampling
 from replicas.timings import Timings
@@ -77,7 +77,12 @@ class InputProcessor:
         initial = initial_channel(base, rendered.text)
         state = initial_state(base, rendered.text)
         tools = self._tool_plan(request, chat)
-        fmt = with_tools(base, tools.parsing.format) if tools.parsing is not None else base
+        if tools.parsing is not None:
+            fmt = with_tools(base, tools.parsing.format)
+        elif tools.suppressed is not None:  # `tool_choice: none`: no marker reaches the answer
+            fmt = without_calls(base, tools.suppressed)
+        else:
+            fmt = base
         if tools.grammar is not None:
             grammar: Grammar | None = self._matcher(tools.grammar)
         elif request.guided is not None:

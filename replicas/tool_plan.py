@@ -8,6 +8,7 @@ the engine sees the request, so every bad combination is a 400 with no engine ti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal
 
@@ -24,7 +25,10 @@ if TYPE_CHECKING:  # llguidance is imported on the first guided or tool request 
 class ToolPlan:
     parsing: ToolParsing | None = None  # None: tool-call markup stays plain text
     grammar: str | None = None  # the llguidance grammar over the answer (and its calls)
-    banned_ids: tuple[int, ...] = ()  # `tool_choice: none`: the token that opens a call
+    # `tool_choice: none`: the reserved markers that are one token each are banned, and
+    # the answer drops every reserved marker of `suppressed` (`without_calls`).
+    banned_ids: tuple[int, ...] = ()
+    suppressed: ToolFormat | None = None
     grammar_start: Literal["answer", "reasoning_end"] = "answer"
     forced_end: str | None = None  # what a spent thinking budget forces, if not the format's
     warnings: tuple[str, ...] = ()  # schema keywords the grammar leaves out, for the response
@@ -37,7 +41,7 @@ def plan_tools(
     request: GenerationRequest,
     tool_format: ToolFormat,
     guided_tokenizer: Callable[[], GuidedTokenizer],
-    encode: Callable[[str], tuple[int, ...]],
+    encode: Callable[[str], Sequence[int]],
 ) -> ToolPlan:
     choice = request.tool_choice
     if not request.tools:
@@ -48,9 +52,8 @@ def plan_tools(
     if choice.mode == "none" and choice.name is None:
         if call_grammar is None:
             return NO_TOOLS
-        from replicas.guided import open_marker_token_ids
-
-        return ToolPlan(banned_ids=open_marker_token_ids(tool_format.name, encode))
+        return ToolPlan(banned_ids=reserved_token_ids(tool_format, encode),
+                        suppressed=tool_format)
     if call_grammar is None:
         raise InvalidRequestError(
             "this model has no tool-call format the server knows; set `tool_format` for it "
@@ -70,3 +73,12 @@ def plan_tools(
         forced_end=call_grammar.forced_end,
         warnings=compiled.warnings if compiled is not None else (),
     )
+
+
+def reserved_token_ids(tool_format: ToolFormat, encode: Callable[[str], Sequence[int]],
+                       ) -> tuple[int, ...]:
+    """The ids of the format's reserved markers that are one token each, banned under
+    `tool_choice: none`. A marker of several tokens is not banned (each of its tokens also
+    writes plain text); the router drops it from the answer instead."""
+    ids = (tuple(encode(marker)) for marker in tool_format.reserved)
+    return tuple(dict.fromkeys(one[0] for one in ids if len(one) == 1))

@@ -4,7 +4,7 @@ from replicas.guided.bitmask import apply_token_bitmask
 from replicas.guided.compiler import compile_guided
 from replicas.guided.matcher import GuidedLogitsProcessor, GuidedMatcher
 from replicas.guided.tokenizer import GuidedTokenizer
-from replicas.guided.tools import ToolGrammar, compile_tool_grammar, open_marker_token_ids
+from replicas.guided.tools import ToolGrammar, compile_tool_grammar
 
 __all__ = [
     "GuidedLogitsProcessor",
@@ -14,5 +14,4 @@ __all__ = [
     "apply_token_bitmask",
     "compile_guided",
     "compile_tool_grammar",
-    "open_marker_token_ids",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -51,8 +51,8 @@ def compile_tool_grammar(
 ) -> ToolGrammar | None:
     """The llguidance grammar for the answer channel of a request that offers `tools`.
 
-    None when nothing is constrained: `tool_choice: none` (ban `open_marker_token_ids`
-    instead) or `auto` with no tools. `tokenizer` decides how the format's markers are
+    None when nothing is constrained: `tool_choice: none` (`tool_plan.py` bans the
+    format's reserved markers instead) or `auto` with no tools. `tokenizer` decides how the format's markers are
     matched: as the model's special token where it has one, as text otherwise. Raises
     InvalidRequestError (param `tools` or `tool_choice`) for bad input.
     """
@@ -78,16 +78,6 @@ def compile_tool_grammar(
     if lenient:  # rare: only then is each tool validated alone, to name it in the warning
         dropped.extend(w for spec in tools for w in _check_alone(spec, arguments[spec.name]))
     return ToolGrammar(grammar, tuple(dict.fromkeys(dropped)))
-
-
-def open_marker_token_ids(tool_format: str, encode: Callable[[str], Sequence[int]]) -> tuple[int, ...]:
-    """The token that opens a call, to ban under `tool_choice: none`; () when the opener
-    is several tokens (one cannot be banned alone) or also opens plain text (harmony)."""
-    syntax = _format(tool_format)[1]
-    if syntax.text_open is not None:
-        return ()
-    ids = tuple(encode(syntax.trigger))
-    return ids if len(ids) == 1 else ()
 
 
 def _format(name: str) -> tuple[ToolFormat, CallGrammar]:

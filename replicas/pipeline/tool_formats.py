@@ -11,7 +11,8 @@ one entry in `TOOL_FORMATS` plus its tests.
 the router that keeps reasoning apart from the answer also cuts out each call;
 `tool_calls.py` turns a call's text into events. Markup inside reasoning is never a call:
 open rules go on answer states only (Harmony: a header naming a `to=functions.NAME`
-recipient).
+recipient). `without_calls(channel_format, tool_format)` is the `tool_choice: none` side:
+the answer drops every `reserved` marker of the format.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "detect_tool_format",
     "get_tool_format",
     "with_tools",
+    "without_calls",
 ]
 
 
@@ -101,14 +103,26 @@ class ToolFormat:
     # signatures say (Harmony's calls are part of its channel format).
     channel_format: str | None = None
     grammar: CallGrammar | None = None  # None only for `none`: calls are never constrained
+    # Every marker of the family's call and tool-result markup (open, close, result
+    # wrappers), which plain text never needs: `tool_choice: none` bans each one that is a
+    # single token and drops them all from the answer text (tool_plan.py), so none reaches
+    # `content`. A call's body syntax (`{"name"`, `<function=`) is not a marker.
+    reserved: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Every format with calls must be enforceable, or `tool_choice` would be a 500.
         if (self.syntax is Syntax.NONE) != (self.grammar is None):
             raise ValueError(f"tool format {self.name!r}: a grammar exactly when it has calls")
+        # ... and suppressible under `tool_choice: none`: its own open and close at least.
+        delimiters = {m for m in (self.call_open, self.call_close) if m is not None}
+        suppressible = bool(self.reserved) and delimiters <= set(self.reserved)
+        if (self.syntax is Syntax.NONE) == suppressible:
+            raise ValueError(f"tool format {self.name!r}: `reserved` must hold its markers")
 
 
 NONE_TOOLS = ToolFormat(name="none", syntax=Syntax.NONE)
+# Hermes and Qwen3-Coder share their delimiters and the tool-result wrapper of the template.
+HERMES_RESERVED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 # Qwen3 / Hermes: every call wrapped in its own tags, calls joined by one newline.
 HERMES = ToolFormat(
     name="hermes",
@@ -123,6 +137,7 @@ HERMES = ToolFormat(
         sep="\n",
         markers=("<tool_call>", "</tool_call>"),
     ),
+    reserved=HERMES_RESERVED,
 )
 # Qwen3-Coder: XML parameters, one `<parameter=KEY>` block per argument (guided/tool_params).
 QWEN3_CODER = ToolFormat(
@@ -138,6 +153,7 @@ QWEN3_CODER = ToolFormat(
         sep="\n",
         markers=("<tool_call>", "</tool_call>"),
     ),
+    reserved=HERMES_RESERVED,
 )
 # Llama 3.1+ JSON tool calling; parallel calls joined by "; " as vLLM's parser reads them.
 LLAMA3_JSON = ToolFormat(
@@ -156,6 +172,7 @@ LLAMA3_JSON = ToolFormat(
         sep="; ",
         markers=("<|python_tag|>",),
     ),
+    reserved=("<|python_tag|>",),  # results come back as an `ipython` turn: no marker of their own
 )
 # Mistral: one JSON array of calls after the marker (the grammar writes that form).
 MISTRAL = ToolFormat(
@@ -174,6 +191,7 @@ MISTRAL = ToolFormat(
         close="]",
         markers=("[TOOL_CALLS]",),
     ),
+    reserved=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
 )
 # gpt-oss: the grammar covers the whole completion after the prompt's
 # `<|start|>assistant`: an optional analysis message, then the final message or one
@@ -196,6 +214,9 @@ HARMONY_TOOLS = ToolFormat(
         start="reasoning_end",
         forced_end=HARMONY_END,
     ),
+    # Only `<|call|>` is the calls' own: every other Harmony marker also frames plain
+    # messages (and the channel format already keeps them all out of the answer).
+    reserved=("<|call|>",),
 )
 
 # Detection order: the more specific signature first (Qwen3-Coder's template also holds
@@ -233,8 +254,9 @@ def detect_tool_format(chat_template: str | None, vocab: Collection[str]) -> str
 TOOL_STATE = "tool"
 BETWEEN_STATE = "tool_between"
 
-# Composed formats, by (channel format, tool format) name; the stored base is compared by
-# identity so a different format object of the same name is composed afresh.
+# Composed formats, by (channel format, tool format) name ("-NAME": `without_calls`); the
+# stored base is compared by identity so a different format object of the same name is
+# composed afresh.
 _COMPOSED: dict[tuple[str, str], tuple[ChannelFormat, ChannelFormat]] = {}
 
 
@@ -249,6 +271,27 @@ def with_tools(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
     composed = _by_header(fmt, tools) if tools.syntax is Syntax.RAW else _by_marker(fmt, tools)
     _COMPOSED[key] = (fmt, composed)
     return composed
+
+
+def without_calls(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
+    """`fmt` whose answer states swallow every reserved marker of `tools` (cached), for
+    `tool_choice: none`: the text guarantee behind the token ban, for a marker the vocab
+    spells with several tokens or one the model spells out. Reasoning keeps its text."""
+    key = (fmt.name, f"-{tools.name}")
+    hit = _COMPOSED.get(key)
+    if hit is not None and hit[0] is fmt:
+        return hit[1]
+    states = {}
+    for name, state in fmt.states.items():
+        own = {rule.marker for rule in state.rules}  # already a marker here (Harmony's)
+        swallow = tuple(Rule(m, name) for m in tools.reserved if m not in own)
+        if state.channel is Channel.ANSWER and swallow:
+            state = dataclasses.replace(state, rules=(*state.rules, *swallow))
+        states[name] = state
+    suppressed = fmt if states == dict(fmt.states) else dataclasses.replace(
+        fmt, name=f"{fmt.name}-{tools.name}", states=states)
+    _COMPOSED[key] = (fmt, suppressed)
+    return suppressed
 
 
 def _by_marker(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 from typing import Any
 
+import jsonschema
 import pytest
 
 from replicas.builtin import load_scripts, script
@@ -98,9 +99,12 @@ def test_named_choice_overrides_the_models_own_pick(replica: ModelReplica) -> No
         sampling=SamplingParams(temperature=0.0, max_tokens=60)))
     made = calls(events)
     assert made and {name for name, _ in made} == {"get_time"}
+    # 60 tokens hold the whole call: it completes, and its arguments are get_time's.
+    assert isinstance(events[-1], Finished) and events[-1].reason is FinishReason.TOOL_CALLS
+    (get_time,) = [t for t in script("tool-one").tools if t.name == "get_time"]
+    schema = json.loads(get_time.parameters)
     for _, arguments in made:
-        if isinstance(events[-1], Finished) and events[-1].reason is FinishReason.TOOL_CALLS:
-            assert set(json.loads(arguments)) == {"timezone"}
+        jsonschema.validate(json.loads(arguments), schema)
 
 
 def test_parallel_off_cuts_after_one_call(replica: ModelReplica) -> None:
@@ -117,6 +121,16 @@ def test_choice_none_never_calls(replica: ModelReplica) -> None:
     assert not calls(events)
     assert "<tool_call>" not in text(events, Channel.ANSWER)
     assert isinstance(events[-1], Finished)
+
+
+@pytest.mark.parametrize("sid", TOOL_SCRIPTS)
+def test_choice_none_lets_no_marker_of_the_format_through(replica: ModelReplica,
+                                                          sid: str) -> None:
+    # With `<tool_call>` banned the tiny model still writes the body and `</tool_call>`.
+    events = stream_events(replica, script_request(sid, tool_choice=ToolChoice("none")))
+    answer = text(events, Channel.ANSWER)
+    assert not calls(events) and isinstance(events[-1], Finished)
+    assert not [m for m in replica.tool_format.reserved if m in answer], answer
 
 
 def test_a_stop_string_never_fires_inside_a_call(replica: ModelReplica) -> None:

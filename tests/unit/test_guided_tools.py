@@ -35,10 +35,11 @@ from replicas.control import RequestController
 from replicas.pipeline.detokenizer import make_decode
 from replicas.errors import InvalidRequestError
 from replicas.guided import GuidedMatcher, GuidedTokenizer
-from replicas.guided.tools import compile_tool_grammar, open_marker_token_ids
+from replicas.guided.tools import compile_tool_grammar
 from replicas.pipeline.channel_formats import ChannelFormat, Rule, State
 from replicas.pipeline.channels import get_format
 from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar
+from replicas.tool_plan import reserved_token_ids
 from tests.unit.test_guided import build_hf_tokenizer, guided_tokenizer
 
 # Non-special in Qwen3 (they survive skip_special_tokens); special in the other families.
@@ -252,13 +253,15 @@ def test_auto_allows_text_alone_or_text_then_calls(fmt: str, tok: str) -> None:
     assert not accepts(g, "Done: " + call + " And more text.", tok)
 
 
-def test_open_marker_ids_are_the_single_token_that_opens_a_call() -> None:
+def test_reserved_ids_are_the_markers_that_are_single_tokens() -> None:
     hf, _ = variant("tokens")
-    assert open_marker_token_ids("hermes", hf.encode) == (hf.convert_tokens_to_ids("<tool_call>"),)
-    assert open_marker_token_ids("llama3_json", hf.encode) == (
-        hf.convert_tokens_to_ids("<|python_tag|>"),)
-    assert open_marker_token_ids("harmony", hf.encode) == ()  # <|start|> also opens text
-    assert open_marker_token_ids("hermes", variant("text")[0].encode) == ()  # several tokens
+    ids = hf.convert_tokens_to_ids
+    # The built-in vocab has <tool_response> and </tool_response> as added tokens too.
+    assert reserved_token_ids(TOOL_FORMATS["hermes"], hf.encode) == tuple(
+        ids(m) for m in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"))
+    assert reserved_token_ids(TOOL_FORMATS["llama3_json"], hf.encode) == (ids("<|python_tag|>"),)
+    assert reserved_token_ids(TOOL_FORMATS["harmony"], hf.encode) == (ids("<|call|>"),)
+    assert reserved_token_ids(TOOL_FORMATS["hermes"], variant("text")[0].encode) == ()
 
 
 def test_none_and_no_tools_constrain_nothing() -> None:
@@ -416,10 +419,10 @@ def test_controller_rejects_an_invalid_call_in_the_tool_channel() -> None:
 
 def test_banned_ids_are_forbidden_at_every_step() -> None:
     hf, _ = variant("tokens")
-    banned = open_marker_token_ids("hermes", hf.encode)
+    banned = reserved_token_ids(TOOL_FORMATS["hermes"], hf.encode)
     controller = controller_for(THINK_AND_TOOLS, Channel.REASONING, None, banned_ids=banned)
     forbidden = drive(controller, "thinking</think>Plain answer.")
-    assert forbidden == list(banned)
+    assert forbidden == sorted(banned)
     with_grammar = controller_for(THINK_AND_TOOLS, Channel.ANSWER,
                                   grammar("hermes", ToolChoice("auto")), banned_ids=banned)
     assert banned[0] in drive(with_grammar, "Sure.")
