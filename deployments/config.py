@@ -182,6 +182,10 @@ class ModelSettings(_Strict):
         default_factory=_replica_default("flush_interval_s", 1000.0), ge=0,
         description="After the first event, stream chunks leave at most this often "
                     "(0: as soon as ready).")
+    stream_chunks_per_s: float = Field(
+        default_factory=_replica_default("max_chunks_per_s"), ge=0,
+        description="Chunks per second a replica's streams send together, at most (0: no "
+                    "bound): with many streams, each chunk carries several tokens.")
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int = Field(64, ge=1)

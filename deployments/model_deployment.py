@@ -43,6 +43,7 @@ def replica_options(settings: ModelSettings,
                             kv_budget_bytes=settings.memory.budget_bytes,
                             max_memory_waiting=settings.memory.max_waiting),
         flush_interval_s=settings.stream_flush_ms / 1000,
+        max_chunks_per_s=settings.stream_chunks_per_s,
     )
 
 

@@ -198,7 +198,9 @@ LAYOUTS: dict[str, dict[str, bool]] = {"default": {}, "two-hop": {"colocate": Fa
 
 
 def start_server(source: str, model: str, flush_ms: float, layout: str = "default",
-                 haproxy: bool = False, metrics: bool = True) -> subprocess.Popen[bytes]:
+                 haproxy: bool = False, metrics: bool = True,
+                 settings: dict[str, object] | None = None) -> subprocess.Popen[bytes]:
+    """`serve run` of one model; `settings` are more of the model's config fields."""
     if port_in_use(PORT):
         raise RuntimeError(f"something already listens on 127.0.0.1:{PORT} (a stale "
                            "`serve run`? `serve shutdown -y` / `ray stop`); refusing to "
@@ -209,7 +211,7 @@ def start_server(source: str, model: str, flush_ms: float, layout: str = "defaul
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
-                                 "stream_flush_ms": flush_ms}],
+                                 "stream_flush_ms": flush_ms, **(settings or {})}],
                      "ingress": LAYOUTS[layout],
                      # Off: no metrics and no request log lines, for the on/off overhead ratio.
                      "observability": {"metrics": metrics, "request_logs": metrics}},

@@ -231,3 +231,21 @@ TerminalEvent = Union[Finished, Failed]
 
 def is_terminal(event: OutputEvent) -> bool:
     return isinstance(event, (Finished, Failed))
+
+
+def merge_deltas(events: list[OutputEvent]) -> list[OutputEvent]:
+    """Adjacent text of one channel, and adjacent argument pieces of one call, as one event:
+    a chunk that carries several tokens is rendered and sent as one delta, not one per
+    token (the pieces still concatenate to the same whole)."""
+    merged: list[OutputEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if isinstance(event, TextDelta) and isinstance(last, TextDelta) \
+                and last.channel == event.channel:
+            merged[-1] = TextDelta(event.channel, last.text + event.text)
+        elif isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta) \
+                and last.index == event.index:
+            merged[-1] = ToolCallDelta(event.index, last.arguments + event.arguments)
+        else:
+            merged.append(event)
+    return merged

@@ -19,6 +19,7 @@ from replicas.contract import (
     GenerationRequest,
     OutputEvent,
     is_terminal,
+    merge_deltas,
 )
 from replicas.engine import Engine, EngineDead, EngineStats
 from replicas.errors import ReplicaError
@@ -29,20 +30,10 @@ from replicas.pipeline.channels import ChannelFormat, detect_format, get_format
 from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.tool_formats import ToolFormat, detect_tool_format, get_tool_format
 from replicas.prepare import InputProcessor
+from replicas.submission import EventBuffer
 from replicas.timings import Timings, TimingSamples
 
 __all__ = ["ModelReplica", "ReplicaOptions"]
-
-
-class _QueueSink:
-    """Receives a request's events on the replica's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[list[OutputEvent]] = asyncio.Queue()
-
-    def push(self, events: list[OutputEvent]) -> None:
-        self.queue.put_nowait(events)
 
 
 class ModelReplica:
@@ -58,6 +49,7 @@ class ModelReplica:
         self._format: ChannelFormat = get_format("none")
         self._tool_format: ToolFormat = get_tool_format("none")
         self._inputs: InputProcessor | None = None
+        self._streams = 0  # streams open now, which share the replica's chunk rate
 
     def _open(self) -> tuple[LoadedModel, Batch]:
         """The model and its batch, on the engine thread: whole, or rank 0's shard."""
@@ -144,9 +136,10 @@ class ModelReplica:
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
         """Events in order, coalesced: the first batch leaves at once, later ones at most
         every `flush_interval_s`, each holding everything that arrived meanwhile."""
-        sink = _QueueSink(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        buffer = EventBuffer(loop)
         try:
-            sub, warnings = await asyncio.to_thread(self.inputs.prepare, request, sink)
+            sub, warnings = await asyncio.to_thread(self.inputs.prepare, request, buffer)
         except ReplicaError as exc:
             yield [exc.as_event()]
             return
@@ -156,24 +149,29 @@ class ModelReplica:
             yield [Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}")]
             return
         done = False
-        loop = asyncio.get_running_loop()
         next_flush = 0.0
+        self._streams += 1
         try:
             while not done:
-                batch = await sink.queue.get()
-                wait = next_flush - loop.time()
-                if wait > 0 and not any(is_terminal(e) for e in batch):
-                    await asyncio.sleep(wait)
-                while not sink.queue.empty():
-                    batch.extend(sink.queue.get_nowait())
+                batch = merge_deltas(await buffer.next(hold_until=next_flush))
                 done = any(is_terminal(e) for e in batch)
                 if done and warnings:
                     batch = [_with_warnings(e, warnings) for e in batch]
                 yield batch
-                next_flush = loop.time() + self.options.flush_interval_s
+                next_flush = loop.time() + self._chunk_interval()
         finally:
+            self._streams -= 1
             if not done:  # the consumer left: free the batch slot
                 self._engine.cancel(request.request_id)
+
+    def _chunk_interval(self) -> float:
+        """Seconds a stream's next chunk waits for more tokens. Every chunk costs the same
+        CPU however many tokens it holds (rendering, the ASGI send, Ray's hop to the proxy,
+        the socket write), so the replica's chunks per second are bounded: with many
+        streams each chunk carries several steps' tokens (load/RESULTS.md, issue 23)."""
+        rate = self.options.max_chunks_per_s
+        shared = self._streams / rate if rate > 0 else 0.0
+        return max(self.options.flush_interval_s, shared)
 
     async def count_tokens(self, request: GenerationRequest) -> int | Failed:
         """Prompt tokens after rendering, or the reason the prompt cannot be rendered."""

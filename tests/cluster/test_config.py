@@ -166,6 +166,10 @@ def test_engine_and_replica_defaults_come_from_the_replica_side() -> None:
     options = replica_options(defaults)
     assert options.engine == engine
     assert options.flush_interval_s == ReplicaOptions("m", "s").flush_interval_s
+    assert defaults.stream_chunks_per_s == ReplicaOptions("m", "s").max_chunks_per_s
+    assert options.max_chunks_per_s == ReplicaOptions("m", "s").max_chunks_per_s
+    tuned = replica_options(ModelSettings.model_validate(model(stream_chunks_per_s=0)))
+    assert tuned.max_chunks_per_s == 0  # no bound: one chunk per engine step, as before
 
 
 def test_constants_are_the_config_defaults() -> None:

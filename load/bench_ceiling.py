@@ -1,0 +1,404 @@
+"""The ceiling (issue 23): on a near-zero-cost model the serving path, not decode, sets
+throughput. Raw mlx-lm, Orchard and mlx_lm.server on `builtin:ceiling`, same 2 cores.
+
+    python load/bench_ceiling.py
+
+At each of `--streams` concurrent streams, `--tokens` greedy tokens per request:
+
+- raw: mlx-lm's `BatchGenerator` in this process (`RawModel.batched`, one sequence at 1);
+- orchard: a real `serve run`, default layout, on 127.0.0.1:8000;
+- mlx_server: `mlx_lm.server` on the same model files, on 127.0.0.1:8101, with the batching
+  limits of `bench_vs_mlx_server.py` (32 decoding, 8 prefilling: Orchard's defaults).
+
+`--rounds` alternating rounds (raw, then Orchard started / all levels / stopped, then
+mlx_lm.server the same), never two servers at once, so the machine's drift hits all three
+alike. A level is a warm-up request, then a closed loop of N workers making `--waves`
+requests each; tok/s = tokens from usage / wall seconds. Every prompt has a unique hash
+prefix (no prefix cache helps), EOS is suppressed by `logit_bias` on both servers, so each
+request makes exactly `--tokens`; a failed or short request adds 0 tokens, as an error.
+Reports medians over rounds with min-max, orchard/raw and orchard/mlx_server as the median
+of per-round ratios, CPU ms per token by process, the load generator's own, and the issue's
+targets. Writes load/out/bench_ceiling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+
+from load.bench_serving import (PORT, PROMPT, RawModel, port_in_use, process_tree,  # noqa: E402
+                                require_alive, start_server, stop_server)
+from load.bench_vs_mlx_server import (HOST, MLX_PORT, eos_bias, local_path,  # noqa: E402
+                                      mlx_server, running)
+from load.process_cpu import CpuSnapshot  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "load" / "out"
+TARGETS = ("raw", "orchard", "mlx_server")
+MODEL_ID = "ceiling"  # the name Orchard serves it under
+PORT_WAIT_S = 600  # a shared machine: someone else's server may hold 8000 for a while
+# A text-carrying delta; `"content":""` (Orchard's role chunk) is not the first token.
+_CONTENT = re.compile(rb'"content":\s*"[^"]')
+
+
+@dataclass
+class Result:
+    """One streamed request: tokens from its usage (0 unless exactly as asked)."""
+
+    tokens: int = 0
+    ttft: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class LevelRun:
+    """One target at one level in one round."""
+
+    tokens: int
+    seconds: float
+    errors: int = 0
+    requests: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # by process role, timed part only
+    loadgen_cpu_s: float = 0.0  # this process during HTTP levels (it shares the cores)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def dechunk(body: bytes) -> bytes:
+    """HTTP/1.1 chunked framing, undone once per request: a usage line split across two
+    chunks would otherwise not parse."""
+    out, pos = bytearray(), 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += body[end + 2:end + 2 + size]
+        pos = end + 2 + size + 2
+
+
+def final_usage(body: bytes) -> dict[str, int] | None:
+    """The last SSE line with a non-null usage, searched from the end: only it is parsed."""
+    for line in reversed(body.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            usage = json.loads(line[5:]).get("usage")
+            if usage:
+                return usage
+    return None
+
+
+async def stream_once(port: int, model: str, prompt: str, tokens: int,
+                      bias: dict[str, float]) -> Result:
+    """One streamed chat completion over a bare socket. The load generator shares the 2
+    cores with the server, so no HTTP client library and no JSON per chunk: the bytes are
+    kept as they come, and only the final usage line is parsed."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, "logit_bias": bias}).encode()
+    # Connection: close, so the end of the response is simply EOF, for either server.
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection(HOST, port)
+    data, ttft = bytearray(), None
+    try:
+        writer.write(head + body)
+        while piece := await reader.read(65536):
+            data += piece
+            if ttft is None and _CONTENT.search(data, max(0, len(data) - len(piece) - 16)):
+                ttft = time.perf_counter() - start
+    finally:
+        writer.close()
+    headers, _, payload = bytes(data).partition(b"\r\n\r\n")
+    status = headers.split(b"\r\n", 1)[0]
+    if b" 200 " not in status + b" ":
+        return Result(error=status.decode(errors="replace") or "no response")
+    if b"transfer-encoding: chunked" in headers.lower():
+        payload = dechunk(payload)
+    usage = final_usage(payload)
+    if not usage:
+        return Result(error="no usage (stream cut short)")
+    if usage["completion_tokens"] != tokens:  # unequal work would skew the comparison
+        return Result(error=f"short: {usage['completion_tokens']} of {tokens} tokens")
+    return Result(tokens, ttft)
+
+
+async def bounded(port: int, model: str, prompt: str, tokens: int, bias: dict[str, float],
+                  timeout_s: float) -> Result:
+    try:
+        return await asyncio.wait_for(stream_once(port, model, prompt, tokens, bias), timeout_s)
+    except (OSError, ValueError, asyncio.TimeoutError) as exc:
+        return Result(error=f"{type(exc).__name__}: {exc}")
+
+
+def unique_prompt(tag: str) -> str:
+    # The hash goes first: any shared opening past the chat template is a cacheable prefix.
+    return f"{hashlib.sha256(tag.encode()).hexdigest()[:12]} {PROMPT}"
+
+
+async def waves(port: int, model: str, streams: int, args: argparse.Namespace,
+                bias: dict[str, float], tag: str) -> tuple[float, list[Result]]:
+    """N workers in a closed loop, `waves` requests each, so N stay in flight throughout."""
+    results: list[Result] = []
+
+    async def worker(w: int) -> None:
+        for i in range(args.waves):
+            results.append(await bounded(port, model, unique_prompt(f"{tag}-{w}-{i}"),
+                                         args.tokens, bias, args.timeout))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(streams)))
+    return time.perf_counter() - start, results
+
+
+def measure_http(port: int, model: str, pids: Callable[[], list[int]], streams: int,
+                 args: argparse.Namespace, bias: dict[str, float], tag: str) -> LevelRun:
+    """A warm-up request, then the timed waves, with the CPU of the server's processes
+    (`pids()` lists them) and of this process over the timed part only."""
+    async def level() -> tuple[CpuSnapshot, float, float, list[Result]]:
+        await bounded(port, model, unique_prompt(f"{tag}-warmup"), 8, bias, args.timeout)
+        before, cpu = CpuSnapshot.take(pids()), time.process_time()
+        seconds, results = await waves(port, model, streams, args, bias, tag)
+        return before, time.process_time() - cpu, seconds, results
+
+    before, cpu, seconds, results = asyncio.run(level())
+    spent = CpuSnapshot.take(pids()).since(before)
+    ok = [r for r in results if r.error is None]
+    for r in results:
+        if r.error:
+            print(f"    error ({tag}): {r.error}", flush=True)
+    return LevelRun(sum(r.tokens for r in ok), seconds, len(results) - len(ok), len(results),
+                    [r.ttft * 1e3 for r in ok if r.ttft is not None], spent, cpu)
+
+
+def raw_level(raw: RawModel, streams: int, args: argparse.Namespace) -> LevelRun:
+    raw.batched(8, streams)  # warm-up: this batch size's first steps
+    cpu = time.process_time()
+    runs = [raw.batched(args.tokens, streams) for _ in range(args.waves)]
+    cpu = time.process_time() - cpu
+    return LevelRun(sum(r.tokens for r in runs), sum(r.seconds for r in runs), 0,
+                    streams * args.waves, [], {"raw (this process)": cpu})
+
+
+def wait_port_free(port: int) -> None:
+    """Another engineer's server on the port is waited out, never stopped."""
+    deadline = time.monotonic() + PORT_WAIT_S
+    while port_in_use(port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"127.0.0.1:{port} stayed busy for {PORT_WAIT_S} s")
+        print(f"  127.0.0.1:{port} is busy; waiting", flush=True)
+        time.sleep(15)
+
+
+def one_round(index: int, raw: RawModel, model_path: Path, bias: dict[str, float],
+              args: argparse.Namespace) -> dict[str, dict[int, LevelRun]]:
+    runs: dict[str, dict[int, LevelRun]] = {t: {} for t in TARGETS}
+
+    def show(target: str, n: int, run: LevelRun) -> None:
+        print(f"  round {index + 1} {target:<11} x{n:<3}{run.tps:>9.1f} tok/s"
+              f"{f'  {run.errors} errors' if run.errors else ''}", flush=True)
+
+    for n in args.streams:
+        runs["raw"][n] = raw_level(raw, n, args)
+        show("raw", n, runs["raw"][n])
+    wait_port_free(PORT)
+    settings = {} if args.chunks_per_s is None else {"stream_chunks_per_s": args.chunks_per_s}
+    proc = start_server(args.model, MODEL_ID, args.flush_ms, layout="default",
+                        haproxy=args.haproxy, settings=settings)
+    try:
+        for n in args.streams:
+            runs["orchard"][n] = measure_http(PORT, MODEL_ID, lambda: process_tree(proc.pid), n,
+                                              args, bias, f"r{index}-orchard-x{n}")
+            require_alive(proc)
+            show("orchard", n, runs["orchard"][n])
+    finally:
+        stop_server(proc)
+    target, command = mlx_server(model_path, prompt_cache=True)  # as shipped
+    me = os.getpid()
+    with running(target, command, OUT / "bench_ceiling_mlx_server.log"):
+        for n in args.streams:
+            # Its only process is our child: this process's tree less this process.
+            runs["mlx_server"][n] = measure_http(
+                MLX_PORT, target.model, lambda: [p for p in process_tree(me) if p != me], n,
+                args, bias, f"r{index}-mlx-x{n}")
+            show("mlx_server", n, runs["mlx_server"][n])
+    return runs
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt(values: list[float], width: int = 22) -> str:
+    mid, low, high = spread(values)
+    return f"{f'{mid:.0f} ({low:.0f}-{high:.0f})':>{width}}"
+
+
+def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
+              args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    levels: dict[str, dict[str, Any]] = {}
+    for n in args.streams:
+        tps = {t: [r[t][n].tps for r in rounds] for t in TARGETS}
+        # Paired within a round (same drift), then the median over rounds.
+        vs_raw = [r["orchard"][n].tps / r["raw"][n].tps for r in rounds]
+        vs_mlx = [r["orchard"][n].tps / max(r["mlx_server"][n].tps, 1e-9) for r in rounds]
+        cpu: dict[str, dict[str, float]] = {}
+        for t in TARGETS:
+            tokens = sum(r[t][n].tokens for r in rounds) or 1
+            spent: dict[str, float] = defaultdict(float)
+            for r in rounds:
+                for role, seconds in r[t][n].cpu_s.items():
+                    spent["mlx_lm.server" if t == "mlx_server" else role] += seconds
+                if t != "raw":
+                    spent["load generator"] += r[t][n].loadgen_cpu_s
+            cpu[t] = {role: s * 1e3 / tokens for role, s in spent.items()}
+        levels[str(n)] = {
+            "tps": {t: dict(zip(("median", "min", "max"), spread(v))) for t, v in tps.items()},
+            "per_round_tps": tps,
+            "orchard_over_raw": dict(zip(("median", "min", "max"), spread(vs_raw))),
+            "orchard_over_mlx_server": dict(zip(("median", "min", "max"), spread(vs_mlx))),
+            "ttft_p50_ms": {t: statistics.median(statistics.median(r[t][n].ttft_ms)
+                                                 for r in rounds if r[t][n].ttft_ms)
+                            for t in TARGETS[1:] if any(r[t][n].ttft_ms for r in rounds)},
+            "cpu_ms_per_token": cpu,
+            "errors": {t: sum(r[t][n].errors for r in rounds) for t in TARGETS},
+            "requests": {t: sum(r[t][n].requests for r in rounds) for t in TARGETS},
+        }
+    return levels
+
+
+# Issue 23's targets: (streams, baseline, minimum orchard/baseline ratio).
+ISSUE_TARGETS = ((32, "raw", 0.6), (32, "mlx_server", 2.0), (1, "raw", 0.7), (8, "raw", 0.5))
+
+
+def report(levels: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, object]]:
+    print(f"\nthroughput, output tok/s: median over {args.rounds} rounds (min-max)")
+    print(f"{'streams':>7}" + "".join(f"{t:>22}" for t in TARGETS)
+          + f"{'orchard/raw':>14}{'orchard/mlx':>14}")
+    for n, lv in levels.items():
+        print(f"{n:>7}" + "".join(fmt(lv["per_round_tps"][t]) for t in TARGETS)
+              + f"{lv['orchard_over_raw']['median']:>14.2f}"
+              + f"{lv['orchard_over_mlx_server']['median']:>14.2f}")
+    print("ratios: median of the per-round ratios (each round's three targets ran back to "
+          "back); their min-max:")
+    for n, lv in levels.items():
+        a, b = lv["orchard_over_raw"], lv["orchard_over_mlx_server"]
+        print(f"  x{n:<3} orchard/raw {a['min']:.2f}-{a['max']:.2f}   "
+              f"orchard/mlx_server {b['min']:.2f}-{b['max']:.2f}")
+    print("raw batches all N sequences at once; both servers decode at most 32 together.")
+
+    print("\nTTFT p50 ms (median over rounds): "
+          + "; ".join(f"x{n} " + ", ".join(f"{t} {v:.0f}" for t, v in lv["ttft_p50_ms"].items())
+                      for n, lv in levels.items()))
+
+    print("\nCPU ms per output token, by process (all rounds' CPU / all rounds' tokens; "
+          "total: the target's own processes, the load generator apart):")
+    for n, lv in levels.items():
+        for t in TARGETS:
+            rows = sorted(lv["cpu_ms_per_token"][t].items(), key=lambda kv: -kv[1])
+            total = sum(ms for role, ms in rows if role != "load generator")
+            print(f"  x{n:<3} {t:<11} total {total:7.3f}   "
+                  + ", ".join(f"{role} {ms:.3f}" for role, ms in rows if ms >= 0.0005))
+
+    errors = {f"{t} x{n}": e for n, lv in levels.items() for t, e in lv["errors"].items() if e}
+    print("\nerrors: " + (", ".join(f"{k}: {v}" for k, v in errors.items()) if errors else
+                          "none (every request made exactly --tokens tokens)"))
+
+    verdicts = []
+    print("\ntargets (orchard / baseline, median of per-round ratios)")
+    for streams, base, minimum in ISSUE_TARGETS:
+        at = levels.get(str(streams))
+        ratio = at[f"orchard_over_{base}"]["median"] if at else None
+        verdict = "not run" if ratio is None else "PASS" if ratio >= minimum else "MISS"
+        shown = "-" if ratio is None else f"{ratio:.2f}x"
+        print(f"  {streams:>2} stream{'s' if streams > 1 else ' '}  orchard >= {f'{minimum:g}x':<4} {base:<11} measured "
+              f"{shown:>6}  {verdict}")
+        verdicts.append({"streams": streams, "baseline": base, "minimum": minimum,
+                         "measured": ratio, "verdict": verdict})
+    return verdicts
+
+
+def orchard_flush_ms() -> float:
+    """Orchard's own default stream_flush_ms, read from the code so it cannot drift."""
+    from replicas.options import ReplicaOptions
+
+    return ReplicaOptions(model_id="", source="").flush_interval_s * 1000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:ceiling", help="model source")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 64],
+                        help="concurrent streams per level")
+    parser.add_argument("--tokens", type=int, default=128, help="greedy tokens per request")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--waves", type=int, default=2, help="requests per worker per level")
+    parser.add_argument("--flush-ms", type=float, default=None,
+                        help="Orchard's stream_flush_ms (default: Orchard's own, 5 today)")
+    parser.add_argument("--chunks-per-s", type=float, default=None,
+                        help="Orchard's stream_chunks_per_s (default: Orchard's own; 0: no "
+                             "bound, one chunk per engine step as before issue 23)")
+    parser.add_argument("--haproxy", action="store_true",
+                        help="start Ray with Serve's HAProxy direct ingress (README, Layouts): "
+                             "no chunk crosses Ray")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--out", type=Path, default=OUT / "bench_ceiling.json")
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if args.flush_ms is None:
+        args.flush_ms = orchard_flush_ms()
+    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    print(f"command: {command}", flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    model_path = local_path(args.model)  # built before anything starts
+    bias = eos_bias(model_path)
+    raw = RawModel(args.model)
+    rounds = []
+    for index in range(args.rounds):
+        rounds.append(one_round(index, raw, model_path, bias, args))
+    print(f"\nmodel {args.model} ({model_path}), {args.tokens} greedy tokens per request, EOS "
+          f"suppressed, {args.rounds} rounds x {args.waves} waves, orchard layout default"
+          f"{' behind HAProxy direct ingress' if args.haproxy else ''}, "
+          f"stream_flush_ms {args.flush_ms:g}, stream_chunks_per_s "
+          f"{'default' if args.chunks_per_s is None else f'{args.chunks_per_s:g}'}, mlx_lm.server as shipped (prompt cache on, "
+          f"unique prompts); started {started}, load average now "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    levels = summarize(rounds, args)
+    verdicts = report(levels, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": command, "started": started, "args": vars(args) | {"out": str(args.out)},
+        "levels": levels, "targets": verdicts,
+        "rounds": [{t: {n: asdict(run) for n, run in r[t].items()} for t in TARGETS}
+                   for r in rounds],
+    }, indent=2))
+    print(f"\nwrote {args.out}")
+    return 1 if any(e for lv in levels.values() for e in lv["errors"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
