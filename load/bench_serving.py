@@ -205,7 +205,7 @@ def start_server(source: str, model: str, flush_ms: float, layout: str = "defaul
         raise RuntimeError(f"something already listens on 127.0.0.1:{PORT} (a stale "
                            "`serve run`? `serve shutdown -y` / `ray stop`); refusing to "
                            "benchmark it")
-    config = {
+    config: dict[str, object] = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": PORT},
         "applications": [{
