@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -121,3 +122,16 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             _RUNNING.remove(proc)
         stop(proc)  # Ctrl-C: serve run shuts the app and Ray down
         log.close()
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str  # the `server` fixture's param: "default", "two-hop" or "default-haproxy"
+    pid: int  # the `serve run` process: Ray's processes (and HAProxy) are its descendants
+
+
+@pytest.fixture
+def layout(server: str, request: pytest.FixtureRequest) -> Layout:
+    """The layout the session's server claims to be, and its `serve run` process."""
+    (proc,) = _RUNNING  # one server at a time
+    return Layout(request.node.callspec.params["server"], proc.pid)

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
@@ -84,11 +85,71 @@ def test_openai_result_in_history_gives_the_scripted_answer(oai: openai.OpenAI) 
     assert full.choices[0].message.content == s.answer and not full.choices[0].message.tool_calls
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_openai_required_and_named_choice_give_the_call(oai: openai.OpenAI, choice: Any) -> None:
-    full = oai.chat.completions.create(**chat_args("tool-one", tool_choice=choice))
-    assert full.choices[0].finish_reason == "tool_calls"
-    assert calls_of(full.choices[0].message) == list(script("tool-one").expected_calls)
+# ---- forced calls: tool_choice `required` and a named tool --------------------------------
+#
+# Each case forces what the model would not do unforced, and first asks unforced to show it
+# (the control), so a server that ignored tool_choice fails here: on `tool-result` (the
+# weather call and its result in history) the model answers in text; on `tool-one` it calls
+# get_weather, never get_unit, a tool no script has. get_unit's schema is one enum, so the
+# grammar alone decides what a forced call may say, and every forced call is checked: its
+# arguments parse as JSON and validate against the schema of the tool it names, and it is
+# complete (finish_reason tool_calls, never length: these forced calls take 20-28 tokens,
+# and max_tokens is 200).
+
+UNIT_SCHEMA: dict[str, Any] = {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["unit"], "additionalProperties": False}
+UNIT_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_unit", "description": "Pick a temperature unit.", "parameters": UNIT_SCHEMA}}
+# (id, script, tools beyond the script's, the chat tool_choice, the tools a call may name)
+FORCED: list[tuple[str, str, list[dict[str, Any]], Any, set[str]]] = [
+    ("required", "tool-result", [], "required", {"get_weather", "get_time"}),
+    ("named", "tool-one", [UNIT_TOOL], {"type": "function", "function": {"name": "get_unit"}},
+     {"get_unit"}),
+]
+FORCED_IDS = [case[0] for case in FORCED]
+
+
+def schemas(sid: str, extra: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each offered tool's parameters schema, by name."""
+    return {t["function"]["name"]: t["function"]["parameters"]
+            for t in [*script(sid).tool_dicts, *extra]}
+
+
+def check_forced(calls: list[tuple[str, str]], allowed: set[str],
+                 by_name: dict[str, dict[str, Any]]) -> None:
+    assert calls, "a forced choice made no call"
+    for name, arguments in calls:
+        assert name in allowed, (name, allowed)
+        jsonschema.validate(json.loads(arguments), by_name[name])
+
+
+@pytest.mark.parametrize(("sid", "extra", "choice", "allowed"),
+                         [case[1:] for case in FORCED], ids=FORCED_IDS)
+def test_openai_forced_choice_makes_a_call_the_model_would_not(
+        oai: openai.OpenAI, sid: str, extra: list[dict[str, Any]], choice: Any,
+        allowed: set[str]) -> None:
+    tools = [*script(sid).tool_dicts, *extra]
+    by_name = schemas(sid, extra)
+    control = oai.chat.completions.create(**chat_args(sid, tools=tools)).choices[0]
+    assert not {name for name, _ in calls_of(control.message)} & allowed, control
+
+    full = oai.chat.completions.create(**chat_args(sid, tools=tools, tool_choice=choice))
+    assert full.choices[0].finish_reason == "tool_calls", full
+    check_forced(calls_of(full.choices[0].message), allowed, by_name)
+
+    with oai.chat.completions.stream(**chat_args(sid, tools=tools, tool_choice=choice)) as stream:
+        pieces: dict[int, list[str]] = {}
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices:
+                for delta in event.chunk.choices[0].delta.tool_calls or []:
+                    piece = delta.function.arguments if delta.function else None
+                    pieces.setdefault(delta.index, []).append(piece or "")
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls", final
+    check_forced(calls_of(final.message), allowed, by_name)
+    # The deltas themselves add up to the same complete calls.
+    assert ["".join(pieces[i]) for i in sorted(pieces)] == [a for _, a in calls_of(final.message)]
 
 
 def test_openai_choice_none_never_calls(oai: openai.OpenAI) -> None:
@@ -200,11 +261,57 @@ def test_anthropic_tool_result_gives_the_scripted_answer(claude: anthropic.Anthr
     assert [b.text for b in full.content if b.type == "text"] == [s.answer]
 
 
-@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
-def test_anthropic_any_and_named_tool_choice(claude: anthropic.Anthropic, choice: Any) -> None:
-    full = claude.messages.create(**anthropic_args("tool-one", tool_choice=choice))
-    assert full.stop_reason == "tool_use"
-    assert uses_of(full) == list(script("tool-one").expected_calls)
+def anthropic_history(sid: str) -> list[dict[str, Any]]:
+    """A script's messages in Anthropic's shape: calls as tool_use, results as tool_result."""
+    messages: list[dict[str, Any]] = []
+    for m in script(sid).message_dicts:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            messages.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]})
+        elif m["role"] == "tool":
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                 "content": m["content"]}]})
+        else:
+            messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+# The FORCED cases (see above) with Anthropic's tool_choice: `any` and a named `tool`.
+ANTHROPIC_CHOICE = {"required": {"type": "any"}, "named": {"type": "tool", "name": "get_unit"}}
+
+
+@pytest.mark.parametrize(("case_id", "sid", "extra", "allowed"),
+                         [(c[0], c[1], c[2], c[4]) for c in FORCED], ids=FORCED_IDS)
+def test_anthropic_forced_choice_makes_a_call_the_model_would_not(
+        claude: anthropic.Anthropic, case_id: str, sid: str, extra: list[dict[str, Any]],
+        allowed: set[str]) -> None:
+    tools = [*anthropic_tools(sid), *({"name": t["function"]["name"],
+                                       "description": t["function"]["description"],
+                                       "input_schema": t["function"]["parameters"]}
+                                      for t in extra)]
+    by_name = schemas(sid, extra)
+    args = anthropic_args(sid, tools=tools, messages=anthropic_history(sid))
+    control = claude.messages.create(**args)
+    assert not {name for name, _ in uses_of(control)} & allowed, control
+
+    forced = {**args, "tool_choice": ANTHROPIC_CHOICE[case_id]}
+    full = claude.messages.create(**forced)
+    assert full.stop_reason == "tool_use", full
+    check_forced(uses_of(full), allowed, by_name)
+
+    partial: dict[int, list[str]] = {}
+    with claude.messages.stream(**forced) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                partial.setdefault(event.index, []).append(event.delta.partial_json)
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use", final
+    check_forced(uses_of(final), allowed, by_name)
+    # The streamed JSON pieces, joined, are each call's whole input.
+    assert [json.loads("".join(partial[i])) for i in sorted(partial)] == [
+        b.input for b in final.content if b.type == "tool_use"]
 
 
 def test_anthropic_disable_parallel_tool_use_allows_one_call(claude: anthropic.Anthropic) -> None:

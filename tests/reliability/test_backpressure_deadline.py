@@ -21,6 +21,14 @@ from tests.reliability.wire import Reply, anthropic_message, openai_chat, runnin
 
 pytestmark = pytest.mark.reliability
 
+# An event loop may fire a timer up to a clock tick early (uvloop's is a millisecond).
+TIMER_SLACK_S = 0.01
+# How late past its deadline a request may end, for the proxy hops and the event loop's
+# wake-up while four endless generations share 2 cores: 0.02 to 0.25 s measured on a
+# 2-core box; 2 s is eight times that, and still far short of what an unenforced deadline
+# gives (an endless generation runs for minutes).
+LATE_MARGIN_S = 2.0
+
 
 def client(base_url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, headers=auth_headers(), timeout=60)
@@ -107,9 +115,13 @@ def test_deadline_ends_streams_with_an_error_event_and_others_with_504(cluster: 
 
     results = asyncio.run(scenario())
     for seconds, reply in results:
-        # Not before the deadline; after it, within a margin a busy 2-core box can keep
-        # (an endless generation without a deadline runs for minutes).
-        assert REQUEST_TIMEOUT_S - 0.5 < seconds < REQUEST_TIMEOUT_S + 15, (seconds, reply)
+        # The promise (ingress/guard.py): the ingress cancels the request `request_timeout_s`
+        # after it arrives and at once answers with the protocol's timeout error. The client's
+        # clock starts before the request arrives and stops after the answer leaves, so it
+        # sees at least the deadline (less TIMER_SLACK_S) and at most the deadline plus the
+        # proxy hop each way and the event loop's delay in waking up.
+        assert REQUEST_TIMEOUT_S - TIMER_SLACK_S <= seconds, (seconds, reply)
+        assert seconds <= REQUEST_TIMEOUT_S + LATE_MARGIN_S, (seconds, reply)
         assert reply.error is not None and reply.error["type"] == "timeout_error", reply
     runner, stream, whole, queued = (reply for _, reply in results)
     for started in (runner, stream):  # the status was sent: the stream ends with an event

@@ -1,5 +1,7 @@
 """Fuzzing the HTTP edge in-process (the real app, a fake client): whatever the body,
-headers or route, the answer is never a 5xx, always in the protocol's shape, and prompt.
+headers or route, the answer is never a 5xx, always in the protocol's shape (a success
+body, or every event of a stream, validates as the official SDK's model of it; an error is
+the API's error: `shapes.py`), and prompt.
 
 Bodies start from a valid request and are mutated field by field (wrong types, huge or odd
 numbers, missing and unknown keys), or are arbitrary JSON, or arbitrary bytes. Examples are
@@ -30,6 +32,7 @@ from replicas.contract import (
     Usage,
 )
 from tests.fakes import FakeClient
+from tests.reliability.shapes import shape_problem, stream_problem
 
 pytestmark = pytest.mark.reliability
 
@@ -58,6 +61,10 @@ VALID: dict[str, dict[str, Any]] = {
                      "system": "be brief", "stop_sequences": ["x"], "stream": True,
                      "thinking": {"type": "enabled", "budget_tokens": 2}},
     "/v1/messages/count_tokens": {"model": "orchard-tiny", "messages": MESSAGES},
+    "/v1/responses": {"model": "orchard-tiny", "input": MESSAGES, "max_output_tokens": 5,
+                      "instructions": "be brief", "stream": True,
+                      "reasoning": {"effort": "low", "summary": "auto"},
+                      "text": {"format": {"type": "text"}}, "tool_choice": "auto"},
 }
 
 scalars = st.one_of(
@@ -95,8 +102,28 @@ def mutated(draw: st.DrawFn, path: str) -> dict[str, Any]:
     body.update(draw(st.dictionaries(st.sampled_from(
         ["n", "top_p", "top_k", "min_p", "guided_choice", "guided_regex", "guided_json",
          "max_completion_tokens", "reasoning_effort", "chat_template_kwargs", "echo",
-         "metadata", "tools", "thinking_budget", "repetition_penalty", "logprobs"]),
+         "metadata", "tools", "thinking_budget", "repetition_penalty", "logprobs",
+         "previous_response_id", "input", "store", "include", "background"]),
         json_values, max_size=3)))
+    return body
+
+
+# What each API cannot do without; every other field of VALID is optional.
+REQUIRED = {"/v1/chat/completions": {"model", "messages"}, "/v1/completions": {"model", "prompt"},
+            "/v1/messages": {"model", "messages", "max_tokens"},
+            "/v1/messages/count_tokens": {"model", "messages"},
+            "/v1/responses": {"model", "input"}}
+
+
+@st.composite
+def valid_variant(draw: st.DrawFn, path: str) -> dict[str, Any]:
+    """A valid body, streamed or not, with each optional field kept or left out: mutated
+    bodies are nearly all refused, so these are what put the success shapes to the test."""
+    body = {k: v for k, v in VALID[path].items() if k in REQUIRED[path] or draw(st.booleans())}
+    if path != "/v1/messages/count_tokens":
+        body["stream"] = draw(st.booleans())
+    if not body.get("stream"):
+        body.pop("stream_options", None)  # only a stream takes it
     return body
 
 
@@ -128,13 +155,18 @@ async def _send(method: str, path: str, content: bytes, extra: dict[str, str]) -
 
 
 def _check(response: httpx.Response, path: str) -> None:
+    """Never a 5xx; whatever else, in the API's shape: an error body, a success body, or
+    (streamed) every event, ending its normal way."""
     assert response.status_code < 500, (response.status_code, response.text[:500])
-    if response.status_code >= 400:
-        body = response.json()
-        if path.startswith("/v1/messages"):
-            assert body["type"] == "error" and body["error"]["type"]
-        else:
-            assert body["error"]["message"] and body["error"]["type"]
+    content_type = response.headers.get("content-type", "")
+    if content_type.startswith("text/event-stream"):
+        assert response.status_code == 200, response.status_code
+        problem, _ = stream_problem(path, response.text)
+    elif path == "/docs" and response.status_code == 200:
+        problem = None if content_type.startswith("text/html") else content_type  # Swagger UI
+    else:
+        problem = shape_problem(path, response.status_code, response.json())
+    assert problem is None, (problem, response.status_code, response.text[:1000])
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
@@ -146,12 +178,23 @@ def test_post_routes_never_answer_5xx_or_hang(request: tuple[str, bytes],
     _check(asyncio.run(_send("POST", path, content, extra)), path)
 
 
+@pytest.mark.parametrize("path", sorted(VALID))  # each API its share, streamed and not
+@settings(max_examples=max(EXAMPLES // 10, 10), derandomize=True, deadline=None)
+@given(data=st.data())
+def test_valid_bodies_are_answered_in_the_apis_success_shape(path: str,
+                                                             data: st.DataObject) -> None:
+    body = data.draw(valid_variant(path))
+    response = asyncio.run(_send("POST", path, _encode(body), {"x-api-key": KEY}))
+    assert response.status_code == 200, (body, response.text[:500])
+    _check(response, path)
+
+
 @settings(max_examples=max(EXAMPLES // 5, 20), derandomize=True, deadline=None)
 @given(st.sampled_from(["GET", "POST", "PUT", "DELETE", "OPTIONS"]),
        st.sampled_from(["/v1/models", "/health", "/v1/messages", "/v1/chat/completions",
-                        "/v1/..%2f", "/" + "a" * 300, "/docs"]),
+                        "/v1/responses", "/v1/responses/resp_0", "/v1/..%2f",
+                        "/" + "a" * 300, "/docs"]),
        st.binary(max_size=32), headers)
 def test_any_route_and_method_never_answers_5xx(method: str, path: str, content: bytes,
                                                 extra: dict[str, str]) -> None:
-    response = asyncio.run(_send(method, path, content, extra))
-    assert response.status_code < 500, (response.status_code, response.text[:500])
+    _check(asyncio.run(_send(method, path, content, extra)), path)

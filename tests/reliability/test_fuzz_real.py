@@ -1,7 +1,8 @@
 """Fuzzing every API against the real tiny model: random and adversarial bodies go through
 the real tokenizer, chat template, guided decoding and engine (`fuzz_bodies.py` says which).
 
-Every reply is a 2xx in the API's success shape (a stream ends its normal way, or with an
+Every reply is a 2xx in the API's success shape (`shapes.py`: the body, or every SSE event,
+validates as the official SDK's model of it; a stream ends its normal way, or with an
 error of the client's making) or a 4xx in the API's own error shape; never a 5xx, a hang or
 a stream the server's fault ended. Afterwards the replica is idle and a known-good request
 on each API still answers correctly. Seeded, so a run is repeatable; the counts per API are
@@ -33,7 +34,7 @@ from tests.reliability.fuzz_bodies import (
     Body,
     BodyFuzzer,
 )
-from tests.reliability.wire import parse_sse
+from tests.reliability.shapes import shape_problem, stream_problem
 
 pytestmark = pytest.mark.reliability
 
@@ -46,61 +47,6 @@ SEED = int(os.environ.get("ORCHARD_FUZZ_REAL_SEED", "19"))
 CONCURRENCY = 1
 ANSWER_TIMEOUT_S = 60.0  # far past the cluster's 5 s request deadline: only a hang hits it
 MIN_PER_API = 10  # fewer means the run proved nothing about that API
-
-# Errors a stream may end with that are the client's doing (e.g. a schema the grammar
-# compiler refuses once the stream began); anything else there is the server's fault.
-CLIENT_TYPES = {"invalid_request_error", "not_found_error"}
-
-
-def _shape_problem(path: str, status: int, data: Any) -> str | None:
-    """What is wrong with a non-streamed reply's JSON, or None."""
-    if status >= 400:
-        if path.startswith("/v1/messages"):
-            ok = (isinstance(data, dict) and data.get("type") == "error"
-                  and isinstance(data.get("error"), dict)
-                  and isinstance(data["error"].get("type"), str)
-                  and isinstance(data["error"].get("message"), str))
-        else:
-            ok = (isinstance(data, dict) and isinstance(data.get("error"), dict)
-                  and isinstance(data["error"].get("type"), str)
-                  and isinstance(data["error"].get("message"), str) and data["error"]["message"])
-        return None if ok else "error body not in the API's error shape"
-    expected = {CHAT: ("object", "chat.completion"), COMPLETIONS: ("object", "text_completion"),
-                MESSAGES: ("type", "message"), RESPONSES: ("object", "response")}
-    if path == COUNT:
-        ok = isinstance(data, dict) and isinstance(data.get("input_tokens"), int)
-    else:
-        key, value = expected[path]
-        ok = isinstance(data, dict) and data.get(key) == value
-        if ok and path == RESPONSES:
-            ok = data["status"] in ("completed", "incomplete")
-    return None if ok else "success body not in the API's shape"
-
-
-def _stream_problem(path: str, text: str) -> tuple[str | None, bool]:
-    """(what is wrong with a 200 stream, or None; whether it ended with a client error)."""
-    try:
-        events = parse_sse(text)
-    except (json.JSONDecodeError, ValueError) as exc:
-        return f"unparsable SSE: {exc}", False
-    for name, data in events:
-        if path == RESPONSES and name == "response.failed":
-            return f"response.failed: {data['response']['error']}", False
-        error = None
-        if name == "error" or (isinstance(data, dict) and "error" in data and name is None):
-            error = data["error"]
-        if error is not None:
-            kind = error.get("type") if isinstance(error, dict) else None
-            if kind in CLIENT_TYPES:
-                return None, True
-            return f"stream ended with a server error: {error}", False
-    ends = {MESSAGES: lambda n, d: n == "message_stop",
-            RESPONSES: lambda n, d: n in ("response.completed", "response.incomplete")}
-    ended = ends.get(path, lambda n, d: d == "[DONE]")
-    if not any(ended(n, d) for n, d in events):
-        return "stream stopped short of its normal end", False
-    return None, False
-
 
 async def _send(http: httpx.AsyncClient, body: Body) -> tuple[int, str, str]:
     async def call() -> tuple[int, str, str]:
@@ -118,13 +64,13 @@ def _verdict(body: Body, status: int, content_type: str, text: str) -> tuple[str
     if status >= 500:
         return f"{status}", f"HTTP {status}"
     if content_type.startswith("text/event-stream"):
-        problem, client_error = _stream_problem(body.path, text)
+        problem, client_error = stream_problem(body.path, text)
         return ("200-stream-4xx-error" if client_error else "200-stream"), problem
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
         return f"{status}", "reply is not JSON"
-    return f"{status}", _shape_problem(body.path, status, data)
+    return f"{status}", shape_problem(body.path, status, data)
 
 
 async def _known_good(http: httpx.AsyncClient, model: str) -> None:
