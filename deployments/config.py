@@ -319,9 +319,14 @@ class IngressSettings(_Strict):
 class ResponsesSettings(_Strict):
     """The Responses API's store (`store: true`, `previous_response_id`)."""
 
-    store: Literal["sqlite", "memory"] = Field(
+    store: Literal["sqlite", "memory", "redis"] = Field(
         "sqlite", description="`sqlite`: a file that survives replica and store restarts; "
-        "`memory`: in the process (lost on a restart).")
+        "`memory`: in the process (lost on a restart); `redis`: a Redis server at `url`, "
+        "shared by every HTTP-serving replica on every node.")
+    url: str | None = Field(None, min_length=1, description="`store: redis`'s server: "
+                            "`redis://[:password@]host:port/db` (`rediss://`: TLS).")
+    key_prefix: str | None = Field(None, min_length=1, description="`store: redis`'s key "
+                                   "prefix; unset: `orchard:responses:<app>:`.")
     path: str | None = Field(None, min_length=1, description="The SQLite file; unset: "
                              "`responses/<app>.sqlite3` under Orchard's cache directory "
                              "($ORCHARD_CACHE_DIR, else ~/.cache/orchard). With several "
@@ -330,6 +335,13 @@ class ResponsesSettings(_Strict):
                              "go first).")
     max_bytes: int = Field(64 << 20, ge=1024, description="JSON bytes kept.")
     ttl_s: float = Field(3600.0, gt=0, description="How long a response is kept.")
+
+    @model_validator(mode="after")
+    def _url_for_redis(self) -> "ResponsesSettings":
+        if (self.store == "redis") != (self.url is not None) or \
+                (self.key_prefix is not None and self.store != "redis"):
+            raise ValueError("responses.url (needed) and .key_prefix are for store: redis only")
+        return self
 
 
 class ObservabilitySettings(_Strict):

@@ -4,6 +4,9 @@
 one HTTP-serving replica the store lives in one named Ray actor that they all reach. With
 one replica the store lives in that replica. Either way the configured store (`responses:`)
 is a SQLite file by default, so a restart of the replica or of the actor loses nothing.
+
+`store: redis` needs neither: the server is already shared, by replicas on any node, so each
+replica talks to it directly (no actor, no hop, no node that must stay up).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import ray
 from pathlib import Path
 
 from deployments.config import ResponsesSettings
+from ingress.responses.redis_store import RedisResponseStore
 from ingress.responses.sqlite_store import SqliteResponseStore
 from ingress.responses.store import MemoryResponseStore, ResponseStore, StoredResponse
 from replicas.builtin.build import orchard_cache
@@ -60,6 +64,10 @@ def configured_store(settings: ResponsesSettings, app: str) -> ResponseStore:
                   ttl_s=settings.ttl_s)
     if settings.store == "memory":
         return MemoryResponseStore(**bounds)  # type: ignore[arg-type]
+    if settings.store == "redis":
+        assert settings.url is not None  # the settings' own check
+        prefix = settings.key_prefix or f"orchard:responses:{app}:"
+        return RedisResponseStore(settings.url, prefix, **bounds)  # type: ignore[arg-type]
     path = Path(settings.path).expanduser() if settings.path else \
         orchard_cache("responses") / f"{app}.sqlite3"
     return SqliteResponseStore(path, **bounds)  # type: ignore[arg-type]
@@ -67,11 +75,11 @@ def configured_store(settings: ResponsesSettings, app: str) -> ResponseStore:
 
 def response_store(http_replicas: int | str,
                    settings: ResponsesSettings = ResponsesSettings()) -> ResponseStore:
-    """The configured store in this replica where exactly one replica serves HTTP, else
-    the one store actor they all share."""
+    """The configured store in this replica where exactly one replica serves HTTP or the
+    store is Redis, else the one store actor they all share."""
     from ray import serve
 
     app = serve.get_replica_context().app_name
-    if http_replicas == 1:
+    if http_replicas == 1 or settings.store == "redis":
         return configured_store(settings, app)
     return RayResponseStore(settings, app)

@@ -14,6 +14,7 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 
 from ingress.client import ModelClient
+from ingress.errors import CodedError
 from ingress.protocol import WARNING_HEADER, WireProtocol
 from ingress.rendering import EventRenderer
 from ingress.sse import SSE_HEADERS
@@ -114,7 +115,7 @@ async def respond(client: ModelClient, generation: GenerationRequest,
     if stream:
         frames = sse_stream(opened, renderer, protocol)
         if on_complete is not None:
-            frames = _then(frames, renderer, on_complete)
+            frames = _then(frames, renderer, protocol, on_complete)
         return StreamingResponse(frames, media_type="text/event-stream",
                                  headers=SSE_HEADERS | extra)
     try:
@@ -131,13 +132,20 @@ async def respond(client: ModelClient, generation: GenerationRequest,
 
 
 async def _then(frames: AsyncGenerator[str, None], renderer: EventRenderer[Any],
+                protocol: WireProtocol,
                 on_complete: Callable[[], Awaitable[None]]) -> AsyncGenerator[str, None]:
     # Closing this closes the SSE loop at once, so a client that leaves still cancels.
     async with aclosing(frames):
         async for frame in frames:
             yield frame
     if renderer.failure is None:
-        await on_complete()
+        try:
+            await on_complete()
+        except ReplicaError as error:
+            # E.g. the response store is down: the status is sent, so the stream says it
+            # (an SDK raises) rather than ending as if the response were kept.
+            code = error.code if isinstance(error, CodedError) else None
+            yield protocol.error_frame(error.kind, error.message, error.param, code=code)
 
 
 async def sse_stream(opened: OpenedStream, renderer: EventRenderer[Any],

@@ -25,12 +25,14 @@ class ReplicaOptions:
     max_tokens_past_context: str = "clamp"
     engine: EngineConfig = field(default_factory=EngineConfig)
     load_timeout_s: float = 600.0
-    # After the first flush, events are held at most this long so one message carries many
-    # tokens when decode is fast: every message costs a hop through Ray and HTTP.
-    flush_interval_s: float = 0.005
+    # After the first chunk, a stream's chunks leave at most this often, so one carries
+    # several tokens when decode is fast: each costs about 1.5 ms of CPU through Ray's
+    # replica bridge and proxy, whatever it holds (load/RESULTS.md, issue 23). 50 a second
+    # still reads as smooth streaming; a slower model sends one token per chunk as before.
+    flush_interval_s: float = 0.02
     # Chunks per second the replica's streams send together, at most (0: no bound). With
     # many streams each chunk waits longer and carries more tokens; one stream alone stays
-    # at `flush_interval_s`. A chunk costs about 0.25 ms of CPU through Ray and HTTP.
+    # at `flush_interval_s`.
     max_chunks_per_s: float = 500.0
     # This process's part of a sharded replica (rank 0 here); None: the whole model.
     shard: ShardPlan | None = None

@@ -10,14 +10,14 @@ share one file; calls run in a worker thread so the event loop never waits on th
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from ingress.responses.store import StoredResponse
+from ingress.responses.store import (StoredResponse, decode, encode, storable_id,
+                                     store_unavailable)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -58,13 +58,19 @@ class SqliteResponseStore:
                        .fetchone()[0])
 
     async def get(self, response_id: str) -> StoredResponse | None:
-        return await asyncio.to_thread(self._get, response_id)
+        try:
+            return await asyncio.to_thread(self._get, response_id)
+        except sqlite3.OperationalError as error:  # locked past the timeout, disk full, I/O
+            raise store_unavailable(error) from error
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
-        await asyncio.to_thread(self._put, response_id, stored)
+        try:
+            await asyncio.to_thread(self._put, response_id, stored)
+        except sqlite3.OperationalError as error:
+            raise store_unavailable(error) from error
 
     def _get(self, response_id: str) -> StoredResponse | None:
-        if not _encodable(response_id):  # a lone surrogate names nothing we stored
+        if not storable_id(response_id):
             return None
         now = self._clock()
         with self._lock:
@@ -76,12 +82,10 @@ class SqliteResponseStore:
                 self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
                 return None
             self._db.execute(f"UPDATE responses SET used = {_NEXT} WHERE id = ?", (response_id,))
-        data = json.loads(row[0])
-        return StoredResponse(data["response"], tuple(data["items"]))
+        return decode(row[0])
 
     def _put(self, response_id: str, stored: StoredResponse) -> None:
-        body = json.dumps({"response": stored.response, "items": list(stored.items)},
-                          separators=(",", ":"))
+        body = encode(stored)
         now = self._clock()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -110,11 +114,3 @@ class SqliteResponseStore:
         with self._lock:
             self._db.close()
 
-
-def _encodable(text: str) -> bool:
-    """SQLite takes UTF-8 only; a client's id with a lone surrogate cannot be a key."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

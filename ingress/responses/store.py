@@ -3,17 +3,26 @@
 `ResponseStore` is all the routes need. `MemoryResponseStore` keeps responses in this
 process: bounded by count and by bytes (least recently used go first) and by age. With
 several ingress replicas a client's next request may land on another one, so deployments
-pass a shared store to `create_app` (e.g. one over a Ray actor); entries are plain JSON
-data so they cross process boundaries as they are.
+pass a shared store to `create_app` (one over a Ray actor, or Redis); entries are plain
+JSON data so they cross process boundaries as they are.
+
+Every store keeps the same text (`encode`), so the byte bound counts the same bytes in each,
+and fails the same way (`store_unavailable`): a 503 the client may retry, never a crash.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
+
+from ingress.errors import CodedError
+from replicas.contract import ErrorKind
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,37 @@ class ResponseStore(Protocol):
     async def get(self, response_id: str) -> StoredResponse | None: ...
 
     async def put(self, response_id: str, stored: StoredResponse) -> None: ...
+
+
+def encode(stored: StoredResponse) -> str:
+    """The JSON text a store keeps; its length is what the byte bound counts. ASCII only
+    (json's default escaping), so characters and bytes are the same count everywhere."""
+    return json.dumps({"response": stored.response, "items": list(stored.items)},
+                      separators=(",", ":"))
+
+
+def decode(text: str | bytes) -> StoredResponse:
+    data = json.loads(text)
+    return StoredResponse(data["response"], tuple(data["items"]))
+
+
+def storable_id(response_id: str) -> bool:
+    """Whether an id can be a key: stores take UTF-8, and a client's id may carry a lone
+    surrogate (the fuzz suite sends one), which names nothing we stored."""
+    try:
+        response_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def store_unavailable(error: Exception) -> CodedError:
+    """A store that cannot be reached or written (Redis down, a disk error): the request
+    fails as a 503 with Retry-After, since the store usually comes back (a restart). The
+    cause goes to the log only: it names hosts and paths a client has no business seeing."""
+    log.warning("response store unavailable: %r", error)
+    return CodedError(ErrorKind.OVERLOADED, "the response store is unavailable; retry shortly",
+                      code="response_store_unavailable")
 
 
 class MemoryResponseStore:
@@ -63,7 +103,7 @@ class MemoryResponseStore:
         return stored
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
-        size = len(json.dumps([stored.response, stored.items], separators=(",", ":")))
+        size = len(encode(stored))
         if response_id in self._entries:
             self._drop(response_id)
         if size > self.max_bytes:
