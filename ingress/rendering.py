@@ -36,7 +36,8 @@ class EventRenderer(ABC, Generic[Out]):
         if self.done:
             return []  # the contract ends a stream at its terminal event
         if isinstance(event, TextDelta):
-            return self._text(event) if event.text else []  # an empty delta opens nothing
+            # An empty delta opens nothing, unless it carries the last tokens' logprobs.
+            return self._text(event) if event.text or event.logprobs else []
         if isinstance(event, ToolCallStart):
             return self._call_start(event)
         if isinstance(event, ToolCallDelta):

@@ -90,6 +90,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    # None: no logprobs; k: each generated token's logprob and the k most likely (0..20).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,24 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its `top` alternatives (best first), from
+    the distribution it was sampled from (after penalties, bias, masks and temperature)."""
+
+    token: str  # the tokenizer's piece for the id
+    token_id: int
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
     channel: Channel
     text: str
+    # The tokens this text came from, when the request asked for logprobs. A token whose
+    # text is held back (a marker, a possible stop) rides with the next text, or with an
+    # empty delta before `Finished`.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -242,7 +259,8 @@ def merge_deltas(events: list[OutputEvent]) -> list[OutputEvent]:
         last = merged[-1] if merged else None
         if isinstance(event, TextDelta) and isinstance(last, TextDelta) \
                 and last.channel == event.channel:
-            merged[-1] = TextDelta(event.channel, last.text + event.text)
+            merged[-1] = TextDelta(event.channel, last.text + event.text,
+                                   last.logprobs + event.logprobs)
         elif isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta) \
                 and last.index == event.index:
             merged[-1] = ToolCallDelta(event.index, last.arguments + event.arguments)

@@ -28,12 +28,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from replicas.batch import Batch, Done, EngineConfig, Row
 from replicas.submission import EventSink, Submission, deliver
 from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent
 from replicas.loading import LoadedModel
+from replicas.logprobs import Asked, Picked, pick
 from replicas.memory import KvBudget, MemoryStats, open_budget
 from replicas.sampling import (
     GuardedProcessors,
@@ -326,12 +327,15 @@ class Engine:
             self._on_step(time.perf_counter() - started, len(responses))
         outbox: list[tuple[EventSink, list[OutputEvent]]] = []
         done: list[Done] = []
+        picked = self._logprobs(responses)
         for response in responses:
             active = self._by_uid.get(response.uid)
             if active is None:
                 continue
             try:
                 events, finished = self._on_token(active, response)
+                if active.sub.logprobs is not None:
+                    events = active.sub.logprobs.on_token(events, picked, response)
             except Exception:  # noqa: BLE001 - one request's pipeline must not stop the batch
                 log.exception("request %s: output processing failed", active.sub.request_id)
                 events, finished = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
@@ -374,6 +378,16 @@ class Engine:
         if finish == "length":
             return events + end(FinishReason.LENGTH), True
         return events, False
+
+    def _logprobs(self, responses: list[Any]) -> dict[int, Picked] | None:
+        """The step's numbers for the rows that asked (None: computing them failed)."""
+        asked = [Asked(r.uid, r.token, r.logprobs, a.sub.sampling.temperature, a.sub.logprobs.top)
+                 for r in responses if (a := self._by_uid.get(r.uid)) and a.sub.logprobs]
+        try:
+            return pick(asked)
+        except Exception:  # noqa: BLE001 - those requests fail alone, below
+            log.exception("computing logprobs failed")
+            return None
 
     def _forget(self, active: _Active) -> None:
         if self._by_uid.pop(active.uid, None) is not None and self._kv is not None:

@@ -20,6 +20,7 @@ from replicas.control import Grammar, RequestController
 from replicas.submission import EventSink, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError
 from replicas.loading import LoadedModel
+from replicas.logprobs import LogprobTrail, TokenPieces
 from replicas.options import ReplicaOptions
 from replicas.pipeline.channels import (
     ChannelFormat,
@@ -56,6 +57,7 @@ class InputProcessor:
         self._timings = timings
         self._guided_lock = threading.Lock()
         self._guided_tok: GuidedTokenizer | None = None
+        self._pieces = TokenPieces(decode)  # token texts for logprobs, shared by requests
 
     def render(self, request: GenerationRequest) -> RenderedPrompt:
         model = self.model
@@ -132,6 +134,8 @@ class InputProcessor:
             boundary=last_message_boundary(model.hf_tokenizer, request.prompt, request.reasoning,
                                            rendered.token_ids, request.tools)
             if self._options.engine.prompt_cache_bytes else 0,
+            logprobs=None if request.sampling.logprobs is None
+            else LogprobTrail(request.sampling.logprobs, self._pieces),
         )
         return sub, ((clamp_warning,) if clamp_warning else ()) + tools.warnings
 

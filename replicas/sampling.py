@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import (
 
 from replicas.contract import SamplingParams
 from replicas.errors import InvalidRequestError
+from replicas.logprobs import MAX_TOP_LOGPROBS
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -42,6 +43,9 @@ def validate(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
     if params.repetition_penalty <= 0:
         raise InvalidRequestError("repetition_penalty must be > 0", param="repetition_penalty")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}",
+                                  param="top_logprobs")
     for token_id in params.logit_bias:
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError(

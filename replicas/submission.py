@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from replicas.contract import OutputEvent, SamplingParams, is_terminal
 from replicas.control import RequestController
 from replicas.pipeline.decoding import RequestDecoder
+
+if TYPE_CHECKING:  # built by prepare; this module stays free of MLX
+    from replicas.logprobs import LogprobTrail
 
 
 class EventSink(Protocol):
@@ -102,6 +105,7 @@ class Submission:
     sink: EventSink
     boundary: int = 0  # prompt tokens before the last message: their KV is kept once prefilled
     reserved: int = 0  # KV bytes set aside at admission (set by the engine)
+    logprobs: LogprobTrail | None = None  # set when the request asked for logprobs
 
 
 def deliver(outbox: list[tuple[EventSink, list[OutputEvent]]]) -> None:

@@ -26,9 +26,8 @@ from replicas.errors import InvalidRequestError
 def chat_request(body: ChatCompletionRequest, model: str,
                  omitted: OmittedMedia | None = None) -> GenerationRequest:
     """The request; media parts left out of it are noted in `omitted`."""
-    _common_checks(body)
-    if body.top_logprobs:
-        raise InvalidRequestError("logprobs are not supported yet", param="top_logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     messages = chat_messages(body.messages, OmittedMedia() if omitted is None else omitted)
     tools = tool_specs(body)
     choice = tool_choice(body, tools)
@@ -41,38 +40,32 @@ def chat_request(body: ChatCompletionRequest, model: str,
         template_kwargs=kwargs,
     )
     max_tokens = body.max_completion_tokens or body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = _request("chatcmpl", body, model, ChatPrompt(messages), reasoning, max_tokens,
-                       _guided(body, body.response_format))
+                       _guided(body, body.response_format), logprobs)
     return replace(request, tools=tools, tool_choice=choice, session_key=body.prompt_cache_key)
 
 
 def completion_request(body: CompletionRequest, model: str) -> GenerationRequest:
-    _common_checks(body)
     if body.echo:
-        raise InvalidRequestError("echo is not supported", param="echo")
+        raise InvalidRequestError("echo (the prompt's own tokens and logprobs) is not "
+                                  "supported", param="echo")
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of must be 1", param="best_of")
     return _request("cmpl", body, model, _completion_prompt(body.prompt), ReasoningSpec(),
-                    body.max_tokens, _guided(body, None))
-
-
-def _common_checks(body: SamplingFields) -> None:
-    if body.n != 1:
-        raise InvalidRequestError("only n=1 is supported", param="n")
-    if body.logprobs:
-        raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
+                    body.max_tokens, _guided(body, None), body.logprobs)
 
 
 def _request(prefix: str, body: SamplingFields, model: str, prompt: Prompt,
              reasoning: ReasoningSpec, max_tokens: int | None,
-             guided: GuidedSpec | None) -> GenerationRequest:
+             guided: GuidedSpec | None, logprobs: int | None) -> GenerationRequest:
     return GenerationRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         model=model,
         prompt=prompt,
-        sampling=_sampling(body, max_tokens),
+        sampling=replace(_sampling(body, max_tokens), logprobs=logprobs),
         stop=StopSpec(
             strings=body.stop_list(),
             token_ids=tuple(body.stop_token_ids or ()),

@@ -109,7 +109,7 @@ class SamplingFields(_Wire):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=8)  # ingress/openai/choices.py: MAX_CHOICES
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopField = None
@@ -117,7 +117,6 @@ class SamplingFields(_Wire):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     user: str | None = None
     # vLLM-style extensions
     top_k: int | None = Field(default=None, ge=-1)
@@ -154,13 +153,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoiceField = None
     parallel_tool_calls: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Sends a conversation's turns to one replica, whose prefix cache holds it.
     prompt_cache_key: str | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

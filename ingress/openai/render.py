@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ingress.errors import OPENAI_ERRORS
+from ingress.openai.logprobs import CompletionLogprobs, chat_logprobs
 from ingress.protocol import WARNINGS_FIELD
 from ingress.rendering import EventRenderer
 from ingress.sse import data_frame
@@ -25,6 +26,7 @@ from replicas.contract import (
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
+    TokenLogprob,
     Usage,
 )
 
@@ -71,9 +73,19 @@ def call_id(bare: str) -> str:
 
 
 class CompletionRenderer(EventRenderer[Chunk]):
-    def __init__(self, meta: ResponseMeta, include_usage: bool = False) -> None:
+    """One choice. `logprobs`: the request asked for them (the body then has the object
+    even when empty); `index`, `usage_chunk`: a choice of an n > 1 response, whose usage
+    chunk `ChoicesRenderer` sends once for all."""
+
+    def __init__(self, meta: ResponseMeta, include_usage: bool = False, *,
+                 logprobs: bool = False, index: int = 0, usage_chunk: bool = True) -> None:
         self.meta = meta
         self._include_usage = include_usage
+        self._logprobs = logprobs
+        self._index = index
+        self._usage_chunk_wanted = usage_chunk
+        self._entries: list[TokenLogprob] = []  # the answer's token logprobs, for the body
+        self._offsets = CompletionLogprobs()  # completions' text_offset across chunks
         self._answer: list[str] = []
         self._reasoning: list[str] = []
         self._calls: dict[int, dict[str, Any]] = {}  # message.tool_calls by call index
@@ -99,9 +111,11 @@ class CompletionRenderer(EventRenderer[Chunk]):
     def _text(self, delta: TextDelta) -> list[Chunk]:
         if delta.channel is Channel.ANSWER:
             self._answer.append(delta.text)
-            return [self._text_chunk("content", delta.text)]
+            self._entries.extend(delta.logprobs)
+            return [self._text_chunk("content", delta.text, delta.logprobs)]
+        # Only the answer's tokens are reported (OpenAI's `content`), not reasoning's.
         self._reasoning.append(delta.text)
-        return [self._text_chunk("reasoning_content", delta.text)]
+        return [self._text_chunk("reasoning_content", delta.text)] if delta.text else []
 
     def _call_start(self, start: ToolCallStart) -> list[Chunk]:
         if self.meta.kind != "chat":
@@ -128,8 +142,8 @@ class CompletionRenderer(EventRenderer[Chunk]):
     def _finished(self, finished: Finished) -> list[Chunk]:
         self._end = finished
         chunks = [self._final_chunk(finished)]
-        if self._include_usage:
-            chunks.append(self._usage_chunk(finished.usage))
+        if self._include_usage and self._usage_chunk_wanted:
+            chunks.append(self.usage_chunk(finished.usage))
         return chunks
 
     def _failed(self, failed: Failed) -> list[Chunk]:
@@ -152,8 +166,10 @@ class CompletionRenderer(EventRenderer[Chunk]):
             base["usage"] = None
         return base
 
-    def _chunk(self, delta: dict[str, Any], finish: Finished | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
+    def _chunk(self, delta: dict[str, Any], finish: Finished | None = None,
+               logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self._index, "logprobs": self._render_logprobs(logprobs)
+                                  if logprobs else None, "finish_reason": None}
         if self.meta.kind == "chat":
             choice["delta"] = delta
             body = self._base("chat.completion.chunk")
@@ -165,15 +181,21 @@ class CompletionRenderer(EventRenderer[Chunk]):
         body["choices"] = [choice]
         return body
 
-    def _text_chunk(self, field: str, text: str) -> dict[str, Any]:
+    def _text_chunk(self, field: str, text: str,
+                    logprobs: tuple[TokenLogprob, ...] = ()) -> dict[str, Any]:
         if self.meta.kind == "completion":
-            return self._chunk({"content": text})
-        return self._chunk({field: text})
+            return self._chunk({"content": text}, logprobs=logprobs)
+        return self._chunk({field: text}, logprobs=logprobs)
+
+    def _render_logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        if self.meta.kind == "chat":
+            return chat_logprobs(entries)
+        return self._offsets.render(entries)
 
     def _final_chunk(self, finished: Finished) -> dict[str, Any]:
         return _with_warnings(self._chunk({}, finished), finished)
 
-    def _usage_chunk(self, usage: Usage) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.meta.kind == "chat" else "text_completion"
         body = self._base(obj)
         body["choices"] = []
@@ -185,8 +207,31 @@ class CompletionRenderer(EventRenderer[Chunk]):
     def body(self) -> dict[str, Any]:
         finished = self._end
         assert finished is not None, "body() before the terminal event"
+        obj = "chat.completion" if self.meta.kind == "chat" else "text_completion"
+        return _with_warnings({
+            "id": self.meta.id,
+            "object": obj,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [self.choice()],
+            "usage": usage_body(finished.usage),
+        }, finished)
+
+    @property
+    def finished(self) -> Finished | None:
+        return self._end
+
+    def choice(self) -> dict[str, Any]:
+        """This choice of the body; complete once its `Finished` was fed."""
+        finished = self._end
+        assert finished is not None, "choice() before the terminal event"
         answer = "".join(self._answer)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, **_finish_fields(finished)}
+        logprobs = None
+        if self._logprobs:
+            logprobs = chat_logprobs(self._entries) if self.meta.kind == "chat" \
+                else CompletionLogprobs().render(self._entries)
+        choice: dict[str, Any] = {"index": self._index, "logprobs": logprobs,
+                                  **_finish_fields(finished)}
         if self.meta.kind == "chat":
             content = None if self._calls and not answer else answer
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -194,19 +239,11 @@ class CompletionRenderer(EventRenderer[Chunk]):
                 message["reasoning_content"] = "".join(self._reasoning)
             if self._calls:
                 message["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
-            choice = {"index": 0, "message": message, **{k: v for k, v in choice.items() if k != "index"}}
-            obj = "chat.completion"
+            choice = {"index": self._index, "message": message,
+                      **{k: v for k, v in choice.items() if k != "index"}}
         else:
             choice["text"] = answer
-            obj = "text_completion"
-        return _with_warnings({
-            "id": self.meta.id,
-            "object": obj,
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [choice],
-            "usage": usage_body(finished.usage),
-        }, finished)
+        return choice
 
 
 def _with_warnings(body: dict[str, Any], finished: Finished) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS
 from ingress.media import OmittedMedia
+from ingress.openai.choices import ChoicesRenderer, FanOut
 from ingress.openai.convert import chat_request, completion_request
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest
 from ingress.openai.render import CompletionRenderer, ResponseMeta
@@ -33,10 +34,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     omitted = OmittedMedia()
     gen = chat_request(body, card.id, omitted)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    renderer = CompletionRenderer(ResponseMeta.new(gen.request_id, body.model, "chat"),
-                                  include_usage)
-    return await respond(client, gen, renderer, OPENAI, body.stream,
-                         warnings=omitted.warnings())
+    meta = ResponseMeta.new(gen.request_id, body.model, "chat")
+    warnings = omitted.warnings()
+    if body.n > 1:
+        return await respond(FanOut(client, body.n, warnings), gen,
+                             ChoicesRenderer(meta, body.n, include_usage,
+                                             logprobs=bool(body.logprobs)),
+                             OPENAI, body.stream, warnings=warnings)
+    renderer = CompletionRenderer(meta, include_usage, logprobs=bool(body.logprobs))
+    return await respond(client, gen, renderer, OPENAI, body.stream, warnings=warnings)
 
 
 @router.post("/v1/completions")
@@ -45,6 +51,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     card = require_model(client, body.model)
     gen = completion_request(body, card.id)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    renderer = CompletionRenderer(ResponseMeta.new(gen.request_id, body.model, "completion"),
-                                  include_usage)
+    meta = ResponseMeta.new(gen.request_id, body.model, "completion")
+    logprobs = body.logprobs is not None
+    if body.n > 1:
+        return await respond(FanOut(client, body.n), gen,
+                             ChoicesRenderer(meta, body.n, include_usage, logprobs=logprobs),
+                             OPENAI, body.stream)
+    renderer = CompletionRenderer(meta, include_usage, logprobs=logprobs)
     return await respond(client, gen, renderer, OPENAI, body.stream)

@@ -160,8 +160,11 @@ def test_reasoning_options_reach_the_request() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+          "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", ""]}, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a",
           "response_format": {"type": "json_object"}}, "response_format"),
