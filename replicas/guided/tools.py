@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -107,7 +107,9 @@ def _check_names(tools: tuple[ToolSpec, ...], choice: ToolChoice) -> None:
                                   "the tools offered", param="tool_choice")
 
 
-ArgumentRules = Callable[[str], list[str]]  # a rule name -> the rules that define it
+# (a rule name, the markers that are special tokens -> their Lark) -> the rules defining it;
+# tagged arguments reference their tags as tokens where the model has them as such.
+ArgumentRules = Callable[[str, Mapping[str, str]], list[str]]
 
 
 def _arguments(fmt: ToolFormat, tool: ToolSpec) -> tuple[ArgumentRules, list[str]]:
@@ -133,20 +135,22 @@ def _arguments(fmt: ToolFormat, tool: ToolSpec) -> tuple[ArgumentRules, list[str
         if violations:
             raise InvalidRequestError(f"{where}: strict mode: " + "; ".join(violations),
                                       param="tools")
-    if fmt.syntax is Syntax.XML:
+    layout = fmt.grammar.params if fmt.grammar is not None else None
+    if layout is not None:  # tagged arguments (Qwen3-Coder, GLM, MiniMax)
         try:
-            xml_parameters(schema, "probe")  # fail now, with the tool's name
+            xml_parameters(schema, "probe", layout, {})  # fail now, with the tool's name
         except ValueError as exc:
             raise InvalidRequestError(f"{where}: {exc}", param="tools") from None
-        unenforced = unenforced_string_keywords(schema)
+        # Only raw-text strings lose keywords; quoted ones are JSON, checked in full.
+        unenforced = unenforced_string_keywords(schema) if layout.raw_strings else []
         if unenforced and tool.strict:
             raise InvalidRequestError(
                 f"{where}: strict mode: {fmt.name} writes strings as raw text and cannot "
                 f"enforce {'; '.join(unenforced)}", param="tools")
         warnings = [_left_out(where, f"{u} ({fmt.name} writes strings as raw text)")
                     for u in unenforced]
-        return (lambda rule: xml_parameters(schema, rule)), warnings
-    return (lambda rule: [f"{rule}: %json {json.dumps(schema)}"]), []
+        return (lambda rule, special: xml_parameters(schema, rule, layout, special)), warnings
+    return (lambda rule, _special: [f"{rule}: %json {json.dumps(schema)}"]), []
 
 
 def _check_alone(tool: ToolSpec, arguments: ArgumentRules) -> list[str]:
@@ -155,7 +159,7 @@ def _check_alone(tool: ToolSpec, arguments: ArgumentRules) -> list[str]:
     where = f"tool {tool.name!r}"
     try:
         _, lenient = grammar_warnings("%llguidance {}\nstart: args\n"
-                                      + "\n".join(arguments("args")),
+                                      + "\n".join(arguments("args", {})),
                                       f"{where}: invalid parameters schema")
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.message, param="tools") from None
@@ -166,9 +170,13 @@ def _left_out(where: str, what: str) -> str:
     return f"{where}: not enforced by the grammar: {what}; the model still sees the whole schema"
 
 
+INDEX = "{index}"  # in a call head: any decimal number (`CallGrammar`)
+
+
 class _Markers:
     """Lark for literal text: a marker that is one special token of the model becomes a
-    token reference (llguidance never matches special tokens as text); the rest is text."""
+    token reference (llguidance never matches special tokens as text); `INDEX` becomes a
+    number; the rest is text."""
 
     def __init__(self, markers: tuple[str, ...], tokenizer: GuidedTokenizer) -> None:
         # By id (`<[42]>`): names such as `[TOOL_CALLS]` are not `<name>`-shaped.
@@ -177,10 +185,11 @@ class _Markers:
             ids = tokenizer.ll.tokenize_str(marker)
             if len(ids) == 1 and tokenizer.ll.is_special_token(ids[0]):
                 self.special[marker] = f"<[{ids[0]}]>"
-        self._split = re.compile("(" + "|".join(map(re.escape, markers)) + ")") if markers else None
+        self.special[INDEX] = "/[0-9]+/"
+        self._split = re.compile("(" + "|".join(map(re.escape, (*markers, INDEX))) + ")")
 
     def lark(self, text: str) -> str:
-        pieces = self._split.split(text) if self._split else [text]
+        pieces = self._split.split(text)
         return " ".join(self.special.get(p) or json.dumps(p) for p in pieces if p)
 
 
@@ -198,7 +207,7 @@ def _lark(syntax: CallGrammar, marks: _Markers, names: list[str],
         later = " | ".join(marks.lark(h) for h in heads)
         rules.append(f"first_{i}: ({first}) args_{i} {marks.lark(syntax.tail)}")
         rules.append(f"call_{i}: ({later}) args_{i} {marks.lark(syntax.tail)}")
-        rules.extend(arguments[name](f"args_{i}"))
+        rules.extend(arguments[name](f"args_{i}", marks.special))
     rules.append("first: " + " | ".join(f"first_{i}" for i in range(len(names))))
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(names))))
     more = ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ from replicas.contract import (
 )
 from replicas.pipeline.channel_formats import CallBoundary
 from replicas.pipeline.tool_formats import Syntax, ToolFormat
+from replicas.pipeline.tool_glm import KeyValueSegment
 from replicas.pipeline.tool_json import CallObject, ValueScanner, skip_ws
+from replicas.pipeline.tool_pythonic import PythonicSegment
 from replicas.pipeline.tool_xml import XmlSegment
 
 _log = logging.getLogger(__name__)
@@ -127,7 +130,11 @@ class ToolCallParser:
     def _open(self, boundary: CallBoundary) -> _Segment:
         fmt = self._parsing.format
         if fmt.syntax is Syntax.XML:
-            return XmlSegment(self, boundary.marker)
+            return XmlSegment(self, boundary.marker, fmt.xml)
+        if fmt.syntax is Syntax.KEY_VALUE:
+            return KeyValueSegment(self, boundary.marker)
+        if fmt.syntax is Syntax.PYTHONIC:
+            return PythonicSegment(self, boundary.marker)
         if fmt.syntax is Syntax.RAW:
             return _RawSegment(self, boundary.name)
         segment = _JsonSegment(self, fmt, boundary.marker)
@@ -243,6 +250,10 @@ class _JsonSegment:
             elif state == _NAMED:
                 pos = self._read_name(text, pos)
             elif state == _ARGS:
+                if not self._value.kind:  # whitespace after the marker is layout (Kimi)
+                    pos = skip_ws(text, pos)
+                    if pos >= end:
+                        return
                 stop = self._value.feed(text, pos)
                 self._sink.delta(text[pos:stop])
                 pos = stop
@@ -330,6 +341,9 @@ class _JsonSegment:
             return len(text)
         name = self._name[:found].strip()
         rest = self._name[found + len(marker):]
+        if self._fmt.name_pattern is not None:  # Kimi's `functions.NAME:IDX`
+            match = re.fullmatch(self._fmt.name_pattern, self._name[:found], re.DOTALL)
+            name = match.group("name") if match else ""
         if not name or any(c in name for c in '{}[]"') or not self._sink.start(name):
             self._fail("", f"bad tool name {name!r}", "")  # the raw text has the rest
             return len(text)
@@ -348,4 +362,4 @@ class _JsonSegment:
         self._state = _FAILED
 
 
-_Segment = _RawSegment | _JsonSegment | XmlSegment
+_Segment = _RawSegment | _JsonSegment | XmlSegment | KeyValueSegment | PythonicSegment

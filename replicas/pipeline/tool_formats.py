@@ -19,105 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
-from enum import Enum
 from types import MappingProxyType
-from typing import Literal
 
 from replicas.contract import Channel
 from replicas.pipeline.channel_formats import ByHeader, ChannelFormat, Rule, State
 from replicas.pipeline.channels import detect_format
 from replicas.pipeline.harmony import END as HARMONY_END
+from replicas.pipeline.tool_families import GLM47, KIMI_K2, MINIMAX_M2, PYTHONIC
+from replicas.pipeline.tool_syntax import CallGrammar, ParamLayout, Syntax, ToolFormat, XmlTags
 
 __all__ = [
     "TOOL_FORMATS",
     "CallGrammar",
+    "ParamLayout",
     "Syntax",
     "ToolFormat",
+    "XmlTags",
     "detect_tool_format",
     "get_tool_format",
     "with_tools",
     "without_calls",
 ]
-
-
-class Syntax(str, Enum):
-    NONE = "none"  # no calls
-    JSON = "json"  # call objects {"name": ..., "arguments": {...}}
-    XML = "xml"  # Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter></function>
-    RAW = "raw"  # Harmony: the message body is the arguments, the header names the call
-
-
-@dataclass(frozen=True)
-class CallGrammar:
-    """How the tool grammar writes this family's calls. A section is
-    `open call (sep call)* close`; a call is `head(NAME) ARGS tail`, ARGS in the format's
-    syntax (XML parameters for `Syntax.XML`, JSON otherwise). `trigger` starts the section:
-    `auto` runs free text until it, `none` bans it (when it is one token)."""
-
-    trigger: str
-    head: str  # "{name}" is replaced by the tool's name
-    tail: str
-    open: str = ""
-    sep: str | None = None  # None: one call per turn, whatever `parallel` says
-    close: str = ""
-    markers: tuple[str, ...] = ()  # texts that are special tokens in this family's vocab
-    # Where free text must be announced by a header (harmony's final channel), `auto` is
-    # a plain alternative between this header + text and a call; no trigger is needed.
-    text_open: str | None = None
-    # Other ways the same call head may be written ("{name}" as in `head`).
-    alt_heads: tuple[str, ...] = ()
-    # A message the model may write before any of the above (harmony's analysis): its
-    # opening, its end, and what opens the next message. When the prompt itself opened
-    # that message, the grammar starts after its end, at the next message's opening.
-    preamble: tuple[str, str, str] | None = None
-    # Where the controller starts the grammar: a grammar that covers the headers after a
-    # reasoning message (harmony) starts when reasoning ends.
-    start: Literal["answer", "reasoning_end"] = "answer"
-    # What a spent thinking budget forces instead of the channel format's own end: the
-    # grammar must still be free to choose what follows (harmony: only `<|end|>`).
-    forced_end: str | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.open or self.head).startswith(self.trigger):
-            raise ValueError(f"tool syntax: {self.trigger!r} must open the call section")
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    name: str
-    syntax: Syntax
-    # The literal text that opens a call (the grammar's trigger); None for Harmony, where
-    # a header's recipient does.
-    call_open: str | None = None
-    call_close: str | None = None  # ends one call; without it a call runs to the end
-    # Opens a call only where it starts the answer; the marker is also the call's first text.
-    bare_open: str | None = None
-    args_keys: tuple[str, ...] = ("arguments",)  # JSON: keys that hold the arguments
-    separator: str | None = None  # JSON: between call objects after one marker
-    lists: bool = False  # JSON: the calls may come as one list [{...}, {...}]
-    named: str | None = None  # JSON: "NAME<named>{args}" is a call too (Mistral's [ARGS])
-    # Texts that identify the format when all are in a chat template or a vocabulary.
-    signature: tuple[str, ...] = ()
-    # A channel format whose models always write this tool format, whatever the
-    # signatures say (Harmony's calls are part of its channel format).
-    channel_format: str | None = None
-    grammar: CallGrammar | None = None  # None only for `none`: calls are never constrained
-    # Every marker of the family's call and tool-result markup (open, close, result
-    # wrappers), which plain text never needs: `tool_choice: none` bans each one that is a
-    # single token and drops them all from the answer text (tool_plan.py), so none reaches
-    # `content`. A call's body syntax (`{"name"`, `<function=`) is not a marker.
-    reserved: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        # Every format with calls must be enforceable, or `tool_choice` would be a 500.
-        if (self.syntax is Syntax.NONE) != (self.grammar is None):
-            raise ValueError(f"tool format {self.name!r}: a grammar exactly when it has calls")
-        # ... and suppressible under `tool_choice: none`: its own open and close at least.
-        delimiters = {m for m in (self.call_open, self.call_close) if m is not None}
-        suppressible = bool(self.reserved) and delimiters <= set(self.reserved)
-        if (self.syntax is Syntax.NONE) == suppressible:
-            raise ValueError(f"tool format {self.name!r}: `reserved` must hold its markers")
 
 
 NONE_TOOLS = ToolFormat(name="none", syntax=Syntax.NONE)
@@ -152,6 +74,7 @@ QWEN3_CODER = ToolFormat(
         tail="</function>\n</tool_call>",
         sep="\n",
         markers=("<tool_call>", "</tool_call>"),
+        params=ParamLayout(open="<parameter={key}>\n", close="\n</parameter>", after="\n"),
     ),
     reserved=HERMES_RESERVED,
 )
@@ -219,12 +142,13 @@ HARMONY_TOOLS = ToolFormat(
     reserved=("<|call|>",),
 )
 
-# Detection order: the more specific signature first (Qwen3-Coder's template also holds
-# "<tool_call>"); "none" always matches last.
+# Detection order: the more specific signature first (GLM's and Qwen3-Coder's templates
+# also hold "<tool_call>"); "none" always matches last.
 TOOL_FORMATS: Mapping[str, ToolFormat] = MappingProxyType(
     {
         fmt.name: fmt
-        for fmt in (HARMONY_TOOLS, QWEN3_CODER, HERMES, LLAMA3_JSON, MISTRAL, NONE_TOOLS)
+        for fmt in (HARMONY_TOOLS, MINIMAX_M2, KIMI_K2, GLM47, PYTHONIC, QWEN3_CODER, HERMES,
+                    LLAMA3_JSON, MISTRAL, NONE_TOOLS)
     }
 )
 
@@ -303,7 +227,9 @@ def _by_marker(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
         opens.append(Rule(tools.bare_open, TOOL_STATE, at_start=True))
     states = {
         name: (
-            dataclasses.replace(state, rules=(*state.rules, *opens))
+            # Section markers re-enter the state they are in: dropped, nothing else.
+            dataclasses.replace(state, rules=(*state.rules, *opens,
+                                              *(Rule(m, name) for m in tools.section)))
             if state.channel is Channel.ANSWER
             else state
         )
@@ -314,7 +240,8 @@ def _by_marker(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
     if tools.call_close is not None:
         tool_rules.append(Rule(tools.call_close, BETWEEN_STATE))
         states[BETWEEN_STATE] = State(
-            Channel.ANSWER, tuple(opens), strip_leading_whitespace=True
+            Channel.ANSWER, (*opens, *(Rule(m, BETWEEN_STATE) for m in tools.section)),
+            strip_leading_whitespace=True,
         )
     states[TOOL_STATE] = State(Channel.TOOL, tuple(tool_rules))
     return _derived(fmt, tools, states)

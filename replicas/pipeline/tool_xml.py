@@ -1,10 +1,12 @@
-"""Qwen3-Coder's XML tool calls, read incrementally.
+"""Tagged XML tool calls (Qwen3-Coder, MiniMax-M2), read incrementally.
 
-    <function=NAME>
-    <parameter=P>
-    VALUE
+    <function=NAME>                   <invoke name="NAME">
+    <parameter=P>                     <parameter name="P">VALUE</parameter>
+    VALUE                             </invoke>
     </parameter>
     </function>
+
+The tags are the format's `XmlTags` (Qwen3-Coder's on the left, MiniMax-M2's on the right).
 
 VALUE is raw text; the arguments become a JSON object built here, one parameter at a time
 (`{"P": VALUE` then `, "Q": ...` then `}`), so they stream per parameter. A value converts
@@ -19,10 +21,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-FUNCTION = "<function="
-PARAMETER = "<parameter="
-PARAMETER_END = "</parameter>"
-FUNCTION_END = "</function>"
+from replicas.pipeline.tool_syntax import XmlTags
+
 _HEADER_LIMIT = 256  # a `<function=...>` or `<parameter=...>` header longer than this is junk
 
 
@@ -71,11 +71,12 @@ _FUNC, _PARAMS, _VALUE, _TAIL, _FAILED = range(5)
 class XmlSegment:
     """The text of one `<tool_call>`...`</tool_call>`: one or more functions."""
 
-    __slots__ = ("_sink", "_state", "_buf", "_raw", "_from", "_name", "_param", "_count",
+    __slots__ = ("_sink", "_tags", "_state", "_buf", "_raw", "_from", "_name", "_param", "_count",
                  "_calls", "_warned")
 
-    def __init__(self, sink: Sink, marker: str) -> None:
+    def __init__(self, sink: Sink, marker: str, tags: XmlTags = XmlTags()) -> None:
         self._sink = sink
+        self._tags = tags
         self._state = _FUNC
         self._buf = ""  # unread text
         self._raw = marker  # the text of a call not yet started, for a fallback
@@ -116,28 +117,28 @@ class XmlSegment:
 
     def _step(self) -> bool:
         """One move on the buffer; False when it needs more text."""
-        state = self._state
+        state, tags = self._state, self._tags
         if state == _VALUE:
-            found = self._buf.find(PARAMETER_END, self._from)
+            found = self._buf.find(tags.parameter_end, self._from)
             if found < 0:
-                self._from = max(0, len(self._buf) - len(PARAMETER_END) + 1)
+                self._from = max(0, len(self._buf) - len(tags.parameter_end) + 1)
                 return False
             self._emit_param(self._buf[:found])
-            self._buf = self._buf[found + len(PARAMETER_END):]
+            self._buf = self._buf[found + len(tags.parameter_end):]
             self._state = _PARAMS
             return True
         buf = self._buf.lstrip()
         if not buf:
             return False
         if state == _FUNC:
-            if not buf.startswith(FUNCTION):
-                if not FUNCTION.startswith(buf):
-                    self._fail("expected <function=NAME>", "")
+            if not buf.startswith(tags.function):
+                if not tags.function.startswith(buf):
+                    self._fail(f"expected {tags.function}NAME>", "")
                 return False
-            header = self._header(buf, len(FUNCTION))
+            header = self._header(buf, len(tags.function))
             if header is None:
                 return False
-            name = header.strip()
+            name = self._name_of(header)
             if not name or not self._sink.start(name):
                 self._fail(f"bad function name {name!r}", "")
                 return False
@@ -146,19 +147,19 @@ class XmlSegment:
             self._state = _PARAMS
             return True
         # _PARAMS
-        if buf.startswith(FUNCTION_END):
-            self._buf = buf[len(FUNCTION_END):]
+        if buf.startswith(tags.function_end):
+            self._buf = buf[len(tags.function_end):]
             self._end_call()
             self._state = _FUNC
             return True
-        if buf.startswith(PARAMETER):
-            header = self._header(buf, len(PARAMETER))
+        if buf.startswith(tags.parameter):
+            header = self._header(buf, len(tags.parameter))
             if header is None:
                 return False
-            self._param = header.strip()
+            self._param = self._name_of(header)
             self._state, self._from = _VALUE, 0
             return True
-        if PARAMETER.startswith(buf) or FUNCTION_END.startswith(buf):
+        if tags.parameter.startswith(buf) or tags.function_end.startswith(buf):
             return False
         self._sink.warn("unexpected text in a function call; the call ends here")
         self._end_call()
@@ -182,7 +183,15 @@ class XmlSegment:
         self._buf = buf[close + 1:]
         return buf[start:close]
 
+    def _name_of(self, header: str) -> str:
+        name = header.strip()
+        if self._tags.quoted and len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
+            name = name[1:-1]
+        return name
+
     def _emit_param(self, value: str) -> None:
+        if self._tags.strip_values:
+            value = value.strip()
         # Templates write the value on its own lines: one newline each side is layout.
         if value.startswith("\n"):
             value = value[1:]

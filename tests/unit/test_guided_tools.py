@@ -43,9 +43,13 @@ from replicas.tool_plan import reserved_token_ids
 from tests.unit.test_guided import build_hf_tokenizer, guided_tokenizer
 
 # Non-special in Qwen3 (they survive skip_special_tokens); special in the other families.
-PLAIN_MARKERS = ("<tool_call>", "</tool_call>")
+PLAIN_MARKERS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                 "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>")
 SPECIAL_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]", "<|start|>", "<|channel|>",
-                   "<|constrain|>", "<|message|>", "<|call|>", "<|end|>")
+                   "<|constrain|>", "<|message|>", "<|call|>", "<|end|>",
+                   "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                   "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                   "<|tool_call_start|>")
 
 
 @functools.cache
@@ -129,14 +133,30 @@ def allowed(matcher: GuidedMatcher, tok: GuidedTokenizer) -> set[int]:
     return set(np.flatnonzero(np.isfinite(masked)).tolist())
 
 
+def raw(value: Any) -> str:
+    """A tagged argument's value as the model writes it: strings raw, the rest JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def call_text(fmt: str, name: str, args: dict[str, Any]) -> str:
-    """One call as the model writes it (`args` as the model's JSON, or XML for qwen3_coder)."""
+    """One call as the model writes it (`args` as the model's JSON, or tagged arguments)."""
     if fmt == "qwen3_coder":
-        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}"
-                         "\n</parameter>\n" for k, v in args.items())
+        params = "".join(f"<parameter={k}>\n{raw(v)}\n</parameter>\n" for k, v in args.items())
         return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    if fmt == "glm47":
+        pairs = "".join(f"<arg_key>{k}</arg_key><arg_value>{raw(v)}</arg_value>"
+                        for k, v in args.items())
+        return f"<tool_call>{name}{pairs}</tool_call>"
+    if fmt == "minimax_m2":
+        params = "".join(f'<parameter name="{k}">{raw(v)}</parameter>\n'
+                         for k, v in args.items())
+        return f'<invoke name="{name}">\n{params}</invoke>'
+    if fmt == "pythonic":
+        return f"{name}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items()) + ")"
     body = json.dumps(args)
     return {
+        "kimi_k2": f"<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{body}"
+                   "<|tool_call_end|>",
         "hermes": f'<tool_call>\n{{"name": "{name}", "arguments": {body}}}\n</tool_call>',
         "llama3_json": f'{{"name": "{name}", "parameters": {body}}}',
         "mistral": f'{{"name": "{name}", "arguments": {body}}}',
@@ -154,6 +174,11 @@ def section(fmt: str, *calls: str) -> str:
         "llama3_json": "<|python_tag|>" + "; ".join(calls),
         "mistral": "[TOOL_CALLS][" + ", ".join(calls) + "]",
         "harmony": "".join(calls),
+        "kimi_k2": "<|tool_calls_section_begin|>" + "".join(calls)
+                   + "<|tool_calls_section_end|>",
+        "glm47": "\n".join(calls),
+        "minimax_m2": "<minimax:tool_call>\n" + "\n".join(calls) + "\n</minimax:tool_call>",
+        "pythonic": "<|tool_call_start|>[" + ", ".join(calls) + "]<|tool_call_end|>",
     }[fmt]
 
 

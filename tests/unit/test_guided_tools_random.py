@@ -32,6 +32,8 @@ CALL_PATTERNS = {
     "mistral": r'(?:\[TOOL_CALLS\]\[|, )\{"name": "(\w+)", "arguments": (.*?)\}(?=, \{"name|\]$)',
     "harmony": r"<\|channel\|>commentary to=functions\.(\w+) "
                r"<\|constrain\|>json<\|message\|>(.*?)<\|call\|>",
+    "kimi_k2": r"<\|tool_call_begin\|>functions\.(\w+):\d+<\|tool_call_argument_begin\|>"
+               r"(.*?)<\|tool_call_end\|>",
 }
 # Harmony's grammar also admits an analysis message first, free text that a random walk
 # would rarely end: the walk starts inside the commentary header instead (the analysis

@@ -465,7 +465,9 @@ def test_harmony_calls_agree_with_the_real_encoding(harmony_encoding: Any) -> No
 def test_call_open_markers() -> None:
     opens = {name: fmt.call_open for name, fmt in TOOL_FORMATS.items()}
     assert opens == {"harmony": None, "qwen3_coder": "<tool_call>", "hermes": "<tool_call>",
-                     "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]", "none": None}
+                     "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]", "none": None,
+                     "kimi_k2": "<|tool_call_begin|>", "glm47": "<tool_call>",
+                     "minimax_m2": "<minimax:tool_call>", "pythonic": "<|tool_call_start|>"}
 
 
 @pytest.mark.parametrize(
@@ -487,7 +489,8 @@ def test_detect_tool_format(template: str | None, vocab: Sequence[str], want: st
 
 
 def test_unknown_tool_format_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="harmony, hermes, llama3_json, mistral, none"):
+    with pytest.raises(ValueError, match="glm47, harmony, hermes, kimi_k2, llama3_json, "
+                                         "minimax_m2, mistral, none, pythonic"):
         get_tool_format("xml")
 
 

@@ -44,6 +44,12 @@ RESERVED = {
     "llama3_json": {"<|python_tag|>"},
     "mistral": {"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"},
     "harmony": {"<|call|>"},
+    "kimi_k2": {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"},
+    "glm47": {"<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+              "</arg_value>"},
+    "minimax_m2": {"<minimax:tool_call>", "</minimax:tool_call>"},
+    "pythonic": {"<|tool_call_start|>", "<|tool_call_end|>"},
 }
 ALL_MARKERS = sorted({m for markers in RESERVED.values() for m in markers})
 # A vocabulary where every marker is one token (as in the families' own vocabularies);
