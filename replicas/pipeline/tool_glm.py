@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from replicas.pipeline.tool_xml import Sink, convert
+from replicas.pipeline.tool_segment import FAILED, TAIL, BufferedSegment, Sink
+from replicas.pipeline.tool_xml import convert
 
 KEY = "<arg_key>"
 KEY_END = "</arg_key>"
@@ -23,41 +24,24 @@ VALUE = "<arg_value>"
 VALUE_END = "</arg_value>"
 _NAME_LIMIT = 256  # a name or a key longer than this is junk, not a call
 
-_NAME, _KEY_OPEN, _KEY, _VALUE_OPEN, _VALUE, _TAIL, _FAILED = range(7)
+_NAME, _KEY_OPEN, _KEY, _VALUE_OPEN, _VALUE = range(5)  # _NAME first: BufferedSegment starts there
 
 
-class KeyValueSegment:
+class KeyValueSegment(BufferedSegment):
     """The text of one `<tool_call>`...`</tool_call>`: one call."""
 
-    __slots__ = ("_sink", "_state", "_buf", "_raw", "_name", "_key", "_count", "_warned")
+    __slots__ = ("_name", "_key")
+    _after = "a tool call's arguments"
 
     def __init__(self, sink: Sink, marker: str) -> None:
-        self._sink = sink
-        self._state = _NAME
-        self._buf = ""  # unread text
-        self._raw = marker  # the text of a call not yet started, for a fallback
+        super().__init__(sink, marker)
         self._name = ""
         self._key = ""
-        self._count = 0  # arguments emitted
-        self._warned = False
-
-    def feed(self, text: str) -> None:
-        if self._state == _FAILED:
-            self._sink.text(text, "")
-            return
-        if self._state == _TAIL:
-            self._ignore(text)
-            return
-        if self._state == _NAME:
-            self._raw += text
-        self._buf += text
-        while self._step():
-            pass
 
     def close(self, marker: str) -> None:
         """The call's close marker, or the end of the stream ("")."""
         state = self._state
-        if state == _FAILED:
+        if state == FAILED:
             if marker:
                 self._sink.text(marker, "")
         elif state == _NAME:
@@ -68,7 +52,7 @@ class KeyValueSegment:
         elif state == _VALUE:  # cut off inside a value: it is what the call had
             self._emit(self._buf)
             self._end_call()
-        elif state != _TAIL:
+        elif state != TAIL:
             self._end_call()
 
     def _step(self) -> bool:
@@ -136,23 +120,11 @@ class KeyValueSegment:
         self._count += 1
 
     def _end_call(self) -> None:
-        if self._count:
-            self._sink.delta("}")
-        self._sink.end()  # no arguments: the parser makes it "{}"
-        self._count = 0
-        self._state = _TAIL
+        super()._end_call()
+        self._state = TAIL  # one call per segment
 
     def _junk(self, why: str) -> None:
         self._sink.warn(f"{why}; the call ends here")
         self._end_call()
         self._warned = True
 
-    def _fail(self, why: str, marker: str) -> None:
-        self._state = _FAILED
-        self._sink.text(self._raw + marker, why)
-        self._buf = self._raw = ""
-
-    def _ignore(self, text: str) -> None:
-        if text.strip() and not self._warned:
-            self._warned = True
-            self._sink.warn("text after a tool call's arguments is ignored")

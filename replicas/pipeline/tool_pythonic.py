@@ -15,13 +15,13 @@ import ast
 import json
 import re
 
-from replicas.pipeline.tool_xml import Sink
+from replicas.pipeline.tool_segment import FAILED, TAIL, CallSegment, Sink
 
 _NAME_LIMIT = 256  # a longer name is not a call
 _NAME = re.compile(r"[A-Za-z_][\w.]*")
 _OPENERS, _CLOSERS = "([{", ")]}"
 
-_LEAD, _CALL, _ARGS, _AFTER, _TAIL, _FAILED = range(6)
+_LEAD, _CALL, _ARGS, _AFTER = range(4)
 
 
 class _JsonLiterals(ast.NodeTransformer):
@@ -48,33 +48,24 @@ def keyword_argument(text: str) -> tuple[str, str] | None:
         return None
 
 
-class PythonicSegment:
+class PythonicSegment(CallSegment):
     """The text of one `<|tool_call_start|>`...`<|tool_call_end|>`: a list of calls."""
 
-    __slots__ = ("_sink", "_state", "_raw", "_text", "_depth", "_quote", "_escape",
-                 "_count", "_calls", "_warned")
+    __slots__ = ("_text", "_depth", "_quote", "_escape", "_calls")
 
     def __init__(self, sink: Sink, marker: str) -> None:
-        self._sink = sink
-        self._state = _LEAD
-        self._raw = marker  # the text of a call not yet started, for a fallback
+        super().__init__(sink, marker, _LEAD)
         self._text = ""  # the name, or the argument, being read
         self._depth = 0  # brackets open in the argument
         self._quote = ""  # the quote of the string the argument is in, if any
         self._escape = False
-        self._count = 0  # arguments emitted in the current call
         self._calls = 0  # calls started in this segment
-        self._warned = False
 
     def feed(self, text: str) -> None:
         for pos, char in enumerate(text):
+            if self._settled(text[pos:]):
+                return
             state = self._state
-            if state == _FAILED:
-                self._sink.text(text[pos:], "")
-                return
-            if state == _TAIL:
-                self._ignore(text[pos:])
-                return
             if state in (_LEAD, _CALL):
                 self._raw += char
             if state == _ARGS:
@@ -93,12 +84,12 @@ class PythonicSegment:
             else:
                 if char != "]":
                     self._junk("text after a call")
-                self._state = _TAIL
+                self._state = TAIL
 
     def close(self, marker: str) -> None:
         """The close marker, or the end of the stream ("")."""
         state = self._state
-        if state == _FAILED:
+        if state == FAILED:
             if marker:
                 self._sink.text(marker, "")
         elif state == _ARGS:  # cut off: the complete arguments are what the call had
@@ -109,7 +100,7 @@ class PythonicSegment:
 
     def _call_char(self, char: str) -> None:
         if char == "]" and not self._text and self._calls:
-            self._state = _TAIL  # a trailing comma: `[f(), ]`
+            self._state = TAIL  # a trailing comma: `[f(), ]`
         elif char != "(":
             self._text += char
             if len(self._text) > _NAME_LIMIT or not (char.isalnum() or char in "_."):
@@ -158,25 +149,9 @@ class PythonicSegment:
         self._count += 1
         return True
 
-    def _end_call(self) -> None:
-        if self._count:
-            self._sink.delta("}")
-        self._sink.end()  # no arguments: the parser makes it "{}"
-        self._count = 0
-
     def _junk(self, why: str) -> None:
         """A started call ends with what it had; the rest of the segment is ignored."""
         self._sink.warn(f"{why}; the call ends here")
         if self._state == _ARGS:
             self._end_call()
-        self._state, self._warned = _TAIL, True
-
-    def _fail(self, why: str, marker: str = "") -> None:
-        self._state = _FAILED
-        self._sink.text(self._raw + marker, why)
-        self._raw = ""
-
-    def _ignore(self, text: str) -> None:
-        if text.strip() and not self._warned:
-            self._warned = True
-            self._sink.warn("text after the calls is ignored")
+        self._state, self._warned = TAIL, True

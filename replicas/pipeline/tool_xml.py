@@ -19,22 +19,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol
 
+from replicas.pipeline.tool_segment import FAILED, TAIL, BufferedSegment, Sink
 from replicas.pipeline.tool_syntax import XmlTags
 
 _HEADER_LIMIT = 256  # a `<function=...>` or `<parameter=...>` header longer than this is junk
-
-
-class Sink(Protocol):
-    """What a call reader reports to (the parser)."""
-
-    def start(self, name: str) -> bool: ...  # False: the name is rejected
-    def delta(self, text: str) -> None: ...
-    def end(self) -> None: ...
-    def text(self, raw: str, why: str) -> None: ...  # malformed: give the text back
-    def warn(self, why: str) -> None: ...
-    def schema(self, name: str) -> Mapping[str, Any] | None: ...
 
 
 def convert(value: str, schema_type: object) -> object:
@@ -65,45 +54,27 @@ def _json(value: str) -> object:
         return _BAD
 
 
-_FUNC, _PARAMS, _VALUE, _TAIL, _FAILED = range(5)
+_FUNC, _PARAMS, _VALUE = range(3)  # _FUNC first: BufferedSegment starts there
 
 
-class XmlSegment:
+class XmlSegment(BufferedSegment):
     """The text of one `<tool_call>`...`</tool_call>`: one or more functions."""
 
-    __slots__ = ("_sink", "_tags", "_state", "_buf", "_raw", "_from", "_name", "_param", "_count",
-                 "_calls", "_warned")
+    __slots__ = ("_tags", "_from", "_name", "_param", "_calls")
+    _after = "a tool call's function"
 
     def __init__(self, sink: Sink, marker: str, tags: XmlTags = XmlTags()) -> None:
-        self._sink = sink
+        super().__init__(sink, marker)
         self._tags = tags
-        self._state = _FUNC
-        self._buf = ""  # unread text
-        self._raw = marker  # the text of a call not yet started, for a fallback
         self._from = 0  # where to resume looking for `</parameter>` in the buffer
         self._name = ""
         self._param = ""
-        self._count = 0  # parameters emitted in the current call
         self._calls = 0  # calls started in this segment
-        self._warned = False
-
-    def feed(self, text: str) -> None:
-        if self._state == _FAILED:
-            self._sink.text(text, "")
-            return
-        if self._state == _TAIL:
-            self._ignore(text)
-            return
-        if self._state == _FUNC:
-            self._raw += text
-        self._buf += text
-        while self._step():
-            pass
 
     def close(self, marker: str) -> None:
         """The call's close marker, or the end of the stream ("")."""
         state = self._state
-        if state == _FAILED:
+        if state == FAILED:
             if marker:
                 self._sink.text(marker, "")
         elif state == _FUNC:
@@ -163,7 +134,7 @@ class XmlSegment:
             return False
         self._sink.warn("unexpected text in a function call; the call ends here")
         self._end_call()
-        self._state = _TAIL
+        self._state = TAIL
         self._ignore(buf)
         return False
 
@@ -178,7 +149,7 @@ class XmlSegment:
             else:
                 self._sink.warn("runaway <parameter=...> header; the call ends here")
                 self._end_call()
-                self._state = _TAIL
+                self._state = TAIL
             return None
         self._buf = buf[close + 1:]
         return buf[start:close]
@@ -206,18 +177,3 @@ class XmlSegment:
         self._sink.delta(f"{lead}{json.dumps(self._param, ensure_ascii=False)}: {converted}")
         self._count += 1
 
-    def _end_call(self) -> None:
-        if self._count:
-            self._sink.delta("}")
-        self._sink.end()  # no parameters: the parser makes it "{}"
-        self._count = 0
-
-    def _fail(self, why: str, marker: str) -> None:
-        self._state = _FAILED
-        self._sink.text(self._raw + marker, why)
-        self._buf = self._raw = ""
-
-    def _ignore(self, text: str) -> None:
-        if text.strip() and not self._warned:
-            self._warned = True
-            self._sink.warn("text after a tool call's function is ignored")
