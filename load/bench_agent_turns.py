@@ -4,6 +4,7 @@
                                      [--turn-words 50] [--max-tokens 8] [--runs 3]
                                      [--source builtin:bench] [--suite [--no-mlx]]
                                      [--memory [--memory-turns 200] [--margin-mib 384]]
+                                     [--admission --memory-budget BYTES] [--sessions-8k]
 
 N conversations run at once, T turns each, as an agent loop does: every turn resends a
 long system prompt plus the whole conversation so far (each earlier reply and a new user
@@ -19,6 +20,9 @@ tokenizer spends about six tokens on each of these words.
 (`load/agent_turns_http.py`): Orchard with the cache off and on, 2 replicas with cache-aware
 routing on and off, and `mlx_lm.server`. `--memory` runs many turns on one replica with a
 small `--cache-bytes` and checks its resident memory (`load/agent_turns_memory.py`).
+`--admission` compares agent-turn throughput with KV admission at `--memory-budget` and
+at the default budget; `--sessions-8k` ramps concurrent 8k-token sessions on one replica
+until the first failure (`load/agent_turns_admission.py`, issue 25).
 """
 
 from __future__ import annotations
@@ -72,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "checking its resident memory (agent_turns_memory)")
     parser.add_argument("--memory-turns", type=int, default=200)
     parser.add_argument("--margin-mib", type=int, default=384)
+    parser.add_argument("--admission", action="store_true", help="agent-turn throughput with "
+                        "KV admission at --memory-budget and at the default budget")
+    parser.add_argument("--sessions-8k", action="store_true", help="double concurrent "
+                        "long sessions on one replica until one fails (agent_turns_admission)")
+    parser.add_argument("--memory-budget", type=int, default=None,
+                        help="KV bytes (memory.budget_bytes); unset: the default budget")
+    parser.add_argument("--max-waiting", type=int, default=EngineConfig().max_memory_waiting,
+                        help="requests that may wait for KV memory (memory.max_waiting)")
+    parser.add_argument("--session-tokens", type=int, default=8192)
+    parser.add_argument("--session-output", type=int, default=128)
+    parser.add_argument("--sessions-start", type=int, default=1)
+    parser.add_argument("--max-sessions", type=int, default=256)
+    parser.add_argument("--time-limit-s", type=float, default=300.0)
     return parser
 
 
@@ -81,6 +98,10 @@ def main() -> None:
         from load.agent_turns_memory import memory
 
         sys.exit(memory(args))
+    if args.admission or args.sessions_8k:
+        from load.agent_turns_admission import admission, sessions
+
+        sys.exit(admission(args) if args.admission else sessions(args))
     if args.suite:
         from load.agent_turns_http import suite
 

@@ -348,6 +348,8 @@ class Engine:
                 done.append(Done(response.uid, keep=ok))
         if done:
             self._batch.finish(done)
+        if self._kv is not None and (cache := self._batch.cache) is not None:
+            self._kv.fit_cache(cache.nbytes, self._batch.evict_cache_to)
         deliver(outbox)
 
     def _on_token(self, active: _Active, response: object) -> tuple[list[OutputEvent], bool]:

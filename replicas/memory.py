@@ -147,5 +147,12 @@ class KvBudget:
     def release(self, need: int) -> None:
         self._projected -= need
 
+    def fit_cache(self, cache_bytes: int, evict_to: Callable[[int], None]) -> None:
+        """Keep the prefix cache inside what running requests leave of the budget: a save
+        while they run (a message boundary's KV, a finished request's) may overshoot it."""
+        room = max(0, self.budget_bytes - self._projected)
+        if cache_bytes > room:
+            evict_to(room)
+
     def stats(self, waiting: int) -> MemoryStats:
         return MemoryStats(self.budget_bytes, self._projected, waiting, self.refused)

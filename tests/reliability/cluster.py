@@ -15,6 +15,13 @@ each sized for what the tests do to it:
 
 A second application, under `/colo`, serves `orchard-colo` with `ingress.colocate`: HTTP
 from the model replica itself, admitting one generation at a time.
+
+A third, under `/memory`, serves `orchard-memory` in the default layout (one model on one
+replica: colocated, `colocate: auto`): one replica with a KV memory budget of
+`MEMORY_BUDGET_TOKENS` tokens and few requests allowed to wait for it (`MEMORY_SETTINGS`),
+at the model's own context, so KV admission (not Serve's queue, not the context) is what
+refuses (issue 25). Its own application because its deadline is long: a request waiting
+for memory on a shared 2-core box may outlast the main app's 5 s and end as a 504.
 """
 
 from __future__ import annotations
@@ -71,6 +78,19 @@ DEFAULTS = Pool("orchard-defaults", replicas=1, max_ongoing=8, max_queued=8)
 # Far below feathers-think's reasoning (144 tokens) and riddle-think's (33); "3." cuts the
 # `cities` list after its second entry; "Check:" occurs only in riddle-think's reasoning.
 DEFAULTS_SETTINGS: dict[str, Any] = {"thinking_budget": 12, "default_stops": ["3.", "Check:"]}
+# The tiny model's KV per token: 2 (K and V) x 2 layers x 2 KV heads x head_dim 32 x 4 bytes
+# (float32). test_memory_http.py's 400 checks it: the replica says the budget holds 4096.
+TINY_KV_BYTES_PER_TOKEN = 1024
+MEMORY_BUDGET_TOKENS = 4096
+# Serve admits all 32 of the overload test at once (max_ongoing), so only the KV budget
+# holds requests back: about six long requests run, four wait, the rest are refused.
+MEMORY_APP = "orchard-memory"
+MEMORY_PREFIX = "/memory"
+MEMORY = Pool("orchard-memory", replicas=1, max_ongoing=32, max_queued=32, app=MEMORY_APP,
+              prefix=MEMORY_PREFIX, capped=False)
+MEMORY_SETTINGS: dict[str, Any] = {"memory": {
+    "budget_bytes": MEMORY_BUDGET_TOKENS * TINY_KV_BYTES_PER_TOKEN, "max_waiting": 4}}
+MEMORY_TIMEOUT_S = 120.0
 COLO_APP = "orchard-colo"
 COLO_PREFIX = "/colo"
 COLO = Pool("orchard-colo", replicas=1, max_ongoing=1, max_queued=-1, app=COLO_APP,
@@ -101,6 +121,16 @@ def colocated_args() -> dict[str, Any]:
     }
 
 
+def memory_args() -> dict[str, Any]:
+    return {
+        "api_keys_env": KEYS_ENV,
+        "ingress": {"request_timeout_s": MEMORY_TIMEOUT_S},
+        "models": [{"id": MEMORY.model, "source": "builtin:tiny",
+                    "max_ongoing_requests": MEMORY.max_ongoing,
+                    "max_queued_requests": MEMORY.max_queued, **MEMORY_SETTINGS}],
+    }
+
+
 @contextmanager
 def serve_cluster() -> Iterator[str]:
     """Start the cluster and the app; yield the base URL; tear both down."""
@@ -118,6 +148,7 @@ def serve_cluster() -> Iterator[str]:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         serve.run(build_app(app_args()), name=APP, route_prefix="/")
         serve.run(build_app(colocated_args()), name=COLO_APP, route_prefix=COLO_PREFIX)
+        serve.run(build_app(memory_args()), name=MEMORY_APP, route_prefix=MEMORY_PREFIX)
         yield BASE_URL
     finally:
         serve.shutdown()

@@ -1,0 +1,160 @@
+"""`bench_agent_turns.py --admission` and `--sessions-8k`: KV memory admission (issue 25) on
+one in-process replica (no Ray, no HTTP, nothing on the network).
+
+`--admission`: the agent-turn workload (`load/agent_turns.py`) with `--memory-budget`
+bytes of KV and then with the default budget (75% of the machine less the weights, which
+these runs never reach: admission never holds a request back, so it is "off"). Prints
+turns per second, median TTFT and how many turns waited for memory.
+
+`--sessions-8k`: sessions of `--session-tokens` prompt tokens (8192) and `--session-output`
+new tokens (128) each, all at once, doubling from `--sessions-start` until one fails (the
+overloaded error past `--max-waiting`, or anything else), `--max-sessions` or
+`--time-limit-s` (a level cut short by the limit is not a failure; the run stops there).
+Prints each level and the largest that finished without a failure, with
+how many ran at once (the rest waited for memory). Prompts are random token ids, so the
+prefix cache shares nothing between sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from collections import Counter
+from typing import Awaitable, TypeVar
+
+from load.agent_turns import conversations
+from replicas.batch import EngineConfig
+from replicas.contract import Failed, Finished, GenerationRequest, SamplingParams, TokenPrompt
+from replicas.replica import ModelReplica, ReplicaOptions
+
+MIB = 2**20
+T = TypeVar("T")
+
+
+def _replica(args: argparse.Namespace, budget: int | None) -> ModelReplica:
+    engine = EngineConfig(kv_budget_bytes=budget, max_memory_waiting=args.max_waiting,
+                          prompt_cache_bytes=args.cache_bytes)
+    rep = ModelReplica(ReplicaOptions(model_id="bench", source=args.source, engine=engine))
+    rep.start()
+    return rep
+
+
+async def _watch(rep: ModelReplica, peaks: Counter[str], stop: asyncio.Event) -> None:
+    """Peak running requests, waiting-for-memory requests and projected KV, every 5 ms."""
+    while not stop.is_set():
+        stats = rep.stats()
+        peaks["active"] = max(peaks["active"], stats.active)
+        if stats.memory is not None:
+            peaks["waiting"] = max(peaks["waiting"], stats.memory.waiting)
+            peaks["projected"] = max(peaks["projected"], stats.memory.projected_bytes)
+        await asyncio.sleep(0.005)
+
+
+async def _watched(rep: ModelReplica, work: Awaitable[T], peaks: Counter[str]) -> T:
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(_watch(rep, peaks, stop))
+    try:
+        return await work
+    finally:
+        stop.set()
+        await watcher
+
+
+def admission(args: argparse.Namespace) -> int:
+    if args.memory_budget is None:
+        raise SystemExit("--admission needs --memory-budget BYTES")
+    for label, budget in ((f"on, {args.memory_budget / MIB:.1f} MiB", args.memory_budget),
+                          ("off, default budget", None)):
+        rep = _replica(args, budget)
+        try:
+            asyncio.run(conversations(rep, argparse.Namespace(**{**vars(args), "turns": 1}),
+                                      f"warmup-{label}"))
+            walls, ttfts, turns = [], [], 0
+            peaks: Counter[str] = Counter()
+            for i in range(args.runs):
+                started = time.perf_counter()
+                run = asyncio.run(_watched(rep, conversations(rep, args, f"{label}-{i}"), peaks))
+                walls.append(time.perf_counter() - started)
+                done = [turn for per_turn in run.turns for turn in per_turn]
+                turns += len(done)
+                ttfts += [turn.ttft_s for turn in done]
+            memory = rep.stats().memory
+            assert memory is not None
+            print(f"admission {label}: {turns} turns in {sum(walls):.1f}s = "
+                  f"{turns / sum(walls):.2f} turns/s; median TTFT "
+                  f"{statistics.median(ttfts) * 1000:.0f} ms; budget "
+                  f"{memory.budget_bytes / MIB:.0f} MiB, peak projected "
+                  f"{peaks['projected'] / MIB:.1f} MiB, peak running {peaks['active']}, "
+                  f"peak waiting for memory {peaks['waiting']}, refused {memory.refused}",
+                  flush=True)
+        finally:
+            rep.shutdown()
+    return 0
+
+
+def _session(i: int, level: int, args: argparse.Namespace) -> GenerationRequest:
+    rng = random.Random(f"{level}-{i}")
+    # Ids below the built-in models' 743 special tokens (vocab 752): plain text tokens.
+    ids = tuple(rng.randrange(10, 740) for _ in range(args.session_tokens))
+    return GenerationRequest(
+        request_id=f"s{level}-{i}", model="bench", prompt=TokenPrompt(ids),
+        sampling=SamplingParams(temperature=0.0, max_tokens=args.session_output))
+
+
+async def _level(rep: ModelReplica, n: int, args: argparse.Namespace,
+                 timeout_s: float) -> tuple[Counter[str], Counter[str]]:
+    async def one(request: GenerationRequest) -> str:
+        end = None
+        async for batch in rep.stream(request):
+            end = batch[-1] if batch else end
+        if isinstance(end, Finished):
+            return "finished"
+        return f"failed:{end.kind.value}" if isinstance(end, Failed) else "no end"
+
+    peaks: Counter[str] = Counter()
+    work = asyncio.gather(*(one(_session(i, n, args)) for i in range(n)))
+    try:
+        ends = await asyncio.wait_for(_watched(rep, work, peaks), timeout_s)
+    except asyncio.TimeoutError:
+        return Counter({"timed out": n}), peaks
+    return Counter(ends), peaks
+
+
+def sessions(args: argparse.Namespace) -> int:
+    rep = _replica(args, args.memory_budget)
+    deadline = time.monotonic() + args.time_limit_s
+    held, first_failure = 0, None
+    try:
+        per_token = rep._engine.kv_budget.bytes_per_token  # noqa: SLF001 - the bench reports it
+        budget = rep._engine.kv_budget.budget_bytes  # noqa: SLF001
+        need = (args.session_tokens + args.session_output) * per_token
+        print(f"{args.source}: {per_token} KV bytes per token, budget {budget / MIB:.0f} MiB: "
+              f"{budget // need} sessions of {args.session_tokens}+{args.session_output} "
+              f"tokens ({need / MIB:.1f} MiB each) fit at once, {args.max_waiting} may wait",
+              flush=True)
+        n = args.sessions_start
+        while n <= args.max_sessions and time.monotonic() < deadline:
+            started = time.perf_counter()
+            ends, peaks = asyncio.run(_level(rep, n, args, deadline - time.monotonic()))
+            print(f"{n:>4} sessions: {dict(ends)} in {time.perf_counter() - started:.1f}s; "
+                  f"peak running {peaks['active']}, peak waiting for memory "
+                  f"{peaks['waiting']}, peak projected {peaks['projected'] / MIB:.0f} MiB",
+                  flush=True)
+            if "timed out" in ends:  # the bench's time limit, not the replica's failure
+                break
+            if ends.get("finished", 0) != n:
+                first_failure = n
+                break
+            held = n
+            n *= 2
+    finally:
+        rep.shutdown()
+    stop = (f"first failure at {first_failure}" if first_failure else
+            f"no failure before the limit (--max-sessions {args.max_sessions}, "
+            f"--time-limit-s {args.time_limit_s:.0f})")
+    print(f"largest level without a failure: {held} concurrent {args.session_tokens}-token "
+          f"sessions; {stop}")
+    return 0
