@@ -121,6 +121,9 @@ def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
+    # Read before Ctrl-C: HAProxy (direct ingress) runs in a session of its own and outlives
+    # `serve run`, holding the port, so every descendant left afterwards is killed too.
+    descendants = _descendants(proc.pid)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down on Ctrl-C
     try:
@@ -128,3 +131,35 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    for pid, cmdline in descendants:
+        try:
+            if _cmdline(pid) == cmdline:  # still that process, not a reused pid
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _descendants(root: int) -> list[tuple[int, bytes]]:
+    """Every process below `root` with its command line, from /proc (Linux; else none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found: list[tuple[int, bytes]] = []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            found.append((pid, _cmdline(pid)))
+        except OSError:
+            continue
+        todo.extend(children.get(pid, []))
+    return found

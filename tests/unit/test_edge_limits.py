@@ -77,7 +77,7 @@ def test_a_body_within_the_limit_is_served() -> None:
     (MESSAGES_PATH, message(stop_sequences=[f"s{i}" for i in range(5)])),
     (CHAT_PATH, chat(stop="y" * 33)),
     (MESSAGES_PATH, message(stop_sequences=["z" * 33])),
-    (CHAT_PATH, chat(n=2)),
+    (CHAT_PATH, chat(n=9)),  # past MAX_CHOICES (8): each choice is a whole generation
 ])
 def test_stop_count_stop_length_and_n_are_capped_before_any_replica_time(
     path: str, body: dict[str, Any]
