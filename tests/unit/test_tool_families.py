@@ -24,7 +24,7 @@ from replicas.contract import Channel, FinishReason, ToolChoice
 from replicas.pipeline.channels import detect_format
 from replicas.pipeline.tool_formats import TOOL_FORMATS, detect_tool_format
 from tests.unit.test_guided_tools import VARIANTS, accepts, call_text, grammar, section, tool
-from tests.unit.test_tool_calls import Sample, check, decode, expected, markup, split
+from tests.unit.test_tool_calls import Sample, check, decode, expected, markup, split, split_agrees
 
 LENGTH = FinishReason.LENGTH
 # The reference parser of each format: mlx_lm.tool_parsers.<module>.
@@ -209,11 +209,7 @@ FRAGMENTS = [
 def test_random_markup_never_breaks_the_contract(
     pair: tuple[str, str], parts: list[str], data: st.DataObject
 ) -> None:
-    text = "".join(parts) or "x"
-    sample = Sample(*pair, text, stops=("STOP",))
-    whole = check(sample, decode(sample, [text]))
-    cuts = data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12))
-    assert check(sample, decode(sample, split(text, cuts))) == whole
+    split_agrees(pair, parts, data)
 
 
 # --- grammars (the canonical calls of every format are in test_guided_tools.py) ---------
