@@ -2,7 +2,9 @@
 
 `builtin:tiny` is a small qwen3 model trained to reproduce the scripts in
 scripts.json exactly; `builtin:bench` has the same tokenizer and architecture with
-random weights and about 25M parameters, for throughput benchmarks. Both are built
+random weights and about 25M parameters, for throughput benchmarks; `builtin:fmt-<format>`
+has the tokenizer and chat template of a family that writes that tool format, and random
+weights, for driving each format over HTTP (formats.py). All are built
 on first use and cached; tiny's build writes the trained weights shipped in the package and
 trains only if they fail verification (see README.md).
 """
@@ -12,10 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from .build import ensure_recipe
+from .formats import FORMAT_MODELS, ensure_format_model, format_model_name
 from .recipe import RECIPES
 from .scripts import Message, Script, load_scripts, script
 
-BUILTIN_NAMES: tuple[str, ...] = tuple(RECIPES)
+# The recipes, then one random-weights model per tool format (`fmt-<format>`, formats.py).
+BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, *FORMAT_MODELS)
 
 
 def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
@@ -23,6 +27,8 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
 
     `cache_dir` defaults to `$ORCHARD_CACHE_DIR/builtin`, else `~/.cache/orchard/builtin`.
     """
+    if name in FORMAT_MODELS:
+        return ensure_format_model(name, cache_dir)
     recipe = RECIPES.get(name)
     if recipe is None:
         raise ValueError(f"unknown builtin model {name!r}; valid names: {', '.join(BUILTIN_NAMES)}")
@@ -34,6 +40,7 @@ __all__ = [
     "Message",
     "Script",
     "ensure_builtin",
+    "format_model_name",
     "load_scripts",
     "script",
 ]

@@ -1,4 +1,5 @@
-"""`python -m replicas.builtin tiny|bench|pipe`: build (if needed) and print the model's path.
+"""`python -m replicas.builtin NAME`: build (if needed) and print the model's path (NAME:
+tiny, bench, pipe, ceiling, or fmt-<format> for a tool format's model).
 
 `python -m replicas.builtin tiny --refresh-shipped` trains tiny from scratch and replaces the
 weights shipped in the package (replicas/builtin/shipped/), printing their file: run it after
@@ -27,6 +28,8 @@ def main() -> None:
     # Progress goes to stderr so stdout is just the path, for use in shell scripts.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.refresh_shipped:
+        if args.name not in RECIPES:
+            parser.error(f"{args.name} has random weights: nothing to ship")
         print(refresh_shipped(RECIPES[args.name]))
     else:
         print(ensure_builtin(args.name, args.cache_dir))

@@ -56,7 +56,11 @@ def xml_parameters(schema: dict[str, Any], rule: str, layout: ParamLayout,
     for j, (name, sub) in enumerate(properties.items()):
         value = f"{rule}_{j}"
         opening = lit(layout.open.replace("{key}", name))
-        if layout.raw_strings and _is_plain_string(sub):
+        if layout.raw_strings and _is_plain_string(sub) and layout.quote:
+            # Gemma: the raw text ends at the closing quote, then the usual close.
+            rules.extend(_string_value(value, sub, name, layout.quote, special))
+            block = f"{opening} {lit(layout.quote)} {value} {close}{after}"
+        elif layout.raw_strings and _is_plain_string(sub):
             rules.extend(_string_value(value, sub, name, layout.close, special))
             block = f"{opening} {value}{after}"
         else:

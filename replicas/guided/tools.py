@@ -28,7 +28,7 @@ from replicas.guided.compiler import checked_json_schema, grammar_warnings
 from replicas.guided.schema_keywords import openai_strict_violations
 from replicas.guided.tokenizer import GuidedTokenizer
 from replicas.guided.tool_params import unenforced_string_keywords, xml_parameters
-from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar, Syntax, ToolFormat
+from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar, ToolFormat
 
 
 TOOL_NAME: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -188,6 +188,10 @@ class _Markers:
         self.special[INDEX] = "/[0-9]+/"
         self._split = re.compile("(" + "|".join(map(re.escape, (*markers, INDEX))) + ")")
 
+    def opens_special(self, text: str) -> bool:
+        """Whether `text` starts with a marker that is one special token of the model."""
+        return any(text.startswith(m) for m in self.special if m != INDEX)
+
     def lark(self, text: str) -> str:
         pieces = self._split.split(text)
         return " ".join(self.special.get(p) or json.dumps(p) for p in pieces if p)
@@ -233,10 +237,15 @@ def _lark(syntax: CallGrammar, marks: _Markers, names: list[str],
     elif syntax.text_open is not None:
         rules.append(f"start: {pre}({marks.lark(syntax.text_open)} TEXT? | section)")
         rules.append(TEXT_RULE)
-    elif syntax.trigger in marks.special:
-        # One special token opens the call: free text cannot contain it, so the text
-        # simply ends where the token comes (StructTag's `assume_special` form).
-        rules.append(f"start: TEXT? | TEXT? {marks.special[syntax.trigger]} section")
+    elif marks.opens_special(syntax.trigger):
+        # A special token opens the call: free text cannot contain it, so the text simply
+        # ends where the token comes (StructTag's `assume_special` form). Marker texts that
+        # free text may hold, spelled with special tokens too, come between text runs.
+        free = "TEXT?"
+        if syntax.text_markers:
+            rules.append("text_marker: " + " | ".join(marks.lark(m) for m in syntax.text_markers))
+            free = "TEXT? (text_marker TEXT?)*"
+        rules.append(f"start: {free} | {free} {marks.lark(syntax.trigger)} section")
         rules.append(TEXT_RULE)
     else:
         # A text trigger: a lazy lexeme ends the free text at the trigger's first

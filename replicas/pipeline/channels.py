@@ -21,6 +21,7 @@ from replicas.pipeline.channel_formats import (
     ChannelFormat,
 )
 from replicas.pipeline.harmony import HARMONY
+from replicas.pipeline.reasoning_formats import GEMMA4_THOUGHT, LONGCAT_THINK, THINK_COLON, XTML
 from replicas.pipeline.textmatch import NO_MATCH, ROOT, Automaton, compile_patterns
 
 __all__ = [  # ChannelFormat is re-exported: callers need the registry and its type together
@@ -35,9 +36,11 @@ __all__ = [  # ChannelFormat is re-exported: callers need the registry and its t
     "initial_state",
 ]
 
-# Detection tries formats in this order and "none" (no signature) always matches last.
+# Detection tries formats in this order and "none" (no signature) always matches last; the
+# single-token pairs come before the spelled-out markers, as in mlx-lm's `_infer_thinking`.
 FORMATS: Mapping[str, ChannelFormat] = MappingProxyType(
-    {fmt.name: fmt for fmt in (HARMONY, THINK_TAGS, NONE)}
+    {fmt.name: fmt for fmt in (HARMONY, THINK_TAGS, LONGCAT_THINK, THINK_COLON, GEMMA4_THOUGHT,
+                               XTML, NONE)}
 )
 
 # Only a header's first word is used, so a runaway header costs bounded memory.

@@ -35,10 +35,12 @@ from replicas.contract import (
 )
 from replicas.pipeline.channel_formats import CallBoundary
 from replicas.pipeline.tool_formats import Syntax, ToolFormat
+from replicas.pipeline.tool_gemma import GemmaSegment
 from replicas.pipeline.tool_glm import KeyValueSegment
 from replicas.pipeline.tool_json import CallObject, ValueScanner, skip_ws
 from replicas.pipeline.tool_pythonic import PythonicSegment
 from replicas.pipeline.tool_xml import XmlSegment
+from replicas.pipeline.tool_xtml import XtmlSegment
 
 _log = logging.getLogger(__name__)
 _NAME_LIMIT = 256  # Mistral's `NAME[ARGS]`: a longer name is not a call
@@ -132,7 +134,11 @@ class ToolCallParser:
         if fmt.syntax is Syntax.XML:
             return XmlSegment(self, boundary.marker, fmt.xml)
         if fmt.syntax is Syntax.KEY_VALUE:
-            return KeyValueSegment(self, boundary.marker)
+            return KeyValueSegment(self, boundary.marker, fmt.kv)
+        if fmt.syntax is Syntax.GEMMA:
+            return GemmaSegment(self, boundary.marker, fmt.gemma.quote)
+        if fmt.syntax is Syntax.XTML:
+            return XtmlSegment(self, boundary.marker)
         if fmt.syntax is Syntax.PYTHONIC:
             return PythonicSegment(self, boundary.marker)
         if fmt.syntax is Syntax.RAW:
@@ -362,4 +368,5 @@ class _JsonSegment:
         self._state = _FAILED
 
 
-_Segment = _RawSegment | _JsonSegment | XmlSegment | KeyValueSegment | PythonicSegment
+_Segment = (_RawSegment | _JsonSegment | XmlSegment | KeyValueSegment | PythonicSegment
+            | GemmaSegment | XtmlSegment)

@@ -6,9 +6,10 @@ markup: `kimi_k2`, `glm47`, `minimax_m2` and `pythonic`. Their reasoning is `<th
 
 from __future__ import annotations
 
-from replicas.pipeline.tool_syntax import CallGrammar, ParamLayout, Syntax, ToolFormat, XmlTags
+from replicas.pipeline.tool_syntax import (CallGrammar, KeyValueTags, ParamLayout, Syntax,
+                                           ToolFormat, XmlTags)
 
-__all__ = ["GLM47", "KIMI_K2", "MINIMAX_M2", "PYTHONIC"]
+__all__ = ["GLM47", "KIMI_K2", "MINIMAX_M2", "PYTHONIC", "key_value_format", "xml_section_format"]
 
 _KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 _KIMI_CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
@@ -40,28 +41,67 @@ KIMI_K2 = ToolFormat(
     reserved=(*_KIMI_SECTION, *_KIMI_CALL, _KIMI_ARGS),
 )
 
-_GLM_TAGS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+def key_value_format(name: str, call: tuple[str, str], kv: KeyValueTags,
+                     signature: tuple[str, ...]) -> ToolFormat:
+    """A key/value family (`Syntax.KEY_VALUE`, GLM's layout): `CALL NAME`, then per argument
+    `KEY k KEY_END VALUE v VALUE_END`, then `CALL_END`; parallel calls on lines of their own.
+    The argument tags are the calls' own markup too (single tokens in the family's vocab)."""
+    tags = (kv.key, kv.key_end, kv.value, kv.value_end)
+    return ToolFormat(
+        name=name,
+        syntax=Syntax.KEY_VALUE,
+        call_open=call[0],
+        call_close=call[1],
+        kv=kv,
+        signature=signature,
+        grammar=CallGrammar(
+            trigger=call[0],
+            head=f"{call[0]}{{name}}",
+            tail=call[1],
+            sep="\n",
+            markers=(*call, *tags),
+            params=ParamLayout(open=f"{kv.key}{{key}}{kv.key_end}{kv.value}", close=kv.value_end),
+        ),
+        reserved=(*call, *tags),
+    )
+
+
 # GLM-4.5/4.6/4.7 (and Poolside Laguna, which mlx-lm parses with the same `glm47`):
 #   <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>
 # GLM-4.5 writes newlines between the parts; the parser takes both, the grammar writes
 # GLM-4.7's compact form (the reference's). String values are raw text, others JSON.
-GLM47 = ToolFormat(
-    name="glm47",
-    syntax=Syntax.KEY_VALUE,
-    call_open="<tool_call>",
-    call_close="</tool_call>",
-    signature=("<tool_call>", "<arg_key>"),  # mlx-lm detects it by `<arg_key>`
-    grammar=CallGrammar(
-        trigger="<tool_call>",
-        head="<tool_call>{name}",
-        tail="</tool_call>",
-        sep="\n",
-        markers=("<tool_call>", "</tool_call>", *_GLM_TAGS),
-        params=ParamLayout(open="<arg_key>{key}</arg_key><arg_value>", close="</arg_value>"),
-    ),
-    # The argument tags are the calls' own markup too (single tokens in GLM's vocab).
-    reserved=("<tool_call>", "</tool_call>", *_GLM_TAGS),
-)
+GLM47 = key_value_format("glm47", ("<tool_call>", "</tool_call>"), KeyValueTags(),
+                         ("<tool_call>", "<arg_key>"))  # mlx-lm detects it by `<arg_key>`
+
+
+def xml_section_format(name: str, section: tuple[str, str], xml: XmlTags, invoke: str,
+                       parameter: str) -> ToolFormat:
+    """An XML family with one section of calls (MiniMax-M2's layout), a line each:
+    `SECTION` `<INVOKE name="f">` `<PARAMETER name="p">v</PARAMETER>`... `</INVOKE>` `SECTION_END`.
+    The grammar writes every value as JSON where the reader takes values as JSON
+    (`xml.json_values`), else strings raw."""
+    return ToolFormat(
+        name=name,
+        syntax=Syntax.XML,
+        call_open=section[0],
+        call_close=section[1],
+        xml=xml,
+        signature=section[:1],
+        grammar=CallGrammar(
+            trigger=section[0],
+            open=f"{section[0]}\n",
+            head=f'<{invoke} name="{{name}}">\n',
+            tail=f"</{invoke}>",
+            sep="\n",  # parallel calls are more invoke blocks in the same section
+            close=f"\n{section[1]}",
+            markers=section,
+            params=ParamLayout(open=f'<{parameter} name="{{key}}">', close=f"</{parameter}>",
+                               after="\n", raw_strings=not xml.json_values),
+        ),
+        reserved=section,
+    )
+
 
 # MiniMax-M2: one section of `<invoke>` blocks, values raw text (JSON when not a string).
 #   <minimax:tool_call>
@@ -69,27 +109,11 @@ GLM47 = ToolFormat(
 #   <parameter name="a">1</parameter>
 #   </invoke>
 #   </minimax:tool_call>
-MINIMAX_M2 = ToolFormat(
-    name="minimax_m2",
-    syntax=Syntax.XML,
-    call_open="<minimax:tool_call>",
-    call_close="</minimax:tool_call>",
-    xml=XmlTags(function="<invoke name=", function_end="</invoke>",
-                parameter="<parameter name=", parameter_end="</parameter>",
-                quoted=True, strip_values=True),
-    signature=("<minimax:tool_call>",),
-    grammar=CallGrammar(
-        trigger="<minimax:tool_call>",
-        open="<minimax:tool_call>\n",
-        head='<invoke name="{name}">\n',
-        tail="</invoke>",
-        sep="\n",  # parallel calls are more `<invoke>` blocks in the same section
-        close="\n</minimax:tool_call>",
-        markers=("<minimax:tool_call>", "</minimax:tool_call>"),
-        params=ParamLayout(open='<parameter name="{key}">', close="</parameter>", after="\n"),
-    ),
-    reserved=("<minimax:tool_call>", "</minimax:tool_call>"),
-)
+MINIMAX_M2 = xml_section_format(
+    "minimax_m2", ("<minimax:tool_call>", "</minimax:tool_call>"),
+    XmlTags(function="<invoke name=", function_end="</invoke>", parameter="<parameter name=",
+            parameter_end="</parameter>", quoted=True, strip_values=True),
+    "invoke", "parameter")
 
 _PYTHONIC_CALL = ("<|tool_call_start|>", "<|tool_call_end|>")
 # Pythonic calls (LFM2): a Python list of keyword-argument calls between the markers.

@@ -26,11 +26,24 @@ from replicas.pipeline.channel_formats import ByHeader, ChannelFormat, Rule, Sta
 from replicas.pipeline.channels import detect_format
 from replicas.pipeline.harmony import END as HARMONY_END
 from replicas.pipeline.tool_families import GLM47, KIMI_K2, MINIMAX_M2, PYTHONIC
-from replicas.pipeline.tool_syntax import CallGrammar, ParamLayout, Syntax, ToolFormat, XmlTags
+from replicas.pipeline.tool_families_deepseek import DEEPSEEK_V31
+from replicas.pipeline.tool_families_gemma import FUNCTION_GEMMA, GEMMA4
+from replicas.pipeline.tool_families_tagged import KIMI_K3, LONGCAT, MINICPM5, MUSE_SPARK
+from replicas.pipeline.tool_syntax import (
+    CallGrammar,
+    GemmaTags,
+    KeyValueTags,
+    ParamLayout,
+    Syntax,
+    ToolFormat,
+    XmlTags,
+)
 
 __all__ = [
     "TOOL_FORMATS",
     "CallGrammar",
+    "GemmaTags",
+    "KeyValueTags",
     "ParamLayout",
     "Syntax",
     "ToolFormat",
@@ -143,11 +156,14 @@ HARMONY_TOOLS = ToolFormat(
 )
 
 # Detection order: the more specific signature first (GLM's and Qwen3-Coder's templates
-# also hold "<tool_call>"); "none" always matches last.
+# also hold "<tool_call>"), otherwise mlx-lm's `_infer_tool_parser` order; "none" always
+# matches last. Harmony and Kimi K3 go by their channel format. DeepSeek V3.1 (no mlx-lm
+# parser) shares no signature text with another family, so its place is free.
 TOOL_FORMATS: Mapping[str, ToolFormat] = MappingProxyType(
     {
         fmt.name: fmt
-        for fmt in (HARMONY_TOOLS, MINIMAX_M2, KIMI_K2, GLM47, PYTHONIC, QWEN3_CODER, HERMES,
+        for fmt in (HARMONY_TOOLS, KIMI_K3, MINIMAX_M2, GEMMA4, FUNCTION_GEMMA, LONGCAT, KIMI_K2,
+                    DEEPSEEK_V31, GLM47, PYTHONIC, QWEN3_CODER, MINICPM5, MUSE_SPARK, HERMES,
                     LLAMA3_JSON, MISTRAL, NONE_TOOLS)
     }
 )
@@ -162,7 +178,8 @@ def get_tool_format(name: str) -> ToolFormat:
 
 
 def detect_tool_format(chat_template: str | None, vocab: Collection[str]) -> str:
-    """The tool format tied to the model's channel format if one is (Harmony), else the
+    """The tool format tied to the model's channel format if one is (Harmony, Kimi K3's
+    XTML), else the
     first whose signature texts are all in the vocab or the template."""
     template = chat_template or ""
     channel_format = detect_format(chat_template, vocab)
@@ -239,8 +256,14 @@ def _by_marker(fmt: ChannelFormat, tools: ToolFormat) -> ChannelFormat:
     tool_rules = [Rule(tools.call_open, TOOL_STATE)]
     if tools.call_close is not None:
         tool_rules.append(Rule(tools.call_close, BETWEEN_STATE))
+        # Markers the answer swallows in place (Kimi K3's message end) stay swallowed here.
+        drops = dict.fromkeys(
+            [*tools.section, *(r.marker for name, state in fmt.states.items()
+                               if state.channel is Channel.ANSWER
+                               for r in state.rules if r.to == name)])
         states[BETWEEN_STATE] = State(
-            Channel.ANSWER, (*opens, *(Rule(m, BETWEEN_STATE) for m in tools.section)),
+            Channel.ANSWER, (*opens, *(Rule(m, BETWEEN_STATE) for m in drops
+                                       if m not in {o.marker for o in opens})),
             strip_leading_whitespace=True,
         )
     states[TOOL_STATE] = State(Channel.TOOL, tuple(tool_rules))

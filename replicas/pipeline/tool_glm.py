@@ -15,13 +15,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from replicas.pipeline.tool_segment import FAILED, TAIL, BufferedSegment, Sink
+from replicas.pipeline.tool_segment import TAIL, BufferedSegment, Sink
+from replicas.pipeline.tool_syntax import KeyValueTags
 from replicas.pipeline.tool_xml import convert
 
-KEY = "<arg_key>"
-KEY_END = "</arg_key>"
-VALUE = "<arg_value>"
-VALUE_END = "</arg_value>"
 _NAME_LIMIT = 256  # a name or a key longer than this is junk, not a call
 
 _NAME, _KEY_OPEN, _KEY, _VALUE_OPEN, _VALUE = range(5)  # _NAME first: BufferedSegment starts there
@@ -30,21 +27,18 @@ _NAME, _KEY_OPEN, _KEY, _VALUE_OPEN, _VALUE = range(5)  # _NAME first: BufferedS
 class KeyValueSegment(BufferedSegment):
     """The text of one `<tool_call>`...`</tool_call>`: one call."""
 
-    __slots__ = ("_name", "_key")
+    __slots__ = ("_name", "_key", "_tags")
     _after = "a tool call's arguments"
 
-    def __init__(self, sink: Sink, marker: str) -> None:
+    def __init__(self, sink: Sink, marker: str, tags: KeyValueTags = KeyValueTags()) -> None:
         super().__init__(sink, marker)
+        self._tags = tags
         self._name = ""
         self._key = ""
 
-    def close(self, marker: str) -> None:
-        """The call's close marker, or the end of the stream ("")."""
+    def _close(self, marker: str) -> None:
         state = self._state
-        if state == FAILED:
-            if marker:
-                self._sink.text(marker, "")
-        elif state == _NAME:
+        if state == _NAME:
             # A call without arguments: `<tool_call>NAME</tool_call>`.
             if not self._start(self._buf.strip(), marker):
                 return
@@ -76,7 +70,7 @@ class KeyValueSegment(BufferedSegment):
             self._buf, self._state = buf[cut:], _KEY_OPEN
             return True
         if state in (_KEY, _VALUE):
-            end = KEY_END if state == _KEY else VALUE_END
+            end = self._tags.key_end if state == _KEY else self._tags.value_end
             found = buf.find(end)
             if found < 0:
                 if state == _KEY and len(buf) > _NAME_LIMIT:
@@ -90,9 +84,9 @@ class KeyValueSegment(BufferedSegment):
             self._buf = buf[found + len(end):]
             return True
         # _KEY_OPEN or _VALUE_OPEN: whitespace, then the tag
-        tag = KEY if state == _KEY_OPEN else VALUE
-        rest = buf.lstrip()
-        if not rest or (tag.startswith(rest) and rest != tag):
+        tag = self._tags.key if state == _KEY_OPEN else self._tags.value
+        rest = _layout(buf)
+        if not rest or rest == "\\" or (tag.startswith(rest) and rest != tag):
             return False
         if not rest.startswith(tag):
             self._junk(f"expected {tag}")
@@ -128,3 +122,15 @@ class KeyValueSegment(BufferedSegment):
         self._end_call()
         self._warned = True
 
+
+
+def _layout(text: str) -> str:
+    """`text` without the layout before a tag: whitespace, and the literal `\\n` some
+    templates write between a key and its value (the references skip both)."""
+    while True:
+        rest = text.lstrip()
+        if rest.startswith("\\n"):
+            rest = rest[2:]
+        if rest == text:
+            return rest
+        text = rest

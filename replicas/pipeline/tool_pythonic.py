@@ -15,7 +15,7 @@ import ast
 import json
 import re
 
-from replicas.pipeline.tool_segment import FAILED, TAIL, CallSegment, Sink
+from replicas.pipeline.tool_segment import TAIL, CallSegment, Sink
 
 _NAME_LIMIT = 256  # a longer name is not a call
 _NAME = re.compile(r"[A-Za-z_][\w.]*")
@@ -86,13 +86,9 @@ class PythonicSegment(CallSegment):
                     self._junk("text after a call")
                 self._state = TAIL
 
-    def close(self, marker: str) -> None:
-        """The close marker, or the end of the stream ("")."""
+    def _close(self, marker: str) -> None:
         state = self._state
-        if state == FAILED:
-            if marker:
-                self._sink.text(marker, "")
-        elif state == _ARGS:  # cut off: the complete arguments are what the call had
+        if state == _ARGS:  # cut off: the complete arguments are what the call had
             self._sink.warn("tool call cut off inside its arguments")
             self._end_call()
         elif state in (_LEAD, _CALL) and (self._raw.strip() or not self._calls):

@@ -47,6 +47,18 @@ class CallSegment:
             return True
         return False
 
+    def close(self, marker: str) -> None:
+        """The call's close marker, or the end of the stream (""): after a failure the
+        marker goes back as text, else the reader's own `_close`."""
+        if self._state == FAILED:
+            if marker:
+                self._sink.text(marker, "")
+        else:
+            self._close(marker)
+
+    def _close(self, marker: str) -> None:
+        raise NotImplementedError
+
     def _end_call(self) -> None:
         if self._count:
             self._sink.delta("}")

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-__all__ = ["CallGrammar", "ParamLayout", "Syntax", "ToolFormat", "XmlTags"]
+__all__ = ["CallGrammar", "GemmaTags", "KeyValueTags", "ParamLayout", "Syntax", "ToolFormat",
+           "XmlTags"]
 
 
 class Syntax(str, Enum):
@@ -20,6 +21,8 @@ class Syntax(str, Enum):
     # GLM-4.5/4.7: NAME<arg_key>K</arg_key><arg_value>V</arg_value>..., the name is bare text
     KEY_VALUE = "key_value"
     PYTHONIC = "pythonic"  # LFM2: [NAME(k=V, ...), ...], V a Python (or JSON) literal
+    GEMMA = "gemma"  # Gemma 4, FunctionGemma: call:NAME{k:V,...}, strings in `GemmaTags.quote`
+    XTML = "xtml"  # Kimi K3: <|open|>call tool="NAME"<|sep|> typed argument blocks
     RAW = "raw"  # Harmony: the message body is the arguments, the header names the call
 
 
@@ -37,6 +40,32 @@ class XmlTags:
     # Qwen3-Coder's templates put a value on its own lines (one newline each side is
     # layout); MiniMax's reference parser strips all surrounding whitespace.
     strip_values: bool = False
+    # The header is attributes and the name is this one's quoted value
+    # (`<atem:invoke name="f">`); None: the whole header is the name.
+    name_attr: str | None = None
+    # A value that parses as JSON is that value, a string included, whatever the schema
+    # says (Muse Spark's reference); otherwise the stripped text.
+    json_values: bool = False
+    # A value wrapped in `<![CDATA[...]]>` is the text inside, unstripped (MiniCPM5).
+    cdata: bool = False
+
+
+@dataclass(frozen=True)
+class KeyValueTags:
+    """The tags of a key/value call (`Syntax.KEY_VALUE`): GLM's, or LongCat's own."""
+
+    key: str = "<arg_key>"
+    key_end: str = "</arg_key>"
+    value: str = "<arg_value>"
+    value_end: str = "</arg_value>"
+
+
+@dataclass(frozen=True)
+class GemmaTags:
+    """A Gemma call (`Syntax.GEMMA`): `call:NAME{key:VALUE,...}`, a string VALUE written
+    between two `quote`s (Gemma 4's `<|"|>`, FunctionGemma's `<escape>`)."""
+
+    quote: str
 
 
 @dataclass(frozen=True)
@@ -51,6 +80,8 @@ class ParamLayout:
     sep: str = ""
     # False: every value is JSON, strings quoted (pythonic keyword arguments).
     raw_strings: bool = True
+    # A raw string is written between two of these instead of ending at `close` (Gemma).
+    quote: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,6 +103,9 @@ class CallGrammar:
     # Where free text must be announced by a header (harmony's final channel), `auto` is
     # a plain alternative between this header + text and a call; no trigger is needed.
     text_open: str | None = None
+    # Marker texts that free text may still hold in `auto` (Kimi K3's response wrapper):
+    # free text cannot hold a special token, so these are spelled out as alternatives.
+    text_markers: tuple[str, ...] = ()
     # Other ways the same call head may be written ("{name}" as in `head`).
     alt_heads: tuple[str, ...] = ()
     # A message the model may write before any of the above (harmony's analysis): its
@@ -108,6 +142,8 @@ class ToolFormat:
     # `name` is the tool's name (Kimi writes `functions.NAME:0`); None: the stripped text.
     name_pattern: str | None = None
     xml: XmlTags = XmlTags()  # Syntax.XML: the tags
+    kv: KeyValueTags = KeyValueTags()  # Syntax.KEY_VALUE: the tags
+    gemma: GemmaTags = GemmaTags('<|"|>')  # Syntax.GEMMA: the string quote
     # Markers that wrap a whole section of calls (Kimi's `<|tool_calls_section_begin|>`):
     # with tools composed, the answer drops them; the calls inside open and close as usual.
     section: tuple[str, ...] = ()
@@ -134,6 +170,6 @@ class ToolFormat:
         if (self.syntax is Syntax.NONE) == suppressible:
             raise ValueError(f"tool format {self.name!r}: `reserved` must hold its markers")
         # Tagged arguments are written by the grammar in the parser's own layout.
-        if self.syntax in (Syntax.XML, Syntax.KEY_VALUE, Syntax.PYTHONIC) and (
+        if self.syntax in (Syntax.XML, Syntax.KEY_VALUE, Syntax.PYTHONIC, Syntax.GEMMA) and (
                 self.grammar is None or self.grammar.params is None):
             raise ValueError(f"tool format {self.name!r}: tagged syntax needs `params`")

@@ -18,12 +18,14 @@ is a string.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 
-from replicas.pipeline.tool_segment import FAILED, TAIL, BufferedSegment, Sink
+from replicas.pipeline.tool_segment import TAIL, BufferedSegment, Sink
 from replicas.pipeline.tool_syntax import XmlTags
 
 _HEADER_LIMIT = 256  # a `<function=...>` or `<parameter=...>` header longer than this is junk
+_CDATA = re.compile(r"\s*<!\[CDATA\[(.*?)\]\]>\s*", re.DOTALL)
 
 
 def convert(value: str, schema_type: object) -> object:
@@ -71,13 +73,9 @@ class XmlSegment(BufferedSegment):
         self._param = ""
         self._calls = 0  # calls started in this segment
 
-    def close(self, marker: str) -> None:
-        """The call's close marker, or the end of the stream ("")."""
+    def _close(self, marker: str) -> None:
         state = self._state
-        if state == FAILED:
-            if marker:
-                self._sink.text(marker, "")
-        elif state == _FUNC:
+        if state == _FUNC:
             if self._buf.strip() or not self._calls:
                 self._fail("incomplete <function=...> header", marker)
         elif state == _VALUE:  # cut off inside a value: it is what the call had
@@ -155,13 +153,21 @@ class XmlSegment(BufferedSegment):
         return buf[start:close]
 
     def _name_of(self, header: str) -> str:
+        if self._tags.name_attr is not None:  # `<atem:invoke name="f">`: other attributes too
+            found = re.search(rf'(?:^|\s){re.escape(self._tags.name_attr)}="([^"]+)"', header)
+            return found.group(1) if found else ""
         name = header.strip()
         if self._tags.quoted and len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'":
             name = name[1:-1]
         return name
 
     def _emit_param(self, value: str) -> None:
-        if self._tags.strip_values:
+        tags = self._tags
+        cdata = _CDATA.fullmatch(value) if tags.cdata else None
+        if cdata is not None or tags.json_values:
+            self._emit_value(self._as_json(value) if cdata is None else cdata.group(1))
+            return
+        if tags.strip_values:
             value = value.strip()
         # Templates write the value on its own lines: one newline each side is layout.
         if value.startswith("\n"):
@@ -172,7 +178,15 @@ class XmlSegment(BufferedSegment):
         props = schema.get("properties")
         spec = props.get(self._param) if isinstance(props, Mapping) else None
         kind = spec.get("type") if isinstance(spec, Mapping) else None
-        converted = json.dumps(convert(value, kind), ensure_ascii=False)
+        self._emit_value(convert(value, kind))
+
+    @staticmethod
+    def _as_json(value: str) -> object:
+        parsed = _json(value)
+        return value.strip() if parsed is _BAD else parsed
+
+    def _emit_value(self, value: object) -> None:
+        converted = json.dumps(value, ensure_ascii=False)
         lead = "{" if self._count == 0 else ", "
         self._sink.delta(f"{lead}{json.dumps(self._param, ensure_ascii=False)}: {converted}")
         self._count += 1

@@ -287,7 +287,7 @@ def test_router_start_validation() -> None:
 
 
 def test_unknown_format_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="harmony, none, think_tags"):
+    with pytest.raises(ValueError, match="gemma4, harmony, longcat_think, none, think_colon, think_tags, xtml"):
         get_format("deepseek")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,18 @@ from tests.unit.test_guided import build_hf_tokenizer, guided_tokenizer
 
 # Non-special in Qwen3 (they survive skip_special_tokens); special in the other families.
 PLAIN_MARKERS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-                 "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>")
+                 "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>",
+                 "<longcat_tool_call>", "</longcat_tool_call>", "<longcat_arg_key>",
+                 "</longcat_arg_key>", "<longcat_arg_value>", "</longcat_arg_value>",
+                 "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                 "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 SPECIAL_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]", "<|start|>", "<|channel|>",
                    "<|constrain|>", "<|message|>", "<|call|>", "<|end|>",
                    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-                   "<|tool_call_start|>")
+                   "<|tool_call_start|>", "<|tool_call>", "<tool_call|>", '<|"|>',
+                   "<start_function_call>", "<end_function_call>", "<escape>", "<|open|>",
+                   "<|close|>", "<|sep|>")
 
 
 @functools.cache
@@ -143,20 +150,36 @@ def call_text(fmt: str, name: str, args: dict[str, Any]) -> str:
     if fmt == "qwen3_coder":
         params = "".join(f"<parameter={k}>\n{raw(v)}\n</parameter>\n" for k, v in args.items())
         return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
-    if fmt == "glm47":
-        pairs = "".join(f"<arg_key>{k}</arg_key><arg_value>{raw(v)}</arg_value>"
-                        for k, v in args.items())
-        return f"<tool_call>{name}{pairs}</tool_call>"
+    if fmt in KEY_VALUE_PREFIX:
+        pre = KEY_VALUE_PREFIX[fmt]
+        pairs = "".join(f"<{pre}arg_key>{k}</{pre}arg_key><{pre}arg_value>{raw(v)}"
+                        f"</{pre}arg_value>" for k, v in args.items())
+        return f"<{pre}tool_call>{name}{pairs}</{pre}tool_call>"
     if fmt == "minimax_m2":
         params = "".join(f'<parameter name="{k}">{raw(v)}</parameter>\n'
                          for k, v in args.items())
         return f'<invoke name="{name}">\n{params}</invoke>'
     if fmt == "pythonic":
         return f"{name}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items()) + ")"
+    if fmt in GEMMA_CALLS:
+        (open_, close), quote = GEMMA_CALLS[fmt]
+        pairs = ",".join(f"{k}:{quote}{v}{quote}" if isinstance(v, str) else f"{k}:{raw(v)}"
+                         for k, v in args.items())
+        return f"{open_}call:{name}{{{pairs}}}{close}"
+    if fmt == "minicpm5":
+        params = "".join(f'<param name="{k}">{raw(v)}</param>' for k, v in args.items())
+        return f'<function name="{name}">{params}</function>'
+    if fmt == "muse_spark":
+        params = "".join(f'<atem:parameter name="{k}">{json.dumps(v)}</atem:parameter>\n'
+                         for k, v in args.items())
+        return f'<atem:invoke name="{name}">\n{params}</atem:invoke>'
     body = json.dumps(args)
     return {
         "kimi_k2": f"<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{body}"
                    "<|tool_call_end|>",
+        "kimi_k3": f'<|open|>call tool="{name}" index="1"<|sep|><|open|>json type="object"'
+                   f"<|sep|>{body}<|close|>json<|sep|><|close|>call<|sep|>",
+        "deepseek_v31": f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{body}<｜tool▁call▁end｜>",
         "hermes": f'<tool_call>\n{{"name": "{name}", "arguments": {body}}}\n</tool_call>',
         "llama3_json": f'{{"name": "{name}", "parameters": {body}}}',
         "mistral": f'{{"name": "{name}", "arguments": {body}}}',
@@ -179,10 +202,49 @@ def section(fmt: str, *calls: str) -> str:
         "glm47": "\n".join(calls),
         "minimax_m2": "<minimax:tool_call>\n" + "\n".join(calls) + "\n</minimax:tool_call>",
         "pythonic": "<|tool_call_start|>[" + ", ".join(calls) + "]<|tool_call_end|>",
+        "gemma4": "".join(calls),
+        "function_gemma": "".join(calls),
+        "longcat": "\n".join(calls),
+        "minicpm5": "\n".join(calls),
+        "muse_spark": "<atem:function_calls>\n" + "\n".join(calls) + "\n</atem:function_calls>",
+        "kimi_k3": "<|open|>tools<|sep|>" + "".join(calls) + "<|close|>tools<|sep|>",
+        "deepseek_v31": "<｜tool▁calls▁begin｜>" + "".join(calls) + "<｜tool▁calls▁end｜>",
     }[fmt]
 
 
+# GLM's key/value layout: the tag prefix of each format that writes it.
+KEY_VALUE_PREFIX = {"glm47": "", "longcat": "longcat_"}
+# Gemma's formats: (call markers, string quote).
+GEMMA_CALLS = {"gemma4": (("<|tool_call>", "<tool_call|>"), '<|"|>'),
+               "function_gemma": (("<start_function_call>", "<end_function_call>"), "<escape>")}
+
+
 PARIS = {"city": "Paris"}
+# A tool `f` with optional arguments of every kind, and arguments for it that a grammar must
+# write so that the parser reads them back.
+LOOSE = tool("f", {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "boolean"},
+    "d": {"type": "array", "items": {"type": "string"}}}})
+ROUND_TRIP: list[dict[str, Any]] = [{}, {"b": "x, y: {z} \"q\""}, {"a": 1, "c": True},
+                                    {"a": -2, "b": "New\nYork", "c": False, "d": ["p,q", "}"]}]
+
+
+def refuses_malformed(fmt: str, tok: str, loose: ToolSpec, texts: Iterable[str]) -> None:
+    """The grammar for the tool `loose` (named `f`, an integer `a`) takes a call of it but
+    none of `texts`."""
+    g = grammar(fmt, ToolChoice("required"), tok, tools=(loose,))
+    assert accepts(g, section(fmt, call_text(fmt, "f", {"a": 1})), tok)
+    for text in texts:
+        assert not accepts(g, text, tok), text
+
+
+def named_auto_choice_forces_that_tool(fmt: str, tok: str = "tokens") -> None:
+    """`tool_choice` naming `search`: its call at once, no text first, no other tool."""
+    g = grammar(fmt, ToolChoice("auto", name="search"), tok)
+    search = section(fmt, call_text(fmt, "search", {"query": "q", "limit": 2}))
+    assert accepts(g, search, tok)
+    assert not accepts(g, "Sure. " + search, tok)
+    assert not accepts(g, section(fmt, call_text(fmt, "get_weather", PARIS)), tok)
 # Every format with calls has a grammar (its entry's `grammar`).
 GRAMMARS: dict[str, CallGrammar] = {n: f.grammar for n, f in TOOL_FORMATS.items() if f.grammar}
 FORMATS = tuple(GRAMMARS)

@@ -34,6 +34,10 @@ CALL_PATTERNS = {
                r"<\|constrain\|>json<\|message\|>(.*?)<\|call\|>",
     "kimi_k2": r"<\|tool_call_begin\|>functions\.(\w+):\d+<\|tool_call_argument_begin\|>"
                r"(.*?)<\|tool_call_end\|>",
+    "kimi_k3": r'<\|open\|>call tool="(\w+)" index="\d+"<\|sep\|><\|open\|>json type="object"'
+               r"<\|sep\|>(.*?)<\|close\|>json<\|sep\|>",
+    "deepseek_v31": r"<\uff5ctool\u2581call\u2581begin\uff5c>(\w+)<\uff5ctool\u2581sep\uff5c>(.*?)"
+                    r"<\uff5ctool\u2581call\u2581end\uff5c>",
 }
 # Harmony's grammar also admits an analysis message first, free text that a random walk
 # would rarely end: the walk starts inside the commentary header instead (the analysis

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -467,7 +467,12 @@ def test_call_open_markers() -> None:
     assert opens == {"harmony": None, "qwen3_coder": "<tool_call>", "hermes": "<tool_call>",
                      "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]", "none": None,
                      "kimi_k2": "<|tool_call_begin|>", "glm47": "<tool_call>",
-                     "minimax_m2": "<minimax:tool_call>", "pythonic": "<|tool_call_start|>"}
+                     "minimax_m2": "<minimax:tool_call>", "pythonic": "<|tool_call_start|>",
+                     "kimi_k3": "<|open|>call", "gemma4": "<|tool_call>",
+                     "function_gemma": "<start_function_call>",
+                     "longcat": "<longcat_tool_call>", "minicpm5": "<function name=",
+                     "muse_spark": "<atem:function_calls>",
+                     "deepseek_v31": "<｜tool▁call▁begin｜>"}
 
 
 @pytest.mark.parametrize(
@@ -489,8 +494,10 @@ def test_detect_tool_format(template: str | None, vocab: Sequence[str], want: st
 
 
 def test_unknown_tool_format_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="glm47, harmony, hermes, kimi_k2, llama3_json, "
-                                         "minimax_m2, mistral, none, pythonic"):
+    with pytest.raises(ValueError, match="deepseek_v31, function_gemma, gemma4, glm47, "
+                                         "harmony, hermes, kimi_k2, kimi_k3, llama3_json, "
+                                         "longcat, minicpm5, minimax_m2, mistral, muse_spark, "
+                                         "none, pythonic"):
         get_tool_format("xml")
 
 
@@ -506,13 +513,19 @@ FRAGMENTS = [
 ]
 
 
-@settings(max_examples=500, deadline=None)
-@given(pair=st.sampled_from(PAIRS), parts=st.lists(st.sampled_from(FRAGMENTS), max_size=16),
-       data=st.data())
-def test_random_markup_never_breaks_the_contract(
-    pair: tuple[str, str], parts: list[str], data: st.DataObject
-) -> None:
-    split_agrees(pair, parts, data)
+def random_markup_test(pairs: Sequence[tuple[str, str]], fragments: Sequence[str],
+                       examples: int) -> Callable[[], None]:
+    """A test that random markup of `fragments`, read by each (channels, tools) pair of
+    `pairs`, gives the same events whole and cut at random points (`split_agrees`)."""
+    @settings(max_examples=examples, deadline=None)
+    @given(pair=st.sampled_from(pairs), parts=st.lists(st.sampled_from(fragments), max_size=16),
+           data=st.data())
+    def test(pair: tuple[str, str], parts: list[str], data: st.DataObject) -> None:
+        split_agrees(pair, parts, data)
+    return test
+
+
+test_random_markup_never_breaks_the_contract = random_markup_test(PAIRS, FRAGMENTS, 500)
 
 
 def split_agrees(pair: tuple[str, str], parts: list[str], data: st.DataObject) -> None:
@@ -522,3 +535,17 @@ def split_agrees(pair: tuple[str, str], parts: list[str], data: st.DataObject) -
     whole = check(sample, decode(sample, [text]))
     cuts = data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12))
     assert check(sample, decode(sample, split(text, cuts))) == whole
+
+
+def one_shot_and_every_split_agree(sample: Sample) -> None:
+    """The sample in one shot, cut at every point and one character per chunk: the same
+    events, and unless the sample is literal no markup in its answer or reasoning."""
+    want = expected(sample)
+    got = check(sample, decode(sample, [sample.text]))
+    assert got == want
+    if not sample.literal:
+        answer = "".join(e[1] for e in got if e[0] in (A, R))
+        assert not any(m in answer for m in markup(sample))
+    for cut in range(1, len(sample.text)):
+        assert check(sample, decode(sample, split(sample.text, [cut]))) == want, cut
+    assert check(sample, decode(sample, list(sample.text))) == want

@@ -50,7 +50,24 @@ RESERVED = {
               "</arg_value>"},
     "minimax_m2": {"<minimax:tool_call>", "</minimax:tool_call>"},
     "pythonic": {"<|tool_call_start|>", "<|tool_call_end|>"},
+    "kimi_k3": {"<|open|>tools<|sep|>", "<|close|>tools<|sep|>", "<|open|>call",
+                "<|close|>call<|sep|>", "<|open|>argument", "<|close|>argument<|sep|>",
+                "<|open|>json", "<|close|>json<|sep|>"},
+    "gemma4": {"<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>"},
+    "function_gemma": {"<start_function_call>", "<end_function_call>",
+                       "<start_function_response>", "<end_function_response>"},
+    "longcat": {"<longcat_tool_call>", "</longcat_tool_call>", "<longcat_arg_key>",
+                "</longcat_arg_key>", "<longcat_arg_value>", "</longcat_arg_value>"},
+    "minicpm5": {"<function name=", "</function>"},
+    "muse_spark": {"<atem:function_calls>", "</atem:function_calls>"},
+    "deepseek_v31": {"<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>",
+                     "<｜tool▁output▁end｜>", "<｜tool▁outputs▁begin｜>",
+                     "<｜tool▁outputs▁end｜>"},
 }
+# The reasoning format of each family whose reasoning is not `<think>` tags.
+OWN_REASONING = {"harmony": "harmony", "kimi_k3": "xtml", "gemma4": "gemma4",
+                 "longcat": "longcat_think"}
 ALL_MARKERS = sorted({m for markers in RESERVED.values() for m in markers})
 # A vocabulary where every marker is one token (as in the families' own vocabularies);
 # any other text is one token per character.
@@ -67,7 +84,9 @@ def encode_as_text(text: str) -> tuple[int, ...]:
 
 def bases(tools: str) -> list[str]:
     """The channel formats a model of this tool format can have."""
-    return ["harmony"] if tools == "harmony" else ["none", "think_tags"]
+    if tools in ("harmony", "kimi_k3"):  # tied to their channel format
+        return [OWN_REASONING[tools]]
+    return ["none", OWN_REASONING.get(tools, "think_tags")]
 
 
 def leak(tools: str) -> str:

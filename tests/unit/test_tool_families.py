@@ -17,14 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from replicas.contract import Channel, FinishReason, ToolChoice
+from replicas.contract import FinishReason, ToolChoice
 from replicas.pipeline.channels import detect_format
 from replicas.pipeline.tool_formats import TOOL_FORMATS, detect_tool_format
-from tests.unit.test_guided_tools import VARIANTS, accepts, call_text, grammar, section, tool
-from tests.unit.test_tool_calls import Sample, check, decode, expected, markup, split, split_agrees
+from tests.unit.test_guided_tools import (VARIANTS, accepts, call_text, grammar, refuses_malformed,
+                                          section, tool)
+from tests.unit.test_tool_calls import (Sample, check, decode, expected,
+                                        one_shot_and_every_split_agree, random_markup_test)
 
 LENGTH = FinishReason.LENGTH
 # The reference parser of each format: mlx_lm.tool_parsers.<module>.
@@ -118,20 +118,13 @@ IDS = [f"{s.channels}+{s.tools}-{i}" for i, s in enumerate(SAMPLES)]
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=IDS)
 def test_one_shot_and_every_split_point_agree(sample: Sample) -> None:
-    want = expected(sample)
-    got = check(sample, decode(sample, [sample.text]))
-    assert got == want
-    if not sample.literal:
-        answer = "".join(e[1] for e in got if e[0] in (Channel.ANSWER, Channel.REASONING))
-        assert not any(m in answer for m in markup(sample))
-    for cut in range(1, len(sample.text)):
-        assert check(sample, decode(sample, split(sample.text, [cut]))) == want, cut
-    assert check(sample, decode(sample, list(sample.text))) == want
+    one_shot_and_every_split_agree(sample)
 
 
-def reference_calls(fmt: str, text: str, schemas: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The calls mlx-lm finds in `text`: each tool_call_start ... end span, parsed."""
-    module = importlib.import_module(f"mlx_lm.tool_parsers.{REFERENCE[fmt]}")
+def reference_calls(parser: str, text: str, schemas: dict[str, Any]
+                    ) -> list[tuple[str, Any]]:
+    """The calls mlx-lm's `parser` finds in `text`: each tool_call_start ... end span, parsed."""
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
     tools = [{"function": {"name": n, "parameters": s}} for n, s in schemas.items()] or None
     spans = re.findall(re.escape(module.tool_call_start) + "(.*?)"
                        + re.escape(module.tool_call_end), text, flags=re.DOTALL)
@@ -146,8 +139,13 @@ def reference_calls(fmt: str, text: str, schemas: dict[str, Any]) -> list[tuple[
 @pytest.mark.parametrize("sample", [s for s in SAMPLES if s.calls and s.reason is not LENGTH],
                          ids=lambda s: f"{s.tools}")
 def test_calls_match_mlx_lm_reference_parser(sample: Sample) -> None:
+    matches_the_reference(sample, REFERENCE[sample.tools])
+
+
+def matches_the_reference(sample: Sample, parser: str) -> None:
+    """mlx-lm's `parser` finds the sample's calls in its text."""
     ours = [(name, json.loads(arguments)) for name, arguments in sample.calls]
-    assert reference_calls(sample.tools, sample.text, sample.schemas) == ours
+    assert reference_calls(parser, sample.text, sample.schemas) == ours
 
 
 @pytest.mark.parametrize(
@@ -203,13 +201,7 @@ FRAGMENTS = [
 ]
 
 
-@settings(max_examples=300, deadline=None)
-@given(pair=st.sampled_from(FAMILIES), parts=st.lists(st.sampled_from(FRAGMENTS), max_size=16),
-       data=st.data())
-def test_random_markup_never_breaks_the_contract(
-    pair: tuple[str, str], parts: list[str], data: st.DataObject
-) -> None:
-    split_agrees(pair, parts, data)
+test_random_markup_never_breaks_the_contract = random_markup_test(FAMILIES, FRAGMENTS, 300)
 
 
 # --- grammars (the canonical calls of every format are in test_guided_tools.py) ---------
@@ -240,10 +232,7 @@ MALFORMED = {
 @pytest.mark.parametrize("fmt", sorted(MALFORMED))
 @pytest.mark.parametrize("tok", VARIANTS)
 def test_grammar_refuses_malformed_markup(fmt: str, tok: str) -> None:
-    g = grammar(fmt, ToolChoice("required"), tok, tools=(LOOSE,))
-    assert accepts(g, section(fmt, call_text(fmt, "f", {"a": 1})), tok)
-    for text in MALFORMED[fmt]:
-        assert not accepts(g, text, tok), text
+    refuses_malformed(fmt, tok, LOOSE, MALFORMED[fmt])
 
 
 @pytest.mark.parametrize("tok", VARIANTS)
