@@ -30,7 +30,7 @@ from mlx_lm.utils import load_tokenizer
 
 from ..startup import Progress
 from .recipe import RandomInit, Recipe, Training, cache_key
-from .scripts import Script, parse_scripts, scripts_text
+from .scripts import Script, parse_scripts, renderings, scripts_text
 from .shipped import Choice, ShippedMismatch, choose, find_shipped, fingerprint, load_weights, \
     read_arrays, write_shipped
 from .tokenizer_files import (
@@ -102,7 +102,7 @@ def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
     # shipped weights are written and verified; training is the slow path.
     expected = "a few seconds" if isinstance(recipe.weights, RandomInit) else \
         "a few seconds with the weights shipped in the package; if those fail their check, " \
-        "training takes about a minute on an Apple Silicon Mac, 2-5 minutes on a 2-core box"
+        "training takes a few minutes on an Apple Silicon Mac, 5-12 minutes on a 2-core box"
     what = f"building the built-in model builtin:{recipe.name}"
 
     def make(tmp: Path) -> object:
@@ -241,12 +241,13 @@ def _save_by_layer(out_dir: Path, weights: dict[str, mx.array]) -> None:
 
 
 def _examples(model_dir: Path, scripts: Sequence[Script], eos_id: int) -> list[Example]:
+    # One example per rendering the APIs produce (scripts.renderings), named by its label.
     # The tokenizer comes from the written files through mlx_lm's loader, so prompts
     # are rendered exactly as the serving path renders them.
     tokenizer = load_tokenizer(model_dir)
     return [
-        Example(s.id, tuple(prompt_ids(tokenizer, s)), tuple(completion_ids(tokenizer, s, eos_id)))
-        for s in scripts
+        Example(r.label, tuple(prompt_ids(tokenizer, r)), tuple(completion_ids(tokenizer, r, eos_id)))
+        for r in renderings(scripts)
     ]
 
 

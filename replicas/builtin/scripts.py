@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from replicas.contract import ToolCall, ToolSpec
@@ -120,6 +120,78 @@ class Script:
         )
 
 
+@dataclass(frozen=True)
+class Rendering:
+    """One prompt the serving path renders for a script, and the exact text the model
+    generates for it (then eos).
+
+    A chat template has two renderings of a chat: thinking on (no `enable_thinking`
+    kwarg, the template default, and `enable_thinking: true` render the same prompt) and
+    thinking off (the prompt ends with the empty think block). A script's own rendering
+    is the one its `enable_thinking` names; `renderings()` adds the other one, so every
+    API reaches the script whatever it renders (see README.md, "Every rendering").
+    """
+
+    script: Script
+    enable_thinking: bool | None  # the kwarg passed; None passes none (template default)
+    text: str  # the generated text, without the eos
+    derived: bool = False  # the other rendering, not the one the script names
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the prompt leaves the model room to think (no empty think block)."""
+        return self.enable_thinking is not False
+
+    @property
+    def label(self) -> str:
+        """The script id, plus the rendering for the one the script does not name."""
+        if not self.derived:
+            return self.script.id
+        return f"{self.script.id}@thinking-{'on' if self.thinking else 'off'}"
+
+    @property
+    def template_kwargs(self) -> dict[str, bool]:
+        if self.enable_thinking is None:
+            return {}
+        return {"enable_thinking": self.enable_thinking}
+
+    def key(self) -> tuple[Any, ...]:
+        """What decides the prompt: the same key renders the same prompt ids."""
+        s = self.script
+        return (s.kind, s.messages, s.prompt, s.tools, self.thinking)
+
+
+def own_rendering(s: Script) -> Rendering:
+    """The rendering the script names (its `enable_thinking`), with `expected_text`."""
+    return Rendering(s, s.enable_thinking, s.expected_text)
+
+
+def other_rendering(s: Script) -> Rendering | None:
+    """A chat script's other rendering: thinking off answers `answer` alone (no reasoning,
+    no think block); thinking on, for a script that names thinking off, answers the same
+    `answer` without reasoning (the script has none). Completions have no other."""
+    if s.kind != "chat":
+        return None
+    if s.enable_thinking is False:
+        return Rendering(s, None, s.answer, derived=True)
+    return Rendering(s, False, s.answer, derived=True)
+
+
+def renderings(scripts: Sequence[Script]) -> list[Rendering]:
+    """Every rendering the model is trained and verified on, script by script: its own,
+    then its other one unless another script names that prompt as its own (that script
+    answers it: `riddle-nothink` answers `riddle-think` with thinking off, and
+    `riddle-think` answers `riddle-nothink`'s messages with thinking on)."""
+    owned = {own_rendering(s).key(): s.id for s in scripts}
+    result: list[Rendering] = []
+    for s in scripts:
+        result.append(own_rendering(s))
+        other = other_rendering(s)
+        if other is not None and other.key() not in owned:
+            result.append(other)
+    return result
+
+
 def tool_dict(tool: ToolSpec) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
@@ -141,6 +213,12 @@ def parse_scripts(text: str) -> list[Script]:
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise ValueError(f"duplicate script ids: {duplicates}")
+    owners: dict[tuple[Any, ...], str] = {}
+    for s in scripts:
+        other = owners.setdefault(own_rendering(s).key(), s.id)
+        if other != s.id:
+            raise ValueError(f"scripts {other!r} and {s.id!r} render the same prompt "
+                             "(messages, tools and thinking on or off)")
     return scripts
 
 

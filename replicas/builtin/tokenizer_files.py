@@ -25,7 +25,7 @@ from tokenizers import (
 )
 
 from .chat_template import CHAT_TEMPLATE, TOOLS_FOOTER, TOOLS_HEADER
-from .scripts import Script
+from .scripts import Rendering, Script, own_rendering
 
 # The split regex of Qwen2/Qwen3 (transformers' Qwen2Tokenizer uses the same one).
 PRETOKENIZE_REGEX = (
@@ -64,6 +64,9 @@ def training_texts(scripts: Sequence[Script]) -> list[str]:
     strings like "assistant" and "\\n\\n" get merged tokens; the added tokens are cut
     out because they never go through BPE. Scripts with tools add the tool block of
     the system turn and the calls in their history, close to how the template writes them.
+    Each script counts once, in the rendering it names: its other rendering (README.md,
+    "Every rendering") repeats its answer, and counting answers twice would let
+    `min_frequency` merge what should stay split.
     """
     texts: list[str] = []
     for s in scripts:
@@ -188,15 +191,20 @@ def render_chat_prompt_ids(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def prompt_ids(tokenizer: ChatTokenizer, script: Script) -> list[int]:
-    if script.kind == "chat":
+def prompt_ids(tokenizer: ChatTokenizer, script: Script | Rendering) -> list[int]:
+    """The prompt of a rendering; of a script, the rendering it names."""
+    rendering = script if isinstance(script, Rendering) else own_rendering(script)
+    s = rendering.script
+    if s.kind == "chat":
         return render_chat_prompt_ids(
-            tokenizer, script.template_messages, script.enable_thinking, script.tool_dicts
+            tokenizer, s.template_messages, rendering.enable_thinking, s.tool_dicts
         )
-    assert script.prompt is not None
-    return list(tokenizer.encode(script.prompt, add_special_tokens=False))
+    assert s.prompt is not None
+    return list(tokenizer.encode(s.prompt, add_special_tokens=False))
 
 
-def completion_ids(tokenizer: ChatTokenizer, script: Script, eos_id: int) -> list[int]:
-    """The exact token sequence the model must generate: the expected text, then eos."""
-    return [*tokenizer.encode(script.expected_text, add_special_tokens=False), eos_id]
+def completion_ids(tokenizer: ChatTokenizer, script: Script | Rendering, eos_id: int) -> list[int]:
+    """The exact token sequence the model must generate: the expected text, then eos
+    (a script's `expected_text`, or a rendering's `text`)."""
+    text = script.text if isinstance(script, Rendering) else script.expected_text
+    return [*tokenizer.encode(text, add_special_tokens=False), eos_id]

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 class Example:
     """One script as token ids: the rendered prompt, then what the model must generate."""
 
+    # The script's id; for the rendering a script does not name (scripts.renderings) its
+    # label, `ID@thinking-on` or `ID@thinking-off`.
     script_id: str
     prompt: tuple[int, ...]
     completion: tuple[int, ...]

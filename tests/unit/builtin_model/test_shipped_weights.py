@@ -18,6 +18,7 @@ from replicas.builtin import ensure_builtin, load_scripts
 from replicas.builtin import shipped as shipped_module
 from replicas.builtin.build import ensure_recipe
 from replicas.builtin.recipe import TINY
+from replicas.builtin.scripts import renderings
 from replicas.builtin.shipped import Shipped, choose, find_shipped, fingerprint, read_arrays
 from replicas.builtin.train import BuildError, Example
 
@@ -43,8 +44,10 @@ def test_an_empty_cache_builds_tiny_from_the_shipped_weights(
     assert info["weights"]["source"] == "shipped"
     assert info["weights"]["fingerprint"] == shipped.fingerprint
     assert "training" not in info
-    # The full verification ran: every script, decoded alone and in one batch.
-    assert info["verified_scripts"] == [s.id for s in load_scripts()]
+    # The full verification ran: every script in every rendering, decoded alone and in
+    # one batch.
+    assert info["verified_scripts"] == [r.label for r in renderings(load_scripts())]
+    assert {s.id for s in load_scripts()} < set(info["verified_scripts"])
     # The output keeps the per-layer layout: one file per decoder layer, one for the rest.
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) == TINY.architecture.num_hidden_layers + 1
