@@ -19,7 +19,7 @@ from typing import Callable, cast
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from ingress.observe import RequestRecord
-from replicas.engine import EngineStats
+from replicas.engine_stats import EngineStats
 from replicas.timings import TimingSamples
 
 log = logging.getLogger(__name__)

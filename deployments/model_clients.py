@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
-from typing import AsyncGenerator, Protocol, Sequence, cast
+from typing import Any, AsyncGenerator, Protocol, Sequence, TypeVar, cast
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -19,7 +19,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deployments.config import IngressSettings
 from ingress.client import ModelCard
-from replicas.contract import ErrorKind, Failed, GenerationRequest, OutputEvent, is_terminal
+from replicas.contract import (
+    ErrorKind,
+    Failed,
+    GenerationRequest,
+    OutputEvent,
+    TokenizerInfo,
+    is_terminal,
+)
 from replicas.errors import InternalError, OverloadedError, from_event
 
 log = logging.getLogger(__name__)
@@ -34,7 +41,10 @@ class LocalReplica(Protocol):
     """What the client needs of `ModelReplica`."""
 
     def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]: ...
-    async def count_tokens(self, request: GenerationRequest) -> int | Failed: ...
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...] | Failed: ...
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str | Failed: ...
+    def tokenizer_info(self) -> TokenizerInfo: ...
 
 
 class LocalModelClient:
@@ -74,11 +84,15 @@ class LocalModelClient:
         finally:
             self._live -= 1
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
-        result = await self._replica.count_tokens(request)
-        if isinstance(result, Failed):
-            raise from_event(result)
-        return result
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
+        return _answer(await self._replica.tokenize(request, add_special_tokens))
+
+    async def detokenize(self, model: str, token_ids: tuple[int, ...]) -> str:
+        return _answer(await self._replica.detokenize(token_ids))
+
+    async def tokenizer_info(self, model: str) -> TokenizerInfo:
+        return self._replica.tokenizer_info()
 
 
 class RayModelClient:
@@ -132,21 +146,44 @@ class RayModelClient:
             return False
         return True
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
-        response = self._calls[request.model].count_tokens.remote(request)
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
+        return tuple(await self._call(request.model, "tokenize", request, add_special_tokens))
+
+    async def detokenize(self, model: str, token_ids: tuple[int, ...]) -> str:
+        return str(await self._call(model, "detokenize", token_ids))
+
+    async def tokenizer_info(self, model: str) -> TokenizerInfo:
+        info = await self._call(model, "tokenizer_info")
+        assert isinstance(info, TokenizerInfo)
+        return info
+
+    async def _call(self, model: str, method: str, *args: Any) -> Any:
+        """One call of a replica's `method` (no stream): its answer, Serve's and Ray's
+        failures as the taxonomy's, a `Failed` answer as its error."""
+        response = getattr(self._calls[model], method).remote(*args)
         try:
             result = await asyncio.wait_for(response, self._replica_wait_s)
         except (BackPressureError, DeploymentUnavailableError) as exc:
-            raise OverloadedError(_overloaded(request.model, exc)) from exc
+            raise OverloadedError(_overloaded(model, exc)) from exc
         except TimeoutError as exc:
             response.cancel()
-            raise OverloadedError(_unplaced(request.model, self._replica_wait_s)) from exc
+            raise OverloadedError(_unplaced(model, self._replica_wait_s)) from exc
         except RayError as exc:
-            _log_failure(request, exc)
-            raise InternalError(f"the replica serving '{request.model}' failed") from exc
-        if isinstance(result, Failed):
-            raise from_event(result)
-        return int(result)
+            # Ray's text carries the replica's traceback: DEBUG only, as `_log_failure`.
+            log.warning("%s on '%s' failed: %s", method, model, type(exc).__name__)
+            log.debug("%s on '%s' failure detail: %s", method, model, exc)
+            raise InternalError(f"the replica serving '{model}' failed") from exc
+        return _answer(result)
+
+
+_T = TypeVar("_T")
+
+
+def _answer(result: _T | Failed) -> _T:
+    if isinstance(result, Failed):
+        raise from_event(result)
+    return result
 
 
 def at_capacity(model: str) -> str:

@@ -17,7 +17,7 @@ from deployments.config import (
 )
 from deployments.observability import engine_poller
 from deployments.shards import ShardGroup
-from replicas.contract import Failed, GenerationRequest, OutputEvent
+from replicas.contract import Failed, GenerationRequest, OutputEvent, TokenizerInfo
 from replicas.batch import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
@@ -113,5 +113,12 @@ class ModelDeployment(ReplicaOwner):
             async for batch in events:
                 yield batch
 
-    async def count_tokens(self, request: GenerationRequest) -> int | Failed:
-        return await self._replica.count_tokens(request)
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...] | Failed:
+        return await self._replica.tokenize(request, add_special_tokens)
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str | Failed:
+        return await self._replica.detokenize(token_ids)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        return self._replica.tokenizer_info()

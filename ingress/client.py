@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
-from replicas.contract import GenerationRequest, OutputEvent
+from replicas.contract import GenerationRequest, OutputEvent, TokenizerInfo
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,17 @@ class ModelClient(Protocol):
         """
         ...
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
-        """Prompt tokens the request would use once rendered by the model's template."""
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
+        """The prompt's token ids once rendered by the model's template, as generation would
+        run them (`add_special_tokens` false: a text prompt without the tokenizer's BOS)."""
+        ...
+
+    async def detokenize(self, model: str, token_ids: tuple[int, ...]) -> str:
+        """The ids' text (special tokens kept)."""
+        ...
+
+    async def tokenizer_info(self, model: str) -> TokenizerInfo:
         ...
 
 
@@ -59,8 +68,15 @@ class WrappedClient:
     def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
         return self._inner.stream(request)
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
-        return await self._inner.count_tokens(request)
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
+        return await self._inner.tokenize(request, add_special_tokens)
+
+    async def detokenize(self, model: str, token_ids: tuple[int, ...]) -> str:
+        return await self._inner.detokenize(model, token_ids)
+
+    async def tokenizer_info(self, model: str) -> TokenizerInfo:
+        return await self._inner.tokenizer_info(model)
 
 
 def require_model(client: ModelClient, name: str) -> ModelCard:

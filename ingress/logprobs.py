@@ -1,5 +1,5 @@
-"""Token logprobs in OpenAI's two shapes: chat's `logprobs.content` entries and the legacy
-completions' parallel lists."""
+"""Token logprobs in OpenAI's two shapes: the entries of chat's `logprobs.content` (also
+Responses' `output_text.logprobs`) and the legacy completions' parallel lists."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def _bytes(text: str) -> list[int]:
 
 
 def chat_content(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    """`choices[i].logprobs.content`: one entry per token, its top alternatives inside."""
+    """`choices[i].logprobs.content` (and a Responses text's `logprobs`): one entry per
+    token, its top alternatives inside."""
     return [{
         "token": e.token,
         "logprob": e.logprob,
@@ -47,7 +48,9 @@ class CompletionLogprobs:
         }
 
 
-def _top(entry: TokenLogprob) -> dict[str, float]:
+def _top(entry: TokenLogprob) -> dict[str, float] | None:
+    if entry.logprob is None:
+        return None  # an echoed prompt's first token: nothing predicts it
     # As OpenAI: the sampled token is always there, so up to k + 1 entries.
     top = dict(entry.top)
     top.setdefault(entry.token, entry.logprob)

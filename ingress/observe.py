@@ -199,11 +199,12 @@ class ObservedClient(WrappedClient):
         trace.opened = True
         return _watched(events, trace)
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
         trace = _TRACE.get()
         if trace is not None:
             trace.request_id, trace.model = request.request_id, request.model
-        return await self._inner.count_tokens(request)
+        return await self._inner.tokenize(request, add_special_tokens)
 
 
 async def _watched(events: AsyncIterator[list[OutputEvent]],

@@ -17,7 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from replicas.logprobs import Picked
 from replicas.prompt_cache import PromptCache, segments
+from replicas.prompt_logprobs import score_prompt
 from replicas.sampling import LogitsProcessor, Sampler
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class Batch(Protocol):
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]: ...
     def step(self) -> list[Any]: ...
     def finish(self, done: Sequence[Done]) -> None: ...
+    def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]: ...
     def reset(self) -> None: ...
     def evict_cache_to(self, nbytes: int) -> None: ...
     def close(self) -> None: ...
@@ -157,6 +160,15 @@ class LocalBatch:
                 self._cache.save(list(tokens), cache)
         except Exception:  # noqa: BLE001
             log.exception("saving a prompt cache entry failed")
+
+    def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
+        """The prompt's token logprobs from one prefill (`replicas.prompt_logprobs`); its KV
+        goes into the prefix cache, for the generation that follows."""
+        picked, cache = score_prompt(self._model, prompt_ids, top,
+                                     self._config.prefill_step_size, self.stream)
+        if self._cache is not None:
+            self._cache.save(list(prompt_ids), cache)
+        return picked
 
     def reset(self) -> None:
         """A fresh, empty batch after a failed step (the cache keeps what it holds)."""

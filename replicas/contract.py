@@ -164,6 +164,23 @@ class GenerationRequest:
     # The client's session (OpenAI `prompt_cache_key`, Anthropic `metadata.user_id`): the
     # router sends its requests to one replica, whose prefix cache holds the conversation.
     session_key: str | None = None
+    # Completions' `echo`: the prompt comes back as the answer's first text, with its own
+    # tokens' logprobs when `sampling.logprobs` is set (one prefill scores them).
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """A model's tokenizer as clients that tokenize on their own need it (vLLM's
+    `/tokenizer_info`: evaluation harnesses read it to pick a remote tokenizer)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int  # prompt plus output tokens one request may use
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -185,7 +202,7 @@ class TokenLogprob:
 
     token: str  # the tokenizer's piece for the id
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (`echo`): nothing predicts it
     top: tuple[tuple[str, float], ...] = ()
 
 

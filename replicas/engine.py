@@ -32,10 +32,12 @@ from typing import Any, Callable
 
 from replicas.batch import Batch, Done, EngineConfig, Row
 from replicas.submission import EventSink, Submission, deliver
-from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent
+from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, TextDelta
 from replicas.loading import LoadedModel
 from replicas.logprobs import Asked, Picked, pick
-from replicas.memory import KvBudget, MemoryStats, open_budget
+from replicas.engine_stats import EngineStats
+from replicas.memory import KvBudget, open_budget
+from replicas.prompt_logprobs import echo_delta
 from replicas.sampling import (
     GuardedProcessors,
     LogitsProcessor,
@@ -44,23 +46,6 @@ from replicas.sampling import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    active: int
-    waiting: int
-    steps: int
-    finished: int
-    submitted: int  # requests that reached the batch (a request cancelled in the queue never does)
-    cancel_latency_steps: tuple[int, ...]  # decode steps between a cancel and the slot freeing
-    cache_hits: int = 0  # requests that reused a cached prefix
-    cache_misses: int = 0
-    cache_evictions: int = 0
-    cache_bytes: int = 0
-    cache_entries: int = 0
-    cached_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
-    memory: MemoryStats | None = None  # KV admission (None until the model has loaded)
 
 
 @dataclass
@@ -294,6 +279,8 @@ class Engine:
         failed: list[tuple[EventSink, list[OutputEvent]]] = []
         for sub in subs:
             try:  # a request whose sampling cannot be built fails alone
+                if sub.echo is not None:
+                    deliver([(sub.sink, [self._echo(sub)])])
                 guard = _guarded(sub)
                 row = Row(tuple(sub.prompt_ids), sub.boundary, sub.max_tokens,
                           eos | sub.stop_token_ids, make_request_sampler(sub.sampling),
@@ -311,6 +298,13 @@ class Engine:
             self._by_uid[uid] = active
             self._by_rid[sub.request_id] = active
         self._submitted += len(ready)
+
+    def _echo(self, sub: Submission) -> TextDelta:
+        """The prompt's text, and its tokens' logprobs scored by one prefill if asked."""
+        assert self._batch is not None and sub.echo is not None
+        trail = sub.logprobs
+        picked = self._batch.score(sub.prompt_ids, trail.top) if trail is not None else None
+        return echo_delta(sub.echo, sub.prompt_ids, picked, trail)
 
     def _step(self) -> None:
         assert self._batch is not None

@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from replicas.batch import Done, LocalBatch, Row
+from replicas.logprobs import Picked
 from replicas.prompt_cache import PromptCache
 from replicas.sampling import Sampler
 
@@ -84,6 +85,14 @@ class _Evict:
 
 
 @dataclass(frozen=True)
+class _Score:
+    """A prompt scored now (`echo`): its forward pass runs on every rank, and no step
+    follows this record."""
+
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Idle:
     """The batch is empty: no step follows until rank 0 wakes the others."""
 
@@ -93,7 +102,7 @@ class _Stop:
     pass
 
 
-_Op = Union[_Insert, _Finish, _Reset, _Evict, _Idle, _Stop]
+_Op = Union[_Insert, _Finish, _Reset, _Evict, _Score, _Idle, _Stop]
 
 
 class Channel:
@@ -207,6 +216,15 @@ class LockstepBatch:
         self._local.evict_cache_to(nbytes)
         self._log.append(_Evict(nbytes))
 
+    def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
+        if self._local.empty:
+            self._wake()
+        self._channel.send(self._log + [_Score(tuple(prompt_ids))])
+        self._log = []
+        picked = self._local.score(prompt_ids, top)
+        self._idle_if_empty()
+        return picked
+
     def _idle_if_empty(self) -> None:
         if self._local.empty:  # the engine waits for work: let the others sleep meanwhile
             self._channel.send(self._log + [_Idle()])
@@ -245,6 +263,8 @@ class Follower:
             if ops and isinstance(ops[-1], _Idle):
                 self._wait_for_work()
                 continue
+            if ops and isinstance(ops[-1], _Score):
+                continue  # rank 0 scored a prompt between steps: no step follows
             self._local.step()
             self.steps += 1
 
@@ -261,6 +281,8 @@ class Follower:
             self._local.reset()
         elif isinstance(op, _Evict):
             self._local.evict_cache_to(op.nbytes)
+        elif isinstance(op, _Score):
+            self._local.score(op.prompt_ids, 0)
 
     def _row(self, spec: _RowSpec) -> Row:
         sampler = self._samplers.get(spec.sampler_key)

@@ -61,19 +61,26 @@ def pick(rows: Sequence[Asked]) -> dict[int, Picked]:
     inv = mx.array([1.0 / r.temperature if r.temperature > 0 else 1.0 for r in rows])
     scaled = lp * inv[:, None]
     scaled = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(scaled, mx.array([[r.token] for r in rows]), axis=-1)[:, 0]
-    k = min(max(r.top for r in rows), scaled.shape[-1])
-    ids = mx.argpartition(-scaled, kth=k - 1, axis=-1)[:, :k] if k > 0 \
-        else mx.zeros((len(rows), 0), dtype=mx.int32)
-    values = mx.take_along_axis(scaled, ids, axis=-1) if k > 0 else ids.astype(mx.float32)
+    picked = top_of(scaled, [r.token for r in rows], max(r.top for r in rows))
+    return {r.uid: dataclasses.replace(p, top=p.top[:r.top]) for r, p in zip(rows, picked)}
+
+
+def top_of(logprobs: mx.array, tokens: Sequence[int], top: int) -> list[Picked]:
+    """Row i's logprob of `tokens[i]` and its `top` best alternatives; `logprobs` is
+    (rows, vocab), normalized. One evaluation and one `.tolist()` for all rows."""
+    chosen = mx.take_along_axis(logprobs, mx.array([[t] for t in tokens]), axis=-1)[:, 0]
+    k = min(top, logprobs.shape[-1])
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k > 0 \
+        else mx.zeros((len(tokens), 0), dtype=mx.int32)
+    values = mx.take_along_axis(logprobs, ids, axis=-1) if k > 0 else ids.astype(mx.float32)
     mx.eval(chosen, ids, values)
     chosen_l: list[float] = chosen.tolist()  # type: ignore[assignment]
     ids_l: list[list[int]] = ids.tolist()  # type: ignore[assignment]
     values_l: list[list[float]] = values.tolist()  # type: ignore[assignment]
-    out: dict[int, Picked] = {}
-    for row, value, row_ids, row_values in zip(rows, chosen_l, ids_l, values_l):
-        top = sorted(zip(row_ids, row_values), key=lambda p: -p[1])[:row.top]
-        out[row.uid] = Picked(_finite(value), tuple((i, _finite(v)) for i, v in top))
+    out: list[Picked] = []
+    for value, row_ids, row_values in zip(chosen_l, ids_l, values_l):
+        best = sorted(zip(row_ids, row_values), key=lambda p: -p[1])
+        out.append(Picked(_finite(value), tuple((i, _finite(v)) for i, v in best)))
     return out
 
 
@@ -110,6 +117,9 @@ class LogprobTrail:
         self.top = top
         self._pieces = pieces
         self._pending: list[TokenLogprob] = []
+
+    def piece(self, token_id: int) -> str:
+        return self._pieces(token_id)
 
     def entry(self, token_id: int, picked: Picked) -> TokenLogprob:
         piece = self._pieces

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
-from replicas.contract import Channel, ChatPrompt, GenerationRequest, SamplingParams
+from replicas.contract import Channel, ChatPrompt, GenerationRequest, SamplingParams, TextPrompt
 from replicas.control import Grammar, RequestController
 from replicas.submission import EventSink, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError
@@ -136,8 +136,19 @@ class InputProcessor:
             if self._options.engine.prompt_cache_bytes else 0,
             logprobs=None if request.sampling.logprobs is None
             else LogprobTrail(request.sampling.logprobs, self._pieces),
+            echo=self._echo(request, rendered.token_ids),
         )
         return sub, ((clamp_warning,) if clamp_warning else ()) + tools.warnings
+
+    def _echo(self, request: GenerationRequest, prompt_ids: Sequence[int]) -> str | None:
+        """The prompt as the client wrote it (its tokens' text for a token prompt)."""
+        if not request.echo:
+            return None
+        if isinstance(request.prompt, ChatPrompt):
+            raise InvalidRequestError("echo applies to completions prompts only", param="echo")
+        if isinstance(request.prompt, TextPrompt):
+            return request.prompt.text
+        return self._decode(list(prompt_ids))
 
     def _stops(self, request: GenerationRequest) -> tuple[str, ...]:
         for stop in request.stop.strings:

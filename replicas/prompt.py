@@ -33,10 +33,10 @@ def render_prompt(
 ) -> RenderedPrompt:
     if isinstance(prompt, ChatPrompt):
         text = render_chat_text(hf_tokenizer, prompt, reasoning, tools)
-        ids = hf_tokenizer.encode(_encodable(text, "messages"), add_special_tokens=False)
+        ids = hf_tokenizer.encode(encodable(text, "messages"), add_special_tokens=False)
     elif isinstance(prompt, TextPrompt):
         text = prompt.text
-        ids = hf_tokenizer.encode(_encodable(text, "prompt"))
+        ids = hf_tokenizer.encode(encodable(text, "prompt"))
     elif isinstance(prompt, TokenPrompt):
         ids = list(prompt.token_ids)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -74,7 +74,7 @@ def last_message_boundary(hf_tokenizer: Any, prompt: Prompt, reasoning: Reasonin
     return common
 
 
-def _encodable(text: str, param: str) -> str:
+def encodable(text: str, param: str) -> str:
     """`text`, or a 400 for text no tokenizer can take: JSON may carry a lone UTF-16
     surrogate (`"\\ud800"`), which Python accepts and the Rust tokenizer refuses."""
     try:

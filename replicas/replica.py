@@ -18,10 +18,13 @@ from replicas.contract import (
     Finished,
     GenerationRequest,
     OutputEvent,
+    TextPrompt,
+    TokenizerInfo,
     is_terminal,
     merge_deltas,
 )
-from replicas.engine import Engine, EngineDead, EngineStats
+from replicas.engine import Engine, EngineDead
+from replicas.engine_stats import EngineStats
 from replicas.errors import ReplicaError
 from replicas.loading import LoadedModel, load_model
 from replicas.lockstep import LockstepBatch
@@ -30,6 +33,7 @@ from replicas.pipeline.channels import ChannelFormat, detect_format, get_format
 from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.tool_formats import ToolFormat, detect_tool_format, get_tool_format
 from replicas.prepare import InputProcessor
+from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.submission import EventBuffer
 from replicas.timings import Timings, TimingSamples
 
@@ -173,13 +177,29 @@ class ModelReplica:
         shared = self._streams / rate if rate > 0 else 0.0
         return max(self.options.flush_interval_s, shared)
 
-    async def count_tokens(self, request: GenerationRequest) -> int | Failed:
-        """Prompt tokens after rendering, or the reason the prompt cannot be rendered."""
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...] | Failed:
+        """The prompt's token ids as generation would run them (`add_special_tokens`
+        false: a text prompt without the tokenizer's BOS), or why it cannot be rendered."""
         try:
+            if not add_special_tokens and isinstance(request.prompt, TextPrompt):
+                return await asyncio.to_thread(encode_plain, self.model.hf_tokenizer,
+                                               request.prompt.text)
             rendered = await asyncio.to_thread(self.inputs.render, request)
         except ReplicaError as exc:
             return exc.as_event()
-        return len(rendered.token_ids)
+        return rendered.token_ids
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str | Failed:
+        """The ids' text, special tokens kept, or a 400 for an id outside the vocabulary."""
+        try:
+            return await asyncio.to_thread(decode_ids, self.model.hf_tokenizer,
+                                           self.model.vocab_size, token_ids)
+        except ReplicaError as exc:
+            return exc.as_event()
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        return describe_tokenizer(self.model, self.context_length)
 
 
 def _with_warnings(event: OutputEvent, warnings: tuple[str, ...]) -> OutputEvent:

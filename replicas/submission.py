@@ -106,6 +106,7 @@ class Submission:
     boundary: int = 0  # prompt tokens before the last message: their KV is kept once prefilled
     reserved: int = 0  # KV bytes set aside at admission (set by the engine)
     logprobs: LogprobTrail | None = None  # set when the request asked for logprobs
+    echo: str | None = None  # the prompt's text, sent back first (completions' `echo`)
 
 
 def deliver(outbox: list[tuple[EventSink, list[OutputEvent]]]) -> None:

@@ -16,11 +16,12 @@ from ingress.registry import protocol_for
 from replicas.contract import (
     Channel,
     ErrorKind,
-    Finished,
     FinishReason,
+    Finished,
     GenerationRequest,
     OutputEvent,
     TextDelta,
+    TokenizerInfo,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -71,7 +72,7 @@ class FakeClient:
     `script` is a list of steps, or a function from the request to one. `cuts` are the
     step indexes where a new batch starts (None: one event per batch). `delay_s` is slept
     before every batch but the first, to make the stream idle. Requests are recorded in
-    `requests` (stream) and `counted` (count_tokens); `closed_early` counts streams the
+    `requests` (stream) and `counted` (tokenize); `closed_early` counts streams the
     consumer closed before their end, i.e. cancelled generations.
     """
 
@@ -120,9 +121,16 @@ class FakeClient:
             if not completed:
                 self.closed_early += 1
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
         self.counted.append(request)
-        return self._input_tokens
+        return tuple(range(self._input_tokens))
+
+    async def detokenize(self, model: str, token_ids: tuple[int, ...]) -> str:
+        return " ".join(f"t{t}" for t in token_ids)
+
+    async def tokenizer_info(self, model: str) -> TokenizerInfo:
+        return TokenizerInfo("FakeTokenizer", "<eos>", None, None, "{{ messages }}", 4096, 100)
 
 
 def _batches(steps: list[Step], cuts: Sequence[int] | None) -> list[list[Step]]:

@@ -1,4 +1,6 @@
-"""`n > 1`: n independent generations of one request, as one OpenAI response.
+"""`n > 1`, or several completions prompts: independent generations as one OpenAI response.
+
+Choice `i` is prompt `i // n`'s generation `i % n`, as OpenAI orders them.
 
 `FanOut` starts choice 0 first and the others once its first events arrive: a request the
 replica refuses fails once, with its real status, and the others find the prompt's prefix
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, cast
+from typing import Any, AsyncGenerator, AsyncIterator, Sequence, cast
 
 from ingress.client import ModelClient, WrappedClient
 from ingress.errors import OPENAI_ERRORS
@@ -27,6 +29,7 @@ from replicas.contract import (
     Finished,
     GenerationRequest,
     OutputEvent,
+    Prompt,
     TextDelta,
     ToolCallDelta,
     ToolCallEnd,
@@ -36,6 +39,9 @@ from replicas.contract import (
 )
 
 MAX_CHOICES = 8  # `n` above this is a 400: each choice is a full generation
+# Prompts in one completions request (evaluation harnesses batch them); with `n`, their
+# choices together are bounded the same way.
+MAX_PROMPTS = 64
 
 
 @dataclass(frozen=True)
@@ -48,13 +54,22 @@ class ChoiceEvent:
 
 
 class FanOut(WrappedClient):
-    """The inner client, each `stream` run `n` times (request ids `ID-0` .. `ID-(n-1)`).
-    `warnings` go into every choice's `Finished` (the shared loop sees raw events only)."""
+    """The inner client, each `stream` run `n` times per prompt (request ids `ID-0` ..);
+    `prompts`: the request's prompts, when there are several. `warnings` go into every
+    choice's `Finished` (the shared loop sees raw events only)."""
 
-    def __init__(self, inner: ModelClient, n: int, warnings: tuple[str, ...] = ()) -> None:
+    def __init__(self, inner: ModelClient, n: int, warnings: tuple[str, ...] = (),
+                 prompts: Sequence[Prompt] = ()) -> None:
         super().__init__(inner)
-        self._n = n
+        self._per_prompt = n
+        self._prompts = tuple(prompts)
+        self._n = n * max(1, len(self._prompts))
         self._warnings = warnings
+
+    def _choice(self, request: GenerationRequest, index: int) -> GenerationRequest:
+        prompt = self._prompts[index // self._per_prompt] if self._prompts else request.prompt
+        return dataclasses.replace(request, request_id=f"{request.request_id}-{index}",
+                                   prompt=prompt)
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[list[OutputEvent]]:
         return cast(AsyncIterator[list[OutputEvent]], self._merged(request))
@@ -66,9 +81,8 @@ class FanOut(WrappedClient):
 
     async def _merged(self, request: GenerationRequest
                       ) -> AsyncGenerator[list[ChoiceEvent | OutputEvent], None]:
-        streams = [self._inner.stream(dataclasses.replace(
-            request, request_id=f"{request.request_id}-{i}")).__aiter__()
-            for i in range(self._n)]
+        streams = [self._inner.stream(self._choice(request, i)).__aiter__()
+                   for i in range(self._n)]
         pending: dict[asyncio.Future[list[OutputEvent]], int] = {}
         started = [False] * self._n
         try:
@@ -111,9 +125,12 @@ class ChoicesRenderer(EventRenderer[Chunk]):
     """n choices, one `CompletionRenderer` each; done once every choice has finished."""
 
     def __init__(self, meta: ResponseMeta, n: int, include_usage: bool = False, *,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, prompts: int = 1) -> None:
+        """`n` choices per prompt, `prompts` prompts."""
         self.meta = meta
         self._include_usage = include_usage
+        self._per_prompt = n
+        n *= prompts
         self._choices = [CompletionRenderer(meta, include_usage, logprobs=logprobs, index=i,
                                             usage_chunk=False) for i in range(n)]
 
@@ -137,8 +154,12 @@ class ChoicesRenderer(EventRenderer[Chunk]):
 
     def _usage(self) -> Usage:
         ends = [c.finished for c in self._choices if c.finished is not None]
-        return Usage(ends[0].usage.prompt_tokens, sum(e.usage.completion_tokens for e in ends),
-                     sum(e.usage.reasoning_tokens for e in ends), ends[0].usage.cached_tokens)
+        # Each prompt once (its first choice's count), every completion.
+        firsts = ends[::self._per_prompt]
+        return Usage(sum(e.usage.prompt_tokens for e in firsts),
+                     sum(e.usage.completion_tokens for e in ends),
+                     sum(e.usage.reasoning_tokens for e in ends),
+                     sum(e.usage.cached_tokens for e in firsts))
 
     def body(self) -> dict[str, Any]:
         chat = self.meta.kind == "chat"

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import replace
 
 from ingress.media import OmittedMedia
+from ingress.openai.choices import MAX_PROMPTS
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ingress.openai.tools import chat_messages, tool_choice, tool_specs
 from replicas.contract import (
@@ -47,15 +48,14 @@ def chat_request(body: ChatCompletionRequest, model: str,
 
 
 def completion_request(body: CompletionRequest, model: str) -> GenerationRequest:
-    if body.echo:
-        raise InvalidRequestError("echo (the prompt's own tokens and logprobs) is not "
-                                  "supported", param="echo")
+    """The request for the first prompt (`completion_prompts` has them all)."""
     if body.suffix:
         raise InvalidRequestError("suffix is not supported", param="suffix")
     if body.best_of not in (None, 1):
         raise InvalidRequestError("best_of must be 1", param="best_of")
-    return _request("cmpl", body, model, _completion_prompt(body.prompt), ReasoningSpec(),
-                    body.max_tokens, _guided(body, None), body.logprobs)
+    request = _request("cmpl", body, model, completion_prompts(body)[0], ReasoningSpec(),
+                       body.max_tokens, _guided(body, None), body.logprobs)
+    return replace(request, echo=body.echo)
 
 
 def _request(prefix: str, body: SamplingFields, model: str, prompt: Prompt,
@@ -95,14 +95,22 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
     )
 
 
-def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> Prompt:
+def completion_prompts(body: CompletionRequest) -> list[Prompt]:
+    """The request's prompts: one text, one token list, or a list of either."""
+    prompt = body.prompt
     if isinstance(prompt, str):
-        return TextPrompt(prompt)
+        return [TextPrompt(prompt)]
     if prompt and all(isinstance(p, int) for p in prompt):
-        return TokenPrompt(tuple(prompt))  # type: ignore[arg-type]
-    if len(prompt) == 1:
-        return _completion_prompt(prompt[0])  # type: ignore[arg-type]
-    raise InvalidRequestError("exactly one prompt per request is supported", param="prompt")
+        return [TokenPrompt(tuple(prompt))]  # type: ignore[arg-type]
+    prompts: list[Prompt] = [TextPrompt(p) if isinstance(p, str)
+                             else TokenPrompt(tuple(p))  # type: ignore[arg-type]
+                             for p in prompt]
+    if not prompts:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS or len(prompts) * body.n > MAX_PROMPTS:
+        raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts (times n) per request",
+                                  param="prompt")
+    return prompts
 
 
 def _guided(body: SamplingFields, response_format: object | None) -> GuidedSpec | None:

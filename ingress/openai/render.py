@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ingress.errors import OPENAI_ERRORS
-from ingress.openai.logprobs import CompletionLogprobs, chat_logprobs
+from ingress.logprobs import CompletionLogprobs, chat_logprobs
 from ingress.protocol import WARNINGS_FIELD
 from ingress.rendering import EventRenderer
 from ingress.sse import data_frame

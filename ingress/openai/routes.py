@@ -8,8 +8,9 @@ from fastapi.responses import Response
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS
 from ingress.media import OmittedMedia
+from ingress.openai import tokenize
 from ingress.openai.choices import ChoicesRenderer, FanOut
-from ingress.openai.convert import chat_request, completion_request
+from ingress.openai.convert import chat_request, completion_prompts, completion_request
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest
 from ingress.openai.render import CompletionRenderer, ResponseMeta
 from ingress.protocol import WireProtocol
@@ -17,10 +18,11 @@ from ingress.sse import DONE_FRAME
 from ingress.streaming import respond
 
 router = APIRouter()
+router.include_router(tokenize.router)  # vLLM's tokenizer endpoints, in OpenAI's error shape
 
 OPENAI = WireProtocol(
     name="openai",
-    prefixes=("/v1/chat/completions", "/v1/completions"),
+    prefixes=("/v1/chat/completions", "/v1/completions", *tokenize.PATHS),
     router=router,
     errors=OPENAI_ERRORS,
     done_frame=DONE_FRAME,
@@ -50,12 +52,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     client: ModelClient = request.app.state.client
     card = require_model(client, body.model)
     gen = completion_request(body, card.id)
+    prompts = completion_prompts(body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     meta = ResponseMeta.new(gen.request_id, body.model, "completion")
     logprobs = body.logprobs is not None
-    if body.n > 1:
-        return await respond(FanOut(client, body.n), gen,
-                             ChoicesRenderer(meta, body.n, include_usage, logprobs=logprobs),
+    if body.n > 1 or len(prompts) > 1:
+        return await respond(FanOut(client, body.n, prompts=prompts), gen,
+                             ChoicesRenderer(meta, body.n, include_usage, logprobs=logprobs,
+                                             prompts=len(prompts)),
                              OPENAI, body.stream)
     renderer = CompletionRenderer(meta, include_usage, logprobs=logprobs)
     return await respond(client, gen, renderer, OPENAI, body.stream)

@@ -90,6 +90,7 @@ def to_plan(body: ResponsesRequest, card: ModelCard,
             max_tokens=body.max_output_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
+            logprobs=_logprobs(body),
         ),
         reasoning=_reasoning(body),
         guided=_guided(body),
@@ -232,6 +233,16 @@ def _dump(item: Any) -> dict[str, Any]:
     return dumped
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _logprobs(body: ResponsesRequest) -> int | None:
+    """Top alternatives per answer token when the request asks for logprobs, else None."""
+    if LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None:
+        return body.top_logprobs or 0
+    return None
+
+
 def _echo(body: ResponsesRequest, functions: list[FunctionTool]) -> dict[str, Any]:
     fmt = body.text.format if body.text else None
     choice = body.tool_choice
@@ -246,6 +257,7 @@ def _echo(body: ResponsesRequest, functions: list[FunctionTool]) -> dict[str, An
         "parallel_tool_calls": body.parallel_tool_calls,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_logprobs": body.top_logprobs or 0,
         "max_output_tokens": body.max_output_tokens,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                  else {"type": "text"}},

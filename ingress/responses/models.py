@@ -181,8 +181,10 @@ class ResponsesRequest(_Wire):
     stream: bool = False
     previous_response_id: str | None = None
     background: bool = False
-    # Accepted and echoed or ignored: nothing here changes the generation.
+    # "message.output_text.logprobs" asks for the answer's token logprobs (so does
+    # `top_logprobs`); the other values name hosted tools' outputs and are ignored.
     include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_cache_key: str | None = None
     client_metadata: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None

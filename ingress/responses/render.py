@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ingress.logprobs import chat_content
 from ingress.protocol import WARNINGS_FIELD
 from ingress.rendering import EventRenderer
 from ingress.sse import event_frame
@@ -56,6 +57,7 @@ class _Item:
     index: int
     body: dict[str, Any]
     parts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, if asked
 
     @property
     def text(self) -> str:
@@ -95,6 +97,8 @@ class ResponseRenderer(EventRenderer[Event]):
 
     def _text(self, delta: TextDelta) -> list[Event]:
         kind = "message" if delta.channel is Channel.ANSWER else "reasoning"
+        if not delta.text and (self._open is None or self._open.body["type"] != kind):
+            return []  # logprobs of tokens that wrote no text here (a call's markup)
         events: list[Event] = []
         if self._open is None or self._open.body["type"] != kind:
             events += self._close_text("completed")
@@ -104,8 +108,10 @@ class ResponseRenderer(EventRenderer[Event]):
         item.parts.append(delta.text)
         where = self._where(item)
         if kind == "message":
+            entries = chat_content(delta.logprobs)
+            item.logprobs += entries
             events.append(self._event("response.output_text.delta", **where, content_index=0,
-                                      delta=delta.text, logprobs=[]))
+                                      delta=delta.text, logprobs=entries))
         elif self._summary:
             events.append(self._event("response.reasoning_summary_text.delta", **where,
                                       summary_index=0, delta=delta.text))
@@ -144,11 +150,12 @@ class ResponseRenderer(EventRenderer[Event]):
         text, where = item.text, self._where(item)
         body = item.body
         if body["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            part = {"type": "output_text", "text": text, "annotations": [],
+                    "logprobs": item.logprobs}
             body.update(content=[part], status=status)
             closing = [
                 self._event("response.output_text.done", **where, content_index=0, text=text,
-                            logprobs=[]),
+                            logprobs=item.logprobs),
                 self._event("response.content_part.done", **where, content_index=0, part=part),
             ] if events else []
         elif self._summary:

@@ -25,11 +25,12 @@ from ingress.client import ModelCard
 from replicas.contract import (
     Channel,
     ChatPrompt,
-    Finished,
     FinishReason,
+    Finished,
     GenerationRequest,
     OutputEvent,
     TextDelta,
+    TokenizerInfo,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -90,8 +91,15 @@ class RecordingClient:
                 Finished(FinishReason.TOOL_CALLS, usage),
             ]
 
-    async def count_tokens(self, request: GenerationRequest) -> int:
-        return 1
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
+        return (1,)
+
+    async def detokenize(self, model: str, token_ids: tuple[int, ...]) -> str:
+        return ""
+
+    async def tokenizer_info(self, model: str) -> TokenizerInfo:
+        raise NotImplementedError("the capture app only records generations")
 
     def _task_for(self, request: GenerationRequest) -> AgentTask | None:
         offered = {tool.name for tool in request.tools}

@@ -199,3 +199,30 @@ def test_required_forces_a_call_where_the_model_would_answer_in_text(
         assert response.status == "completed" and calls(response), response
         for name, arguments in calls(response):
             jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_output_text_logprobs_when_included(client: openai.OpenAI) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: each answer token's
+    logprob and alternatives on the text part and on its deltas, the same as chat's."""
+    args = response_args("hello", include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**args)
+    part = whole.output[-1].content[0]
+    assert whole.output_text == script("hello").answer
+    assert "".join(e.token for e in part.logprobs) == part.text
+    for entry in part.logprobs:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the best one
+        assert entry.bytes == list(entry.token.encode())
+    chat = client.chat.completions.create(model=MODEL, messages=script("hello").message_dicts,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          max_tokens=300)
+    assert [(e.token, round(e.logprob, 3)) for e in part.logprobs] == \
+        [(e.token, round(e.logprob, 3)) for e in chat.choices[0].logprobs.content]
+    final, events = streamed(client, **args)
+    check_events(events, final)
+    deltas = [lp.token for e in events if e.type == "response.output_text.delta"
+              for lp in e.logprobs]
+    assert deltas == [e.token for e in part.logprobs]
+    assert final.top_logprobs == 2
+    plain = client.responses.create(**response_args("hello"))
+    assert plain.output[-1].content[0].logprobs == []

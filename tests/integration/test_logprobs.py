@@ -129,3 +129,86 @@ def test_rows_with_and_without_logprobs_share_a_batch(replica: ModelReplica) -> 
 def test_top_logprobs_bound(replica: ModelReplica) -> None:
     with pytest.raises(InvalidRequestError):
         replica.inputs.prepare(request("bad", logprobs=21), None)  # type: ignore[arg-type]
+
+
+# ---- echo: the prompt's own logprobs ---------------------------------------------------
+
+LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+
+
+def prompt_reference(replica: ModelReplica, prompt: str) -> tuple[list[int], mx.array]:
+    """The prompt's ids and log_softmax at every position, from one direct forward pass."""
+    loaded = replica._engine.wait_ready(1)
+    ids = list(replica.inputs.render(GenerationRequest("r", "tiny", TextPrompt(prompt)))
+               .token_ids)
+    logits = loaded.model(mx.array([ids]))[0].astype(mx.float32)
+    return ids, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def echo_request(rid: str, prompt: str, **sampling: object) -> GenerationRequest:
+    return GenerationRequest(rid, "tiny", TextPrompt(prompt), echo=True,
+                             sampling=SamplingParams(**sampling))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT])
+def test_echo_scores_the_prompt_with_the_models_distribution(replica: ModelReplica,
+                                                             prompt: str) -> None:
+    ids, reference = prompt_reference(replica, prompt)
+    events = stream_events(replica, echo_request("e", prompt, temperature=0.0, max_tokens=4,
+                                                 logprobs=3))
+    plain = stream_events(replica, request("p", temperature=0.0, max_tokens=4))
+    first = events[0]
+    assert isinstance(first, TextDelta) and first.text.startswith(prompt)
+    got = entries(events)
+    prompt_entries, generated = got[:len(ids)], got[len(ids):]
+    assert [e.token_id for e in prompt_entries] == ids
+    assert prompt_entries[0].logprob is None and prompt_entries[0].top == ()
+    want = [reference[i - 1, t].item() for i, t in enumerate(ids) if i]
+    assert [e.logprob for e in prompt_entries[1:]] == pytest.approx(want, abs=2e-3)
+    for i, entry in enumerate(prompt_entries[1:], start=1):
+        top_ids = mx.argsort(-reference[i - 1])[:3].tolist()
+        assert [lp for _, lp in entry.top] == pytest.approx(
+            [reference[i - 1, j].item() for j in top_ids], abs=2e-3)
+    # Echo changes nothing about the generation that follows it.
+    assert text(events) == prompt + text(plain) if prompt == PROMPT else text(events).startswith(prompt)
+    if prompt == PROMPT:
+        assert [e.token_id for e in generated] == [e.token_id for e in entries(
+            stream_events(replica, request("p2", temperature=0.0, max_tokens=4, logprobs=3)))]
+    assert finished(events).usage.prompt_tokens == len(ids)
+
+
+def test_echo_prefills_the_prompt_once(replica: ModelReplica) -> None:
+    """The scoring pass leaves the prompt's KV in the prefix cache: the generation after it
+    prefills one token (usage counts the rest as cached)."""
+    prompt = LONG_PROMPT + " once"
+    ids, _ = prompt_reference(replica, prompt)
+    events = stream_events(replica, echo_request("once", prompt, temperature=0.0, max_tokens=2,
+                                                 logprobs=0))
+    assert finished(events).usage.cached_tokens == len(ids) - 1
+
+
+def test_echo_without_logprobs_is_the_prompt_then_the_answer(replica: ModelReplica) -> None:
+    events = stream_events(replica, echo_request("plain", PROMPT, temperature=0.0, max_tokens=4))
+    plain = stream_events(replica, request("p3", temperature=0.0, max_tokens=4))
+    assert text(events) == PROMPT + text(plain)
+    assert not entries(events)
+
+
+def test_scoring_in_chunks_agrees_with_one_pass(replica: ModelReplica) -> None:
+    from replicas.prompt_logprobs import score_prompt
+
+    loaded = replica._engine.wait_ready(1)
+    ids, _ = prompt_reference(replica, LONG_PROMPT)
+    stream = mx.new_stream(mx.default_device())
+    whole, _ = score_prompt(loaded.model, ids, 2, 4096, stream)
+    for chunk in (1, 7, 64):
+        pieces, cache = score_prompt(loaded.model, ids, 2, chunk, stream)
+        assert [p.logprob for p in pieces] == pytest.approx([p.logprob for p in whole], abs=2e-3)
+        assert [[i for i, _ in p.top] for p in pieces] == [[i for i, _ in p.top] for p in whole]
+        assert cache[0].offset == len(ids)
+
+
+def test_echo_is_for_completions_only(replica: ModelReplica) -> None:
+    chat = GenerationRequest("c", "tiny", ChatPrompt((ChatMessage("user", "Say hi"),)), echo=True)
+    with pytest.raises(InvalidRequestError):
+        replica.inputs.prepare(chat, None)  # type: ignore[arg-type]

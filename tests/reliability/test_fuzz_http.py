@@ -61,6 +61,8 @@ VALID: dict[str, dict[str, Any]] = {
                      "system": "be brief", "stop_sequences": ["x"], "stream": True,
                      "thinking": {"type": "enabled", "budget_tokens": 2}},
     "/v1/messages/count_tokens": {"model": "orchard-tiny", "messages": MESSAGES},
+    "/tokenize": {"model": "orchard-tiny", "prompt": "hi", "add_special_tokens": False},
+    "/detokenize": {"model": "orchard-tiny", "tokens": [1, 2]},
     "/v1/responses": {"model": "orchard-tiny", "input": MESSAGES, "max_output_tokens": 5,
                       "instructions": "be brief", "stream": True,
                       "reasoning": {"effort": "low", "summary": "auto"},
@@ -112,7 +114,10 @@ def mutated(draw: st.DrawFn, path: str) -> dict[str, Any]:
 REQUIRED = {"/v1/chat/completions": {"model", "messages"}, "/v1/completions": {"model", "prompt"},
             "/v1/messages": {"model", "messages", "max_tokens"},
             "/v1/messages/count_tokens": {"model", "messages"},
+            "/tokenize": {"prompt"}, "/detokenize": {"tokens"},
             "/v1/responses": {"model", "input"}}
+# Answered at once, never streamed.
+UNSTREAMED = {"/v1/messages/count_tokens", "/tokenize", "/detokenize"}
 
 
 @st.composite
@@ -120,7 +125,7 @@ def valid_variant(draw: st.DrawFn, path: str) -> dict[str, Any]:
     """A valid body, streamed or not, with each optional field kept or left out: mutated
     bodies are nearly all refused, so these are what put the success shapes to the test."""
     body = {k: v for k, v in VALID[path].items() if k in REQUIRED[path] or draw(st.booleans())}
-    if path != "/v1/messages/count_tokens":
+    if path not in UNSTREAMED:
         body["stream"] = draw(st.booleans())
     if not body.get("stream"):
         body.pop("stream_options", None)  # only a stream takes it

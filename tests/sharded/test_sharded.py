@@ -70,6 +70,25 @@ def test_bench_sharded_is_deterministic_streamed_or_not(client: openai.OpenAI) -
         assert first[1] == "length" and len(first[0]) > 20
 
 
+@pytest.mark.parametrize("whole,sharded", [(w, s) for w, s, _ in PAIRS])
+def test_echo_scores_the_prompt_on_every_rank(client: openai.OpenAI, whole: str,
+                                              sharded: str) -> None:
+    """`echo` + `logprobs` runs the scoring prefill on every rank (a lockstep record that no
+    step follows): the numbers equal the whole model's, and the batch stays in step after."""
+    for prompt in PROMPTS:
+        args: dict[str, Any] = dict(prompt=prompt, temperature=0, max_tokens=8, logprobs=2,
+                                    echo=True)
+        expected = client.completions.create(model=whole, **args).choices[0]
+        got = client.completions.create(model=sharded, **args).choices[0]
+        assert got.text == expected.text and got.text.startswith(prompt)
+        assert got.logprobs.tokens == expected.logprobs.tokens
+        assert got.logprobs.token_logprobs[0] is None
+        assert got.logprobs.token_logprobs[1:] == pytest.approx(
+            expected.logprobs.token_logprobs[1:], abs=0.05)
+    assert generate(client, sharded, PROMPTS[0], stream=True) == \
+        generate(client, whole, PROMPTS[0], stream=False)
+
+
 def test_shards_are_spread_one_per_node(sharded_cluster: LocalCluster) -> None:
     nodes = set(sharded_cluster.node_ids().values())
     app = sharded_cluster.app()

@@ -17,11 +17,12 @@ from replicas.contract import (
     ChatPrompt,
     ErrorKind,
     Failed,
-    Finished,
     FinishReason,
+    Finished,
     GenerationRequest,
     OutputEvent,
     TextDelta,
+    TokenizerInfo,
     Usage,
 )
 from replicas.errors import InvalidRequestError
@@ -42,10 +43,19 @@ class GatedReplica:
         finally:
             self.closed += 1
 
-    async def count_tokens(self, request: GenerationRequest) -> int | Failed:
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...] | Failed:
         if request.model == "bad":
             return Failed(ErrorKind.INVALID_REQUEST, "the prompt cannot be rendered", "messages")
-        return 7
+        return (1,) * 7 if add_special_tokens else (1,) * 6
+
+    async def detokenize(self, token_ids: tuple[int, ...]) -> str | Failed:
+        if any(t < 0 for t in token_ids):
+            return Failed(ErrorKind.INVALID_REQUEST, "outside the vocabulary", "tokens")
+        return "x" * len(token_ids)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo("T", "</s>", None, None, None, 128, 10)
 
 
 def request(model: str = "m") -> GenerationRequest:
@@ -113,9 +123,14 @@ def test_streams_past_the_limit_get_overloaded_and_room_comes_back() -> None:
     asyncio.run(scenario())
 
 
-def test_count_tokens_raises_the_replicas_error() -> None:
+def test_tokenizer_calls_raise_the_replicas_error() -> None:
     client = LocalModelClient(GatedReplica(), ModelCard("m"), max_ongoing=1)
-    assert asyncio.run(client.count_tokens(request())) == 7
+    assert len(asyncio.run(client.tokenize(request()))) == 7
+    assert len(asyncio.run(client.tokenize(request(), add_special_tokens=False))) == 6
     with pytest.raises(InvalidRequestError) as err:
-        asyncio.run(client.count_tokens(request("bad")))
+        asyncio.run(client.tokenize(request("bad")))
     assert err.value.param == "messages"
+    assert asyncio.run(client.detokenize("m", (1, 2))) == "xx"
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(client.detokenize("m", (-1,)))
+    assert asyncio.run(client.tokenizer_info("m")).eos_token == "</s>"

@@ -19,7 +19,9 @@ from replicas.contract import (
     GenerationRequest,
     OutputEvent,
     TextDelta,
+    TextPrompt,
     TokenLogprob,
+    TokenPrompt,
     Usage,
     merge_deltas,
 )
@@ -126,13 +128,36 @@ def test_completion_top_always_holds_the_sampled_token() -> None:
     assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.1, "x": -4.0}]
 
 
+def test_completion_echo_puts_the_prompt_first_its_first_token_unscored() -> None:
+    """The replica sends the prompt as the first text; its first token has no logprob
+    (null in both lists, as OpenAI), and the SDK's own model reads the body."""
+    from tests.reliability.shapes import COMPLETIONS, shape_problem
+
+    first = TokenLogprob("Say", 7, None)
+    script = [TextDelta(Channel.ANSWER, "Say", (first,)),
+              TextDelta(Channel.ANSWER, "Hello", (HEL, LO)), Finished(FinishReason.LENGTH, USAGE)]
+    client, fake = http(script)
+    body = client.post("/v1/completions", json={**COMPLETION, "logprobs": 1, "echo": True}).json()
+    assert fake.requests[0].echo and fake.requests[0].sampling.logprobs == 1
+    lp = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == "SayHello"
+    assert lp["tokens"] == ["Say", "Hel", "lo"] and lp["text_offset"] == [0, 3, 6]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert shape_problem(COMPLETIONS, 200, body) is None  # the SDK's type, the first null
+    got = chunks(client.post("/v1/completions", json={**COMPLETION, "logprobs": 1, "echo": True,
+                                                       "stream": True}))
+    assert [t for c in got for t in (c["choices"][0]["logprobs"] or {}).get("tokens", [])] == \
+        lp["tokens"]
+    plain = client.post("/v1/completions", json=COMPLETION)
+    assert plain.status_code == 200 and not fake.requests[-1].echo
+
+
 @pytest.mark.parametrize(("path", "extra", "param"), [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 1}, "top_logprobs"),
     ("/v1/chat/completions", {"n": 0}, "n"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
     ("/v1/completions", {"n": 9}, "n"),
-    ("/v1/completions", {"echo": True}, "echo"),
 ])
 def test_out_of_range_is_a_400_in_openai_shape(path: str, extra: dict[str, Any],
                                                param: str) -> None:
@@ -183,6 +208,27 @@ def test_n_choices_stream_interleave_by_index(path: str) -> None:
     assert text == {0: "choice0!", 1: "choice1!", 2: "choice2!"}
     assert finishes == {0: "stop", 1: "stop", 2: "stop"}
     assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("prompt", [["a", "bb"], [[1], [2, 3]]])
+def test_several_prompts_are_choices_in_prompt_order(prompt: list[Any]) -> None:
+    """Evaluation harnesses batch prompts: choice i is prompt i // n's generation i % n,
+    and usage counts each prompt once."""
+    client, fake = http(per_choice)
+    body = client.post("/v1/completions", json={**COMPLETION, "prompt": prompt, "n": 2}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    want = [TextPrompt(p) if isinstance(p, str) else TokenPrompt(tuple(p)) for p in prompt]
+    by_choice = {int(r.request_id.rsplit("-", 1)[1]): r.prompt for r in fake.requests}
+    assert [by_choice[i] for i in range(4)] == [want[0], want[0], want[1], want[1]]
+    assert body["usage"]["prompt_tokens"] == 2 * 5  # each prompt once
+    assert body["usage"]["completion_tokens"] == 1 + 2 + 3 + 4
+
+
+def test_too_many_prompts_is_a_400() -> None:
+    client, fake = http()
+    r = client.post("/v1/completions", json={**COMPLETION, "prompt": ["x"] * 33, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert fake.requests == []
 
 
 def test_one_failing_choice_fails_the_response() -> None:

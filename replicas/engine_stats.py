@@ -1,0 +1,25 @@
+"""What an engine reports about itself: its batch, its queue, its prefix cache, its KV
+memory (read by the replica's metrics and health)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replicas.memory import MemoryStats
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    active: int
+    waiting: int
+    steps: int
+    finished: int
+    submitted: int  # requests that reached the batch (a request cancelled in the queue never does)
+    cancel_latency_steps: tuple[int, ...]  # decode steps between a cancel and the slot freeing
+    cache_hits: int = 0  # requests that reused a cached prefix
+    cache_misses: int = 0
+    cache_evictions: int = 0
+    cache_bytes: int = 0
+    cache_entries: int = 0
+    cached_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
+    memory: MemoryStats | None = None  # KV admission (None until the model has loaded)
