@@ -36,6 +36,7 @@ from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, Text
 from replicas.loading import LoadedModel
 from replicas.logprobs import Asked, Picked, pick
 from replicas.engine_stats import EngineStats
+from replicas.errors import ReplicaError
 from replicas.memory import KvBudget, open_budget
 from replicas.prompt_logprobs import echo_delta
 from replicas.sampling import (
@@ -313,7 +314,9 @@ class Engine:
             responses = self._batch.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the replica
             log.exception("batch step failed; failing the batch and starting a fresh one")
-            self._fail_all(f"generation failed: {type(exc).__name__}")
+            # A ReplicaError's message is written for clients; anything else shows its type.
+            reason = exc.message if isinstance(exc, ReplicaError) else type(exc).__name__
+            self._fail_all(f"generation failed: {reason}")
             self._batch.reset()
             return
         self._steps += 1

@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from replicas.batch import Done, LocalBatch, Row
+from replicas.errors import InternalError
 from replicas.logprobs import Picked
 from replicas.prompt_cache import PromptCache
 from replicas.sampling import Sampler
@@ -195,12 +196,18 @@ class LockstepBatch:
         return placed
 
     def step(self) -> list[Any]:
-        started = time.perf_counter()
-        self._channel.send(self._log)
-        self._log = []
-        if self._on_sync is not None:
-            self._on_sync(time.perf_counter() - started)
-        return self._local.step()
+        try:
+            started = time.perf_counter()
+            self._channel.send(self._log)
+            self._log = []
+            if self._on_sync is not None:
+                self._on_sync(time.perf_counter() - started)
+            return self._local.step()
+        except Exception as exc:
+            # A collective fails when a peer rank is gone (the ring sees its socket close),
+            # often before the shard watch names the shard: say so to the clients.
+            raise InternalError(f"a step with the model's other shards failed "
+                                f"({type(exc).__name__}); a shard may be lost") from exc
 
     def finish(self, done: Sequence[Done]) -> None:
         self._local.finish(done)

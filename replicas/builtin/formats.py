@@ -30,8 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_tokenizer
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, \
-    pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from replicas.pipeline.channels import detect_format
@@ -44,7 +43,7 @@ from .format_templates import SPECS
 from .format_templates_deepseek import DEEPSEEK_V31
 from .format_templates_new import NEW_SPECS
 from .recipe import CEILING, RandomInit, Recipe, cache_key
-from .tokenizer_files import PRETOKENIZE_REGEX, write_json
+from .tokenizer_files import train_tokenizer, write_json
 from .train import BuildError
 
 log = logging.getLogger(__name__)
@@ -143,25 +142,7 @@ def _corpus(spec: FormatSpec) -> list[str]:
 
 
 def _tokenizer(spec: FormatSpec) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_MAX_VOCAB - len(spec.added), min_frequency=2, special_tokens=[],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(_corpus(spec), trainer)
-    tokenizer.add_special_tokens([_added(t, special=True) for t in spec.special])
-    tokenizer.add_tokens([_added(t, special=False) for t in spec.plain])
-    return tokenizer
-
-
-def _added(content: str, special: bool) -> AddedToken:
-    return AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False,
-                      special=special)
+    return train_tokenizer(_corpus(spec), _MAX_VOCAB, 2, special=spec.special, plain=spec.plain)
 
 
 def _write_tokenizer(spec: FormatSpec, tokenizer: Tokenizer, out_dir: Path) -> dict[str, int]:

@@ -91,8 +91,13 @@ def training_texts(scripts: Sequence[Script]) -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: Sequence[str], max_vocab: int, min_frequency: int) -> Tokenizer:
-    """Learn merges on `texts`, then append the added tokens after the BPE vocab.
+def train_tokenizer(texts: Sequence[str], max_vocab: int, min_frequency: int, *,
+                    special: Sequence[str] = SPECIAL_TOKENS,
+                    plain: Sequence[str] = PLAIN_ADDED_TOKENS) -> Tokenizer:
+    """Learn merges on `texts` (Qwen2's pre-tokenizer, byte-level), then append the added
+    tokens after the BPE vocab: `special` ones, then `plain` ones (not special, as Qwen3's
+    `<think>`); `max_vocab` counts them all. The tool-format models and the tests' Harmony
+    model build theirs here too.
 
     `min_frequency` stops merging pairs seen only once, so rare strings (CJK, emoji)
     stay split into byte tokens while common words become single tokens.
@@ -107,15 +112,15 @@ def train_tokenizer(texts: Sequence[str], max_vocab: int, min_frequency: int) ->
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=max_vocab - len(SPECIAL_TOKENS) - len(PLAIN_ADDED_TOKENS),
+        vocab_size=max_vocab - len(special) - len(plain),
         min_frequency=min_frequency,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.add_special_tokens([_added(t, special=True) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([_added(t, special=False) for t in PLAIN_ADDED_TOKENS])
+    tokenizer.add_special_tokens([_added(t, special=True) for t in special])
+    tokenizer.add_tokens([_added(t, special=False) for t in plain])
     return tokenizer
 
 

@@ -58,14 +58,14 @@ class FakeStream:
 
 
 class FakeCall:
-    def __init__(self, result: int | None) -> None:
+    def __init__(self, result: tuple[int, ...] | None) -> None:
         self._result = result
         self.cancelled = False
 
     def __await__(self) -> Any:
         return self._get().__await__()
 
-    async def _get(self) -> int:
+    async def _get(self) -> tuple[int, ...]:
         if self._result is None:
             await asyncio.Event().wait()
         assert self._result is not None
@@ -79,21 +79,21 @@ class FakeMethod:
     def __init__(self, response: Any) -> None:
         self.response = response
 
-    def remote(self, request: GenerationRequest) -> Any:
+    def remote(self, *args: Any) -> Any:
         return self.response
 
 
 class FakeHandle:
     def __init__(self, stream: FakeStream, call: FakeCall) -> None:
         self.stream = FakeMethod(stream)
-        self.count_tokens = FakeMethod(call)
+        self.tokenize = FakeMethod(call)
 
     def options(self, **_: Any) -> "FakeHandle":
         return self
 
 
 def client(stream: FakeStream, call: FakeCall | None = None) -> RayModelClient:
-    handle = FakeHandle(stream, call or FakeCall(1))
+    handle = FakeHandle(stream, call or FakeCall((1,)))
     return RayModelClient([ModelCard("m")], {"m": handle}, replica_wait_s=0.2)  # type: ignore[dict-item]
 
 
@@ -112,9 +112,9 @@ def test_an_accepting_replica_streams_every_event_after_its_marker() -> None:
     assert not stream.cancelled
 
 
-def test_count_tokens_waits_boundedly_too() -> None:
+def test_tokenize_waits_boundedly_too() -> None:
     call = FakeCall(None)
     with pytest.raises(OverloadedError, match="no replica of the model 'm'"):
-        asyncio.run(client(FakeStream([]), call).count_tokens(REQUEST))
+        asyncio.run(client(FakeStream([]), call).tokenize(REQUEST))
     assert call.cancelled
-    assert asyncio.run(client(FakeStream([]), FakeCall(7)).count_tokens(REQUEST)) == 7
+    assert asyncio.run(client(FakeStream([]), FakeCall((7, 8))).tokenize(REQUEST)) == (7, 8)

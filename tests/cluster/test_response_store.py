@@ -28,6 +28,16 @@ def respond(body: dict[str, Any]) -> httpx.Response:
         "model": "orchard-tiny", "temperature": 0, "max_output_tokens": 16, **body})
 
 
+def history_tokens(first_input: str, earlier: dict[str, Any], text: str) -> int:
+    """Input tokens of `text` sent with the earlier turn written out as items: what a
+    follow-up by `previous_response_id` must render to."""
+    items = [{"role": "user", "content": first_input}, *earlier["output"],
+             {"role": "user", "content": text}]
+    explicit = respond({"input": items})
+    assert explicit.status_code == 200, explicit.text
+    return int(explicit.json()["usage"]["input_tokens"])
+
+
 def test_follow_ups_find_their_response_on_any_ingress_replica(cluster: LocalCluster) -> None:
     cluster.deploy({"ingress": {"num_replicas": 2},
                     "models": [{"id": "orchard-tiny", "source": "builtin:tiny"}]})
@@ -38,17 +48,15 @@ def test_follow_ups_find_their_response_on_any_ingress_replica(cluster: LocalClu
     first = [respond({"input": f"Hello number {i}!"}) for i in range(8)]
     assert all(r.status_code == 200 for r in first), [r.text for r in first]
     _kill_store_actor(cluster)  # Ray restarts it over the same file
-    alone = respond({"input": "And then?"}).json()
-    for response in first:
+    for i, response in enumerate(first):
         earlier = response.json()
         follow = respond({"input": "And then?", "previous_response_id": earlier["id"]})
         assert follow.status_code == 200, follow.text
         body = follow.json()
         assert body["previous_response_id"] == earlier["id"]
-        # The stored turn is in the prompt: its input, its output (re-tokenized, so not
-        # counted exactly), then the new input.
-        assert body["usage"]["input_tokens"] > \
-            earlier["usage"]["input_tokens"] + alone["usage"]["input_tokens"], (body, earlier)
+        # The stored turn is in the prompt: its input, its output, then the new input.
+        assert body["usage"]["input_tokens"] == \
+            history_tokens(f"Hello number {i}!", earlier, "And then?"), (body, earlier)
     unknown = respond({"input": "Hi", "previous_response_id": "resp_missing"})
     assert unknown.status_code == 404
 
@@ -76,15 +84,13 @@ def test_with_redis_follow_ups_survive_a_replica_and_the_store(
     # In Redis itself, not in an actor that a node holds.
     assert all(raw.exists(f"orchard:responses:orchard:r:{r.json()['id']}") for r in first)
     raw.close()
-    alone = respond({"input": "And then?"}).json()
-
     def follow_ups(responses: list[httpx.Response]) -> None:
-        for response in responses:
+        for i, response in enumerate(responses):
             earlier = response.json()
             follow = respond({"input": "And then?", "previous_response_id": earlier["id"]})
             assert follow.status_code == 200, follow.text
-            assert follow.json()["usage"]["input_tokens"] > \
-                earlier["usage"]["input_tokens"] + alone["usage"]["input_tokens"]
+            assert follow.json()["usage"]["input_tokens"] == \
+                history_tokens(f"Hello number {i}!", earlier, "And then?")
 
     _kill_ingress_replica(cluster)  # Serve starts another, which reaches the same server
     follow_ups(first)

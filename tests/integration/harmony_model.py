@@ -22,12 +22,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 from mlx_lm.utils import load_tokenizer
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import trainers
+from tokenizers import Tokenizer
 
 from replicas.builtin.build import cached_build, orchard_cache
 from replicas.builtin.recipe import Architecture, Training
-from replicas.builtin.tokenizer_files import PRETOKENIZE_REGEX, write_json
+from replicas.builtin.tokenizer_files import train_tokenizer, write_json
 from replicas.builtin.train import BuildError, Example, train
 from replicas.builtin.verify import verify_model_dir
 from replicas.contract import ChatMessage, ChatPrompt, ReasoningSpec
@@ -115,21 +114,8 @@ def ensure_harmony_model(root: Path | None = None) -> Path:
 
 
 def _tokenizer(corpus: list[str]) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[], show_progress=False)
-    tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.add_special_tokens([
-        AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False,
-                   special=True) for t in (PAD, *MARKERS)])
-    return tokenizer
+    added = (PAD, *MARKERS)
+    return train_tokenizer(corpus, 400 + len(added), 2, special=added, plain=())
 
 
 def _write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> dict[str, int]:

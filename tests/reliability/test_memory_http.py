@@ -248,4 +248,6 @@ def test_greedy_output_is_the_same_with_admission_holding_requests_back(cluster:
     texts = [r.json["choices"][0]["message"]["content"] for r in held]
     assert all(r.json["usage"]["completion_tokens"] == max_tokens for r in held)
     assert texts == [r.json["choices"][0]["message"]["content"] for r in alone]
-    assert len(set(texts)) == n  # distinct prompts, distinct outputs: not a constant echo
+    # Distinct prompts, mostly distinct outputs: the comparison is not of a constant text
+    # (off-script continuations of the tiny model may coincide).
+    assert len(set(texts)) > n // 2

@@ -119,14 +119,21 @@ def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI) 
     assert message.content == think.answer
     assert message.model_extra and message.model_extra["reasoning_content"] == think.reasoning
 
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
-                                               "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    # The script whose answer is a JSON record, under a strict schema it meets: the
+    # grammar lets the sharded model say it as is (off-script text need not close).
+    record = script("json-record")
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 30}, "born": {"type": "integer"},
+        "country": {"type": "string"}, "skills": {"type": "array", "items": {"type": "string"}},
+        "active": {"type": "boolean"}},
+        "required": ["name", "born"], "additionalProperties": False}
     guided = client.chat.completions.create(
-        model="tiny-x2", messages=script("profile-prose").message_dicts, temperature=0,
+        model="tiny-x2", messages=record.message_dicts, temperature=0,
         max_tokens=200, response_format={"type": "json_schema", "json_schema": {
             "name": "person", "schema": schema, "strict": True}})
-    jsonschema.validate(json.loads(guided.choices[0].message.content or ""), schema)
+    answer = json.loads(guided.choices[0].message.content or "")
+    jsonschema.validate(answer, schema)
+    assert answer == json.loads(record.answer)
 
     tools = script("tool-one")
     called = client.chat.completions.create(
@@ -172,7 +179,8 @@ def test_a_lost_shard_fails_its_streams_and_the_replica_comes_back(
             if received == 5:  # mid-stream: the first chunks are out
                 os.kill(worker["pid"], signal.SIGKILL)
     assert received >= 5
-    assert "shard 2 of 2" in str(failed.value)
+    # The shard watch names the shard; a collective that fails first says a shard is lost.
+    assert "shard 2 of 2" in str(failed.value) or "a shard may be lost" in str(failed.value)
 
     # Serve's health check replaces the replica, with a new rank 1 in a new placement group.
     deadline = time.monotonic() + 240
