@@ -44,11 +44,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
-from load.bench_serving import (PORT, PROMPT, RawModel, port_in_use, process_tree,  # noqa: E402
+from load.bench_serving import (PORT, PROMPT, RawModel, port_in_use,  # noqa: E402
                                 require_alive, start_server, stop_server)
 from load.bench_vs_mlx_server import (HOST, MLX_PORT, eos_bias, local_path,  # noqa: E402
                                       mlx_server, running)
-from load.process_cpu import CpuSnapshot  # noqa: E402
+from load.process_cpu import CpuSnapshot, process_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "load" / "out"

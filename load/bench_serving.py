@@ -35,7 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
-from load.process_cpu import CpuSnapshot, per_token_table  # noqa: E402
+from load.process_cpu import CpuSnapshot, per_token_table, process_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8000
@@ -108,23 +108,6 @@ class RawModel:
                 n += 1
                 live -= r.finish_reason is not None
         return Run(n, time.perf_counter() - start, [])
-
-
-def process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
 
 
 @contextlib.contextmanager

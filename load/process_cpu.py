@@ -75,3 +75,22 @@ def per_token_table(spent: dict[str, float], tokens: int, raw_ms_per_token: floa
     outside = sum(s for n, s in spent.items() if n != "model replica") * 1e3 / tokens
     rows.append(f"  {'outside the model replica':<18}{outside:>8.2f} ms CPU/token")
     return rows
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it, from /proc (Linux; else `root` alone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # The parent pid follows the command name, which may hold spaces and ")".
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree

@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import yaml
 
+from load.process_cpu import process_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300
 
@@ -144,22 +146,11 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _descendants(root: int) -> list[tuple[int, bytes]]:
-    """Every process below `root` with its command line, from /proc (Linux; else none)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    """Every process below `root` with its command line (Linux; else none)."""
     found: list[tuple[int, bytes]] = []
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
+    for pid in process_tree(root)[1:]:
         try:
             found.append((pid, _cmdline(pid)))
         except OSError:
-            continue
-        todo.extend(children.get(pid, []))
+            continue  # gone meanwhile
     return found
