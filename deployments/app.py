@@ -12,7 +12,7 @@ from deployments.config import AppArgs, ModelSettings
 from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
 from deployments.prefix_router import PrefixAffinityRouter
-from replicas.loading import BUILTIN_PREFIX, resolve_source
+from replicas.sources import BUILTIN_PREFIX, resolve_source
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -59,7 +59,8 @@ _COLOCATED_HEADROOM = 16
 def _check_sharding(model: ModelSettings) -> None:
     """A `shards`/`sharding` the architecture cannot take fails the deploy, naming the
     field; a Hub model not on disk is checked by its replica, once fetched."""
-    from replicas.sharding import ShardingError, model_config, sharding_mode
+    from replicas.engine.sharding import ShardingError, sharding_mode
+    from replicas.sources import model_config
 
     config = model_config(model.source, fetch=False)
     if config is None:

@@ -1,6 +1,6 @@
 """The typed shape of `serve_config.yaml`'s `args:`; unknown keys are errors.
 
-Each value has one home. Engine defaults live in `replicas.batch.EngineConfig`, replica
+Each value has one home. Engine defaults live in `replicas.engine.config.EngineConfig`, replica
 defaults in `replicas.options.ReplicaOptions`, the valid format names in the replica's
 registries; the settings here read them (engine and replica defaults lazily: those modules
 import mlx, which the cluster CLI that reads these settings must not need).
@@ -32,7 +32,7 @@ class _Strict(BaseModel):
 
 def _engine_default(name: str) -> Callable[[], Any]:
     def default() -> Any:
-        from replicas.batch import EngineConfig
+        from replicas.engine.config import EngineConfig
 
         return getattr(EngineConfig(), name)
 
@@ -49,7 +49,7 @@ def _replica_default(name: str, scale: float = 1.0) -> Callable[[], Any]:
 
 
 class EngineSettings(_Strict):
-    """Defaults are `replicas.batch.EngineConfig`'s (32 / 8 / 2048 as of writing)."""
+    """Defaults are `replicas.engine.config.EngineConfig`'s (32 / 8 / 2048 as of writing)."""
 
     max_batch_size: int = Field(default_factory=_engine_default("max_batch_size"), ge=1,
                                 description="Sequences decoded together per replica.")
@@ -69,7 +69,7 @@ class EngineSettings(_Strict):
 
 
 class PromptCacheSettings(_Strict):
-    """The replica's KV prefix cache; the default is `replicas.batch.EngineConfig`'s."""
+    """The replica's KV prefix cache; the default is `replicas.engine.config.EngineConfig`'s."""
 
     max_bytes: int = Field(default_factory=_engine_default("prompt_cache_bytes"), ge=0,
                            description="KV of earlier prompts kept for reuse, in bytes per "
@@ -77,7 +77,7 @@ class PromptCacheSettings(_Strict):
 
 
 class MemorySettings(_Strict):
-    """KV memory admission (`replicas.memory`): requests join the batch while the KV they
+    """KV memory admission (`replicas.engine.memory`): requests join the batch while the KV they
     may reach (prompt + max_tokens) fits; the rest wait, then get overloaded errors."""
 
     budget_bytes: int | None = Field(

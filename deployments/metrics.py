@@ -19,7 +19,7 @@ from typing import Callable, cast
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from ingress.observe import RequestRecord
-from replicas.engine_stats import EngineStats
+from replicas.engine.stats import EngineStats
 from replicas.timings import TimingSamples
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ ENGINE_METRICS = (
     "orchard_prefix_cache_misses_total", "orchard_prefix_cache_evictions_total",
     "orchard_prefix_cache_bytes", "orchard_grammar_compile_seconds",
 )
-# KV memory admission (`replicas.memory`).
+# KV memory admission (`replicas.engine.memory`).
 MEMORY_METRICS = ("orchard_kv_budget_bytes", "orchard_kv_projected_bytes",
                   "orchard_waiting_for_memory", "orchard_memory_refusals_total")
 # A replica's shard count (1 unless `shards`), and its per-step sync, only when sharded.

@@ -18,7 +18,7 @@ from deployments.config import (
 from deployments.observability import engine_poller
 from deployments.shards import ShardGroup
 from replicas.contract import Failed, GenerationRequest, OutputEvent, TokenizerInfo
-from replicas.batch import EngineConfig
+from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
 
@@ -58,7 +58,8 @@ class ReplicaOwner:
         self._shards: ShardGroup | None = None
         if config.shards > 1:
             # Ranks 1..N-1 start first and wait for rank 0 (this replica) to join them.
-            from replicas.sharding import model_config, sharding_mode
+            from replicas.engine.sharding import sharding_mode
+            from replicas.sources import model_config
 
             found = model_config(config.source)
             assert found is not None  # fetched when not on disk

@@ -11,7 +11,7 @@ from deployments.config import ObservabilitySettings
 from deployments.metrics import EngineMetrics, EnginePoller, RequestMetrics
 from ingress.observe import FanOut, RequestObserver
 from ingress.request_log import RequestLogger
-from replicas.engine_stats import EngineStats
+from replicas.engine.stats import EngineStats
 from replicas.timings import TimingSamples
 
 

@@ -1,5 +1,5 @@
 """Cache-aware routing: each request goes to the model replica most likely to hold its
-prompt prefix in its KV cache (`replicas.prompt_cache`), unless that replica is busier than
+prompt prefix in its KV cache (`replicas.engine.prompt_cache`), unless that replica is busier than
 the least-loaded one by more than `routing.max_imbalance` requests.
 
 Orchard's own router rather than Ray's `ray.serve.llm.request_router.PrefixCacheAffinityRouter`,

@@ -22,8 +22,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import DistributedSettings, ModelSettings
-from replicas.batch import EngineConfig
-from replicas.sharding import Mode, ShardPlan
+from replicas.engine.config import EngineConfig
+from replicas.engine.config import Mode, ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,10 @@ class ShardWorker:
 
     def run(self, source: str, plan: ShardPlan, engine: EngineConfig) -> int:
         """Load this rank's shard and follow rank 0 until it stops (the steps run)."""
-        from replicas.sharding import follow
+        from replicas.engine.sharding import follow
+        from replicas.sources import resolve_source
 
-        return follow(source, plan, engine, self._wait_for_work)
+        return follow(source, resolve_source(source), plan, engine, self._wait_for_work)
 
     def ping(self) -> int:
         return self._rank

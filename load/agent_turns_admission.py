@@ -26,7 +26,7 @@ from collections import Counter
 from typing import Awaitable, TypeVar
 
 from load.agent_turns import conversations
-from replicas.batch import EngineConfig
+from replicas.engine.config import EngineConfig
 from replicas.contract import Failed, Finished, GenerationRequest, SamplingParams, TokenPrompt
 from replicas.replica import ModelReplica, ReplicaOptions
 

@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from load.agent_turns import one_turn, text
 from replicas.contract import ChatMessage
-from replicas.batch import EngineConfig
+from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
 MIB = 2**20

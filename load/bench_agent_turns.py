@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
 from load.agent_turns import Run, conversations, median_ttft, spread
-from replicas.batch import EngineConfig
+from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
 

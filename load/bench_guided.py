@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerFast
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
 from replicas.contract import GuidedSpec
-from replicas.guided import (
+from replicas.pipeline.guided import (
     GuidedLogitsProcessor,
     GuidedMatcher,
     GuidedTokenizer,

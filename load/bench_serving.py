@@ -70,7 +70,7 @@ class RawModel:
     def __init__(self, source: str) -> None:
         from mlx_lm.sample_utils import make_sampler
 
-        from replicas.loading import load_model
+        from replicas.sources import load_source as load_model
 
         self.loaded = load_model(source)
         self.prompt = self.tokens(PROMPT)

@@ -117,7 +117,7 @@ def tiny_decode_ns_per_token(tokens: int = 64) -> float:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from replicas.loading import load_model
+    from replicas.sources import load_source as load_model
 
     loaded = load_model("builtin:tiny")
     prompt = loaded.tokenizer.encode("Once upon a time")

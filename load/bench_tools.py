@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain s
 
 from load.bench_guided import decode, mask_us
 from replicas.contract import ToolChoice, ToolSpec
-from replicas.guided import GuidedMatcher, GuidedTokenizer
-from replicas.guided.tools import compile_tool_grammar
-from replicas.loading import load_model
+from replicas.pipeline.guided import GuidedMatcher, GuidedTokenizer
+from replicas.pipeline.guided.tools import compile_tool_grammar
+from replicas.sources import load_source as load_model
 
 
 def _obj(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replicas.batch import EngineConfig
-from replicas.sharding import ShardPlan
+from replicas.engine.config import EngineConfig
+from replicas.engine.config import ShardPlan
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """ModelReplica: one model, one engine thread, an async stream of events per request.
 
-Each request is prepared first (`replicas.prepare`: everything that can reject it runs
+Each request is prepared first (`replicas.pipeline.prepare`: everything that can reject it runs
 there, before any engine time), then submitted to the engine, whose events come back
 coalesced. On a sharded replica this is rank 0; its batch keeps the other ranks in lockstep.
 """
@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 from typing import AsyncGenerator, Callable
 
-from replicas.batch import Batch, LocalBatch
+from replicas.engine.batch import Batch, LocalBatch
 from replicas.contract import (
     ErrorKind,
     Failed,
@@ -23,18 +23,19 @@ from replicas.contract import (
     is_terminal,
     merge_deltas,
 )
-from replicas.engine import Engine, EngineDead
-from replicas.engine_stats import EngineStats
+from replicas.engine.core import Engine, EngineDead
+from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
-from replicas.loading import LoadedModel, load_model
-from replicas.lockstep import LockstepBatch
+from replicas.engine.loading import LoadedModel, load_model
+from replicas.engine.lockstep import LockstepBatch
 from replicas.options import ReplicaOptions
+from replicas.sources import resolve_source
 from replicas.pipeline.channels import ChannelFormat, detect_format, get_format
 from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.tool_formats import ToolFormat, detect_tool_format, get_tool_format
-from replicas.prepare import InputProcessor
+from replicas.pipeline.prepare import InputProcessor
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
-from replicas.submission import EventBuffer
+from replicas.engine.delivery import EventBuffer
 from replicas.timings import Timings, TimingSamples
 
 __all__ = ["ModelReplica", "ReplicaOptions"]
@@ -59,11 +60,12 @@ class ModelReplica:
         """The model and its batch, on the engine thread: whole, or rank 0's shard."""
         plan = self.options.shard
         if plan is None:
-            model = load_model(self.options.source)
+            model = load_model(self.options.source, resolve_source(self.options.source))
             return model, LocalBatch(model.model, self.options.engine)
-        from replicas.sharding import open_shard  # only sharded replicas join a group
+        from replicas.engine.sharding import open_shard  # only sharded replicas join a group
 
-        model, local, group = open_shard(self.options.source, plan, self.options.engine)
+        model, local, group = open_shard(self.options.source, resolve_source(self.options.source),
+                                         plan, self.options.engine)
         return model, LockstepBatch(local, group, self._wake_shards, on_sync=self._timings.sync)
 
     # ---- lifecycle ----------------------------------------------------------------------

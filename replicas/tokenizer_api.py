@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 from replicas.contract import TokenizerInfo
 from replicas.errors import InvalidRequestError
-from replicas.loading import LoadedModel
-from replicas.prompt import encodable
+from replicas.engine.loading import LoadedModel
+from replicas.pipeline.prompt import encodable
 
 
 def encode_plain(hf_tokenizer: Any, text: str) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ class RequestDecoder:
     `tools`: None keeps tool-call markup as plain text. With a `ToolParsing` (e.g.
     `ToolParsing.from_specs(get_tool_format(name), request.tools)`), `fmt` must already be
     composed with its tool format (`tool_formats.with_tools`, done once per request by
-    `replicas.prepare`); each call's text leaves as ToolCallStart/Delta/End events and
+    `replicas.pipeline.prepare`); each call's text leaves as ToolCallStart/Delta/End events and
     never reaches the stop matcher, text after the first call is dropped (the contract's
     event order), and a turn that ends by itself after a call finishes with
     `FinishReason.TOOL_CALLS`. A `RequestController` for the same request routes with the

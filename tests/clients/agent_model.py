@@ -5,7 +5,7 @@ The built-in tiny model memorizes exact prompts and cannot generalize to a clien
 prompt. So the suite first records the `GenerationRequest`s the ingress adapters build
 from a real client's requests (see `capture.py`), and this module trains a model of the
 same kind on them: each recorded request is rendered by the production prompt code
-(`replicas.prompt.render_prompt`, with the model's own tokenizer and chat template) and
+(`replicas.pipeline.prompt.render_prompt`, with the model's own tokenizer and chat template) and
 paired with the exact completion the model must write (a Hermes `<tool_call>` block, or
 the final answer). `replicas.builtin`'s pieces are used as a library: its tokenizer files
 and chat template, the `qwen3` architecture, `train()` with its margin check and
@@ -49,7 +49,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.utils import load_tokenizer
 
 import replicas.builtin as builtin_package
-import replicas.prompt as prompt_module
+import replicas.pipeline.prompt as prompt_module
 from replicas.builtin.build import cached_build, orchard_cache
 from replicas.builtin.recipe import TINY, Training
 from replicas.builtin.tokenizer_files import (
@@ -62,7 +62,7 @@ from replicas.builtin.tokenizer_files import (
 from replicas.builtin.train import BuildError, Example, train
 from replicas.builtin.verify import verify_model_dir
 from replicas.contract import GenerationRequest
-from replicas.prompt import render_prompt
+from replicas.pipeline.prompt import render_prompt
 
 from .agent_tokenizer import corpus_pieces, keep_own_pre_tokenizer, train_agent_tokenizer
 

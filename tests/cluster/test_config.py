@@ -23,7 +23,7 @@ from deployments.config import (
 )
 from deployments.model_clients import REPLICA_WAIT_S
 from deployments.model_deployment import ModelDeployment, replica_options
-from replicas.batch import EngineConfig
+from replicas.engine.config import EngineConfig
 from replicas.pipeline.channels import FORMATS
 from replicas.replica import ReplicaOptions
 

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from ingress.app import create_app
 from ingress.protocol import WARNINGS_FIELD
 from replicas.contract import Channel, Finished, FinishReason, GenerationRequest, TextDelta, Usage
-from replicas.guided.tools import compile_tool_grammar
+from replicas.pipeline.guided.tools import compile_tool_grammar
 from tests.fakes import FakeClient, Step
 from tests.unit.test_guided_tools import builtin_guided_tokenizer
 

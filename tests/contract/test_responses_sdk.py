@@ -4,6 +4,7 @@ client: conversion, output items, streaming, structured output, the store, and e
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from ingress.app import create_app
+from ingress.responses.sqlite_store import SqliteResponseStore
 from ingress.responses.store import MemoryResponseStore
 from replicas.contract import (
     Channel,
@@ -403,6 +405,18 @@ def test_store_false_is_stateless() -> None:
     assert raised.value.body["param"] == "previous_response_id"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_the_given_store_is_used_even_while_empty(kind: str, tmp_path: Path) -> None:
+    # An empty store is falsy (it has `__len__`): the app once swapped it for its own
+    # in-memory one, so `serve run` never wrote its SQLite file (issue 32).
+    store: MemoryResponseStore | SqliteResponseStore = MemoryResponseStore() \
+        if kind == "memory" else SqliteResponseStore(tmp_path / "responses.sqlite3")
+    client, _ = sdk(FakeClient(SCRIPTS["answer"]), response_store=store)
+    response = create(client)
+    assert len(store) == 1
+    assert client.responses.retrieve(response.id).output_text == "Four."
 
 
 # --- errors -------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from replicas.builtin.tokenizer_files import train_tokenizer, write_json
 from replicas.builtin.train import BuildError, Example, train
 from replicas.builtin.verify import verify_model_dir
 from replicas.contract import ChatMessage, ChatPrompt, ReasoningSpec
-from replicas.prompt import render_prompt
+from replicas.pipeline.prompt import render_prompt
 from tests.harmony_vocab import load_gpt_oss_encoding, render_completion
 
 PAD = "<|endoftext|>"

@@ -1,7 +1,7 @@
 """builtin:tiny, loaded by the production loader, reproduces every script exactly:
 through mlx_lm's own generate functions and through continuous batching, with prompts
 rendered by the production path (a GenerationRequest, its tools included, through
-`replicas.prompt.render_prompt`)."""
+`replicas.pipeline.prompt.render_prompt`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from replicas.contract import (
     GenerationRequest,
     SamplingParams,
 )
-from replicas.prompt import render_prompt
+from replicas.pipeline.prompt import render_prompt
 from tests.scripted import script_request
 
 SCRIPT_IDS = [s.id for s in load_scripts()]

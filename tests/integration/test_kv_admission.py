@@ -1,4 +1,4 @@
-"""KV memory admission on the real tiny model (`replicas.memory`): requests join the batch
+"""KV memory admission on the real tiny model (`replicas.engine.memory`): requests join the batch
 only while the KV they may reach fits the budget, wait in order otherwise, are refused as
 overloaded past the waiting bound, and a request that cannot fit even alone is lowered or
 refused like one past the context. The prefix cache gives way first."""
@@ -20,8 +20,8 @@ from replicas.contract import (
     TextDelta,
     TokenPrompt,
 )
-from replicas.batch import EngineConfig
-from replicas.memory import weights_bytes
+from replicas.engine.config import EngineConfig
+from replicas.engine.memory import weights_bytes
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect, stream_events
 

@@ -18,8 +18,8 @@ from replicas.contract import (
     OutputEvent,
     ToolCallStart,
 )
-from replicas.batch import EngineConfig
-from replicas.prompt import last_message_boundary, render_prompt
+from replicas.engine.config import EngineConfig
+from replicas.pipeline.prompt import last_message_boundary, render_prompt
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.scripted import script_request
 from tests.streams import collect, stream_events

@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 import pytest
 
-import replicas.engine as engine_module
-import replicas.sampling as sampling_module
+import replicas.engine.core as engine_module
+import replicas.engine.sampling as sampling_module
 from deployments.model_deployment import ModelDeployment
 from replicas.builtin import script
 from replicas.contract import (
@@ -27,8 +27,8 @@ from replicas.contract import (
     SamplingParams,
     TextDelta,
 )
-from replicas.batch import EngineConfig
-from replicas.engine import Engine, EngineDead
+from replicas.engine.config import EngineConfig
+from replicas.engine.core import Engine, EngineDead
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect
 

@@ -20,7 +20,7 @@ from replicas.contract import (
     Usage,
     merge_deltas,
 )
-from replicas.submission import EventBuffer, deliver
+from replicas.engine.delivery import EventBuffer, deliver
 
 ANSWER, REASONING = Channel.ANSWER, Channel.REASONING
 END = Finished(FinishReason.LENGTH, Usage(1, 3))

@@ -17,17 +17,17 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import replicas.guided.bitmask as bitmask_impl
+import replicas.pipeline.guided.bitmask as bitmask_impl
 from replicas.contract import GuidedSpec
 from replicas.errors import InvalidRequestError
-from replicas.guided import (
+from replicas.pipeline.guided import (
     GuidedLogitsProcessor,
     GuidedMatcher,
     GuidedTokenizer,
     apply_token_bitmask,
     compile_guided,
 )
-from replicas.guided.schema_keywords import unknown_keywords
+from replicas.pipeline.guided.schema_keywords import unknown_keywords
 
 EOS, IM_END, THINK = "<|endoftext|>", "<|im_end|>", "<think>"
 PADDED_IDS = 5  # the model's logits are wider than the tokenizer by this many ids

@@ -17,7 +17,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.qwen3 import Model, ModelArgs
 
 from replicas.contract import GuidedSpec
-from replicas.guided import GuidedLogitsProcessor, GuidedMatcher, compile_guided
+from replicas.pipeline.guided import GuidedLogitsProcessor, GuidedMatcher, compile_guided
 from tests.unit.test_guided import build_hf_tokenizer, decode, guided_tokenizer
 
 Processor = Callable[[mx.array, mx.array], mx.array]

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from replicas.contract import GuidedSpec
-from replicas.guided import GuidedMatcher, compile_guided
+from replicas.pipeline.guided import GuidedMatcher, compile_guided
 from tests.unit.test_guided import build_hf_tokenizer, decode, guided_tokenizer
 
 SEEDS = range(200)

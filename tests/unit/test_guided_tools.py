@@ -32,15 +32,15 @@ from replicas.builtin.tokenizer_files import (
     write_tokenizer_files,
 )
 from replicas.contract import Channel, ToolChoice, ToolSpec
-from replicas.control import RequestController
+from replicas.pipeline.control import RequestController
 from replicas.pipeline.detokenizer import make_decode
 from replicas.errors import InvalidRequestError
-from replicas.guided import GuidedMatcher, GuidedTokenizer
-from replicas.guided.tools import compile_tool_grammar
+from replicas.pipeline.guided import GuidedMatcher, GuidedTokenizer
+from replicas.pipeline.guided.tools import compile_tool_grammar
 from replicas.pipeline.channel_formats import ChannelFormat, Rule, State
 from replicas.pipeline.channels import get_format
 from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar
-from replicas.tool_plan import reserved_token_ids
+from replicas.pipeline.tool_plan import reserved_token_ids
 from tests.unit.test_guided import build_hf_tokenizer, guided_tokenizer
 
 # Non-special in Qwen3 (they survive skip_special_tokens); special in the other families.

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from replicas.contract import ToolChoice, ToolSpec
-from replicas.guided import GuidedMatcher
-from replicas.guided.tools import compile_tool_grammar
+from replicas.pipeline.guided import GuidedMatcher
+from replicas.pipeline.guided.tools import compile_tool_grammar
 from tests.unit.test_guided_random import Schema, object_schemas, schema_validator
 from tests.unit.test_guided_tools import VARIANTS, variant
 

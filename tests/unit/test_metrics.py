@@ -11,8 +11,8 @@ import pytest
 import deployments.metrics as metrics
 from ingress.observe import RequestRecord
 from replicas.contract import ErrorKind, FinishReason, Usage
-from replicas.engine_stats import EngineStats
-from replicas.memory import MemoryStats
+from replicas.engine.stats import EngineStats
+from replicas.engine.memory import MemoryStats
 from replicas.timings import TimingSamples
 
 

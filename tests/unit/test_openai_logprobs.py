@@ -25,7 +25,7 @@ from replicas.contract import (
     Usage,
     merge_deltas,
 )
-from replicas.logprobs import LogprobTrail, Picked, TokenPieces
+from replicas.engine.logprobs import LogprobTrail, Picked, TokenPieces
 from tests.fakes import FakeClient
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=3)

@@ -11,10 +11,11 @@ from pydantic import ValidationError
 
 from deployments.app import build_app
 from deployments.config import AppArgs, ModelSettings
-from replicas.batch import Done
+from replicas.engine.batch import Done
 from replicas.builtin import ensure_builtin
-from replicas.lockstep import _Finish, _Insert, _RowSpec
-from replicas.sharding import ShardingError, model_config, sharding_mode
+from replicas.engine.lockstep import _Finish, _Insert, _RowSpec
+from replicas.engine.sharding import ShardingError, sharding_mode
+from replicas.sources import model_config
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from replicas import startup
 from replicas.builtin import ensure_builtin
-from replicas.loading import load_model
+from replicas.engine.loading import load_model
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -53,7 +53,7 @@ def test_building_and_loading_a_builtin_model_log_progress(
     with caplog.at_level(logging.INFO, logger="orchard.startup"):
         path = ensure_builtin("bench", cache_dir=tmp_path)
         built = _lines(caplog)
-        load_model(str(path))
+        load_model(str(path), path)
     assert built[0].startswith("building the built-in model builtin:bench, once (cached in ")
     assert built[0].endswith("a few seconds")
     assert built[-1].startswith("building the built-in model builtin:bench: done in ")

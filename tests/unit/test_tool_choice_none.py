@@ -33,7 +33,7 @@ from replicas.pipeline.tool_formats import (
     get_tool_format,
     without_calls,
 )
-from replicas.tool_plan import plan_tools, reserved_token_ids
+from replicas.pipeline.tool_plan import plan_tools, reserved_token_ids
 
 WITH_CALLS = [name for name, fmt in TOOL_FORMATS.items() if fmt.grammar is not None]
 

@@ -8,8 +8,8 @@ import pytest
 
 from replicas.contract import ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
-from replicas.guided.tool_params import unenforced_string_keywords
-from replicas.guided.tools import ToolGrammar, compile_tool_grammar
+from replicas.pipeline.guided.tool_params import unenforced_string_keywords
+from replicas.pipeline.guided.tools import ToolGrammar, compile_tool_grammar
 from tests.unit.test_guided_tools import accepts, builtin_guided_tokenizer, call_text, tool
 
 # What real tools carry on a string parameter (Claude Code's and Codex's tools among them).

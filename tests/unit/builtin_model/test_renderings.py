@@ -22,7 +22,7 @@ from replicas.builtin import load_scripts, script
 from replicas.builtin.scripts import Rendering, Script, parse_scripts, renderings
 from replicas.builtin.tokenizer_files import prompt_ids
 from replicas.contract import GenerationRequest
-from replicas.prompt import render_prompt
+from replicas.pipeline.prompt import render_prompt
 
 CARD = ModelCard("orchard-tiny")
 CHATS = [s.id for s in load_scripts() if s.kind == "chat"]

@@ -1,5 +1,5 @@
 """The built-in models' tool calling: scripts, chat template, marker tokens, and the
-production prompt rendering (replicas.prompt) of tools and calls."""
+production prompt rendering (replicas.pipeline.prompt) of tools and calls."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from replicas.contract import (
     ToolSpec,
 )
 from replicas.errors import InvalidRequestError
-from replicas.prompt import render_chat_text, render_prompt
+from replicas.pipeline.prompt import render_chat_text, render_prompt
 from tests.unit.builtin_model.test_scripts import one_script_json
 
 

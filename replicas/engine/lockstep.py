@@ -38,11 +38,11 @@ from typing import Any, Callable, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from replicas.batch import Done, LocalBatch, Row
+from replicas.engine.batch import Done, LocalBatch, Row
 from replicas.errors import InternalError
-from replicas.logprobs import Picked
-from replicas.prompt_cache import PromptCache
-from replicas.sampling import Sampler
+from replicas.engine.logprobs import Picked
+from replicas.engine.prompt_cache import PromptCache
+from replicas.engine.sampling import Sampler
 
 log = logging.getLogger(__name__)
 

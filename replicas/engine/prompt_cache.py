@@ -59,7 +59,7 @@ class PromptCache:
         """`cost_scale` (num, den): an entry counts `nbytes * num // den` against
         `max_bytes`. A pipeline stage holding `l` of a model's `L` layers on `n` ranks uses
         (L, l * n): every stage then counts the same bytes for the same tokens, so all
-        ranks of a sharded replica keep and evict the same entries (`replicas.lockstep`)."""
+        ranks of a sharded replica keep and evict the same entries (`replicas.engine.lockstep`)."""
         self.max_bytes = max_bytes
         self._scale = cost_scale
         self._trie = PromptTrie()

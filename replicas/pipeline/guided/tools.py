@@ -24,10 +24,10 @@ from typing import Final
 
 from replicas.contract import ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
-from replicas.guided.compiler import checked_json_schema, grammar_warnings
-from replicas.guided.schema_keywords import openai_strict_violations
-from replicas.guided.tokenizer import GuidedTokenizer
-from replicas.guided.tool_params import unenforced_string_keywords, xml_parameters
+from replicas.pipeline.guided.compiler import checked_json_schema, grammar_warnings
+from replicas.pipeline.guided.schema_keywords import openai_strict_violations
+from replicas.pipeline.guided.tokenizer import GuidedTokenizer
+from replicas.pipeline.guided.tool_params import unenforced_string_keywords, xml_parameters
 from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar, ToolFormat
 
 

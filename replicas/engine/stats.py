@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replicas.memory import MemoryStats
+from replicas.engine.memory import MemoryStats
 
 
 @dataclass(frozen=True)

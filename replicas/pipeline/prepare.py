@@ -16,11 +16,11 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from replicas.contract import Channel, ChatPrompt, GenerationRequest, SamplingParams, TextPrompt
-from replicas.control import Grammar, RequestController
-from replicas.submission import EventSink, Submission
+from replicas.pipeline.control import Grammar, RequestController
+from replicas.engine.delivery import EventSink, Submission
 from replicas.errors import ContextLengthError, InvalidRequestError
-from replicas.loading import LoadedModel
-from replicas.logprobs import LogprobTrail, TokenPieces
+from replicas.engine.loading import LoadedModel
+from replicas.engine.logprobs import LogprobTrail, TokenPieces
 from replicas.options import ReplicaOptions
 from replicas.pipeline.channels import (
     ChannelFormat,
@@ -32,13 +32,13 @@ from replicas.pipeline.decoding import RequestDecoder
 from replicas.pipeline.detokenizer import Decode
 from replicas.pipeline.stops import merge_stops
 from replicas.pipeline.tool_formats import ToolFormat, with_tools, without_calls
-from replicas.prompt import RenderedPrompt, last_message_boundary, render_prompt
-from replicas.sampling import validate as validate_sampling
+from replicas.pipeline.prompt import RenderedPrompt, last_message_boundary, render_prompt
+from replicas.engine.sampling import validate as validate_sampling
 from replicas.timings import Timings
-from replicas.tool_plan import ToolPlan, plan_tools
+from replicas.pipeline.tool_plan import ToolPlan, plan_tools
 
 if TYPE_CHECKING:  # imported on first guided request: llguidance is only loaded when used
-    from replicas.guided import GuidedTokenizer
+    from replicas.pipeline.guided import GuidedTokenizer
 
 
 class InputProcessor:
@@ -88,7 +88,7 @@ class InputProcessor:
         if tools.grammar is not None:
             grammar: Grammar | None = self._matcher(tools.grammar)
         elif request.guided is not None:
-            from replicas.guided import compile_guided
+            from replicas.pipeline.guided import compile_guided
 
             grammar = self._matcher(compile_guided(request.guided))
         else:
@@ -176,7 +176,7 @@ class InputProcessor:
         is lowered to what is left. A prompt that itself leaves no room is always a 400.
         """
         # The replica's KV memory budget caps a request like the context does: one that
-        # could not fit even alone would wait forever (`replicas.memory`).
+        # could not fit even alone would wait forever (`replicas.engine.memory`).
         context = min(self._context_length, self._kv_max_tokens)
         by_context = context == self._context_length
         what = (f"this model's maximum context length is {context} tokens" if by_context
@@ -214,7 +214,7 @@ class InputProcessor:
         return plan_tools(request, self._tools, self._guided_tokenizer, self._encode)
 
     def _matcher(self, grammar: str) -> Grammar:
-        from replicas.guided import GuidedMatcher
+        from replicas.pipeline.guided import GuidedMatcher
 
         tokenizer = self._guided_tokenizer()  # built once: not part of a compile
         started = time.perf_counter()
@@ -223,7 +223,7 @@ class InputProcessor:
         return matcher
 
     def _guided_tokenizer(self) -> GuidedTokenizer:
-        from replicas.guided import GuidedTokenizer
+        from replicas.pipeline.guided import GuidedTokenizer
 
         with self._guided_lock:  # built once per model, on first use
             tokenizer = self._guided_tok

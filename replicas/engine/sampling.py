@@ -21,7 +21,7 @@ from mlx_lm.sample_utils import (
 
 from replicas.contract import SamplingParams
 from replicas.errors import InvalidRequestError
-from replicas.logprobs import MAX_TOP_LOGPROBS
+from replicas.engine.logprobs import MAX_TOP_LOGPROBS
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

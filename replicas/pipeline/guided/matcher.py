@@ -10,9 +10,9 @@ import numpy as np
 from llguidance import LLMatcher
 
 from replicas.errors import InvalidRequestError
-from replicas.guided.bitmask import apply_token_bitmask
-from replicas.guided.compiler import PARSER_LIMITS
-from replicas.guided.tokenizer import GuidedTokenizer
+from replicas.pipeline.guided.bitmask import apply_token_bitmask
+from replicas.pipeline.guided.compiler import PARSER_LIMITS
+from replicas.pipeline.guided.tokenizer import GuidedTokenizer
 
 
 class GuidedMatcher:

@@ -15,46 +15,25 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.pipeline import PipelineMixin
 # Private helpers of the pinned mlx-lm: its own architecture lookup and Hub fetch, so a
 # config is judged exactly as `sharded_load` will load it.
-from mlx_lm.utils import _download, _get_classes, sharded_load
+from mlx_lm.utils import _get_classes, sharded_load
 
-from replicas.batch import EngineConfig, LocalBatch
-from replicas.loading import LoadedModel, loaded_model, resolve_source
-from replicas.lockstep import Follower
+from replicas.engine.batch import LocalBatch
+from replicas.engine.config import EngineConfig, Mode, ShardPlan
+from replicas.engine.loading import LoadedModel, loaded_model
+from replicas.engine.lockstep import Follower
 from replicas.startup import Progress
 
-Mode = Literal["tensor", "pipeline"]
-Backend = Literal["ring", "jaccl"]
 
 
 class ShardingError(ValueError):
     """A `shards`/`sharding` value this model cannot take; names the field."""
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """One rank's part in a sharded replica."""
-
-    mode: Mode
-    rank: int
-    size: int
-    backend: Backend
-    # Ring: "ip:port" where each rank listens, by rank. JACCL: rank 0's is the coordinator.
-    addresses: tuple[str, ...]
-    # JACCL only: RDMA device from rank i to rank j (None on the diagonal), as `mlx.launch`
-    # writes it.
-    rdma_devices: tuple[tuple[str | None, ...], ...] | None = None
-
-    @property
-    def label(self) -> str:
-        return f"shard {self.rank + 1} of {self.size} ({self.mode})"
 
 
 def sharding_mode(config: dict[str, Any], shards: int, requested: str = "auto") -> Mode:
@@ -108,20 +87,6 @@ def _check_divisible(config: dict[str, Any], shards: int, mode: Mode) -> None:
                                 f"({value}), which tensor parallelism splits evenly")
 
 
-def model_config(source: str, fetch: bool = True) -> dict[str, Any] | None:
-    """config.json of a model: local, built-in, or (with `fetch`) that file alone from the
-    Hub, as mlx-lm fetches it; None when it is not on disk and `fetch` is off."""
-    resolved = resolve_source(source)
-    if not isinstance(resolved, Path) and fetch:
-        resolved = _download(resolved, allow_patterns=["config.json"])
-    path = Path(resolved) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
-    assert isinstance(config, dict)
-    return config
-
-
 def join(plan: ShardPlan) -> mx.distributed.Group:
     """Join the group every rank of this replica joins at the same time (blocking)."""
     os.environ["MLX_RANK"] = str(plan.rank)
@@ -144,11 +109,10 @@ def _file(text: str) -> str:
     return f.name
 
 
-def open_shard(source: str, plan: ShardPlan,
+def open_shard(source: str, resolved: Path | str, plan: ShardPlan,
                config: EngineConfig) -> tuple[LoadedModel, LocalBatch, mx.distributed.Group]:
     """Join the group, load this rank's shard (mlx-lm's `sharded_load`: a pipeline stage
     reads only its layers' files) and make its local batch."""
-    resolved = resolve_source(source)
     with Progress(f"joining {plan.label} of {source} over {plan.backend}"):
         group = join(plan)
     with Progress(f"loading model {source}, {plan.label}, from {resolved}"):
@@ -160,11 +124,11 @@ def open_shard(source: str, plan: ShardPlan,
     return loaded, LocalBatch(model, config, _cache_scale(model, model_conf, plan)), group
 
 
-def follow(source: str, plan: ShardPlan, config: EngineConfig,
+def follow(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig,
            wait_for_work: Callable[[], None]) -> int:
     """Ranks 1..N-1: load the shard, then replay rank 0's batch until it stops. Returns
     the steps run."""
-    _, batch, group = open_shard(source, plan, config)
+    _, batch, group = open_shard(source, resolved, plan, config)
     follower = Follower(batch, group, wait_for_work)
     follower.run()
     return follower.steps

@@ -1,6 +1,6 @@
 """The engine thread: the sole owner of MLX in a replica.
 
-It drives the batch (`replicas.batch`: mlx-lm's BatchGenerator with continuous batching,
+It drives the batch (`replicas.engine.batch`: mlx-lm's BatchGenerator with continuous batching,
 requests join and leave between steps, and the KV prefix cache), feeds each generated token through that request's output pipeline, and hands
 events back to asyncio through the sinks' event loops. Commands (submit, cancel) arrive on
 a thread-safe queue and are applied between steps, so a cancel frees its slot before the
@@ -12,11 +12,11 @@ step fails that batch; if the thread itself dies, every queued and in-flight req
 at once and later submissions raise, so nothing waits on a thread that is gone.
 
 Prefix reuse: a request joins the batch with the KV of the longest cached prefix of its
-prompt (`replicas.prompt_cache`) and prefills the rest, kept at its last message boundary;
+prompt (`replicas.engine.prompt_cache`) and prefills the rest, kept at its last message boundary;
 one that finishes normally leaves its prompt plus output behind for the next turn.
 
 The engine does not know how many processes run the model: on a sharded replica the batch
-it is handed keeps the other ranks in lockstep (`replicas.lockstep`).
+it is handed keeps the other ranks in lockstep (`replicas.engine.lockstep`).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from replicas.batch import Batch, Done, EngineConfig, Row
-from replicas.submission import EventSink, Submission, deliver
+from replicas.engine.batch import Batch, Done, EngineConfig, Row
+from replicas.engine.delivery import EventSink, Submission, deliver
 from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, TextDelta
-from replicas.loading import LoadedModel
-from replicas.logprobs import Asked, Picked, pick
-from replicas.engine_stats import EngineStats
+from replicas.engine.loading import LoadedModel
+from replicas.engine.logprobs import Asked, Picked, pick
+from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
-from replicas.memory import KvBudget, open_budget
-from replicas.prompt_logprobs import echo_delta
-from replicas.sampling import (
+from replicas.engine.memory import KvBudget, open_budget
+from replicas.engine.scoring import echo_delta
+from replicas.engine.sampling import (
     GuardedProcessors,
     LogitsProcessor,
     guarded_processors,

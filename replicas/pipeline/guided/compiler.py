@@ -10,7 +10,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from replicas.contract import GuidedSpec
 from replicas.errors import InvalidRequestError
-from replicas.guided.schema_keywords import unknown_keywords
+from replicas.pipeline.guided.schema_keywords import unknown_keywords
 
 if TYPE_CHECKING:  # the TypedDict exists only in llguidance's type stubs
     from llguidance._lib import JsonCompileOptions

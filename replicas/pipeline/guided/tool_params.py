@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from replicas.guided.schema_keywords import KNOWN_KEYWORDS
+from replicas.pipeline.guided.schema_keywords import KNOWN_KEYWORDS
 from replicas.pipeline.tool_syntax import ParamLayout
 
 # What raw text enforces of a string schema.

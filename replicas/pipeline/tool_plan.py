@@ -18,7 +18,7 @@ from replicas.pipeline.tool_calls import ToolParsing
 from replicas.pipeline.tool_formats import ToolFormat
 
 if TYPE_CHECKING:  # llguidance is imported on the first guided or tool request only
-    from replicas.guided import GuidedTokenizer
+    from replicas.pipeline.guided import GuidedTokenizer
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def plan_tools(
         # A grammar over the answer text and one over the calls cannot both own the answer.
         raise InvalidRequestError("response_format cannot be combined with tools yet",
                                   param="response_format")
-    from replicas.guided import compile_tool_grammar
+    from replicas.pipeline.guided import compile_tool_grammar
 
     compiled = compile_tool_grammar(tool_format.name, request.tools, choice,
                                     tokenizer=guided_tokenizer())

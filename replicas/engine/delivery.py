@@ -1,4 +1,4 @@
-"""A request as the engine runs it (`Submission`, built by `replicas.prepare` off the
+"""A request as the engine runs it (`Submission`, built by `replicas.pipeline.prepare` off the
 engine thread) and where its events go (`EventSink`, `deliver`)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from replicas.contract import OutputEvent, SamplingParams, is_terminal
-from replicas.control import RequestController
+from replicas.pipeline.control import RequestController
 from replicas.pipeline.decoding import RequestDecoder
 
 if TYPE_CHECKING:  # built by prepare; this module stays free of MLX
-    from replicas.logprobs import LogprobTrail
+    from replicas.engine.logprobs import LogprobTrail
 
 
 class EventSink(Protocol):

@@ -1,4 +1,5 @@
-"""Model loading: one code path for built-in models, local paths and Hub repo ids."""
+"""Model loading: one code path for built-in models, local paths and Hub repo ids (each
+resolved to a directory or repo id by `replicas.sources` before it gets here)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ from mlx_lm import load as mlx_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from replicas.startup import Progress
-
-BUILTIN_PREFIX = "builtin:"
-
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -37,18 +35,8 @@ class LoadedModel:
         return template if isinstance(template, str) else None
 
 
-def resolve_source(source: str) -> Path | str:
-    """A local directory for `builtin:NAME` (built on first use) or a path; else a repo id."""
-    if source.startswith(BUILTIN_PREFIX):
-        from replicas.builtin import ensure_builtin
-
-        return ensure_builtin(source[len(BUILTIN_PREFIX) :])
-    path = Path(source).expanduser()
-    return path if path.exists() else source
-
-
-def load_model(source: str) -> LoadedModel:
-    resolved = resolve_source(source)
+def load_model(source: str, resolved: Path | str) -> LoadedModel:
+    """`source` as configured, loaded from `resolved` (`replicas.sources.resolve_source`)."""
     with Progress(f"loading model {source} from {resolved}"):
         loaded = mlx_load(str(resolved), return_config=True)
     assert len(loaded) == 3  # model, tokenizer, config: what return_config=True asks for

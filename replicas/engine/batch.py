@@ -2,7 +2,7 @@
 
 Everything that changes the batch goes through here as a few whole operations (insert rows,
 step, finish rows, reset), never as loose calls on the generator. That is what lets a
-sharded replica run the same batch on every rank: `replicas.lockstep` records these
+sharded replica run the same batch on every rank: `replicas.engine.lockstep` records these
 operations on rank 0 and replays them on the others, and the engine above never knows how
 many ranks there are.
 """
@@ -17,27 +17,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from replicas.logprobs import Picked
-from replicas.prompt_cache import PromptCache, segments
-from replicas.prompt_logprobs import score_prompt
-from replicas.sampling import LogitsProcessor, Sampler
+from replicas.engine.config import EngineConfig
+from replicas.engine.logprobs import Picked
+from replicas.engine.prompt_cache import PromptCache, segments
+from replicas.engine.scoring import score_prompt
+from replicas.engine.sampling import LogitsProcessor, Sampler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_batch_size: int = 32  # sequences decoded together
-    prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
-    stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
-    # KV bytes for running requests plus the prefix cache (`replicas.memory`); None: a
-    # share of the machine's memory less the weights.
-    kv_budget_bytes: int | None = None
-    max_memory_waiting: int = 64  # requests waiting for KV memory before overload errors
-    # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
-    # batch are not counted: this is what stays resident between requests.
-    prompt_cache_bytes: int = 2 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -61,7 +47,7 @@ class Done:
 
 
 class Batch(Protocol):
-    """What the engine drives; `LocalBatch`, or `replicas.lockstep.LockstepBatch`."""
+    """What the engine drives; `LocalBatch`, or `replicas.engine.lockstep.LockstepBatch`."""
 
     @property
     def cache(self) -> PromptCache | None: ...
@@ -162,7 +148,7 @@ class LocalBatch:
             log.exception("saving a prompt cache entry failed")
 
     def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
-        """The prompt's token logprobs from one prefill (`replicas.prompt_logprobs`); its KV
+        """The prompt's token logprobs from one prefill (`replicas.engine.scoring`); its KV
         goes into the prefix cache, for the generation that follows."""
         picked, cache = score_prompt(self._model, prompt_ids, top,
                                      self._config.prefill_step_size, self.stream)

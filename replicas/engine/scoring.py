@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.contract import Channel, TextDelta, TokenLogprob
-from replicas.logprobs import LogprobTrail, Picked, top_of
+from replicas.engine.logprobs import LogprobTrail, Picked, top_of
 
 # Logits of one chunk are (chunk, vocab) float32: bound them, whatever the vocabulary.
 _LOGITS_BYTES = 256 * 1024**2

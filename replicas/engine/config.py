@@ -1,0 +1,44 @@
+"""What an engine is configured with: plain values, no MLX, so `replicas.options` and the
+deployments' config read them without loading the model stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["tensor", "pipeline"]
+Backend = Literal["ring", "jaccl"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32  # sequences decoded together
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
+    # KV bytes for running requests plus the prefix cache (`replicas.engine.memory`); None: a
+    # share of the machine's memory less the weights.
+    kv_budget_bytes: int | None = None
+    max_memory_waiting: int = 64  # requests waiting for KV memory before overload errors
+    # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
+    # batch are not counted: this is what stays resident between requests.
+    prompt_cache_bytes: int = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One rank's part in a sharded replica."""
+
+    mode: Mode
+    rank: int
+    size: int
+    backend: Backend
+    # Ring: "ip:port" where each rank listens, by rank. JACCL: rank 0's is the coordinator.
+    addresses: tuple[str, ...]
+    # JACCL only: RDMA device from rank i to rank j (None on the diagonal), as `mlx.launch`
+    # writes it.
+    rdma_devices: tuple[tuple[str | None, ...], ...] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"shard {self.rank + 1} of {self.size} ({self.mode})"

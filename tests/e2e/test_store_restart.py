@@ -1,0 +1,108 @@
+"""Stored responses survive a restart of `serve run` (issue 32), in every layout.
+
+Each layout's config is the real `serve_config.yaml` on a port of its own, run twice over
+one `ORCHARD_CACHE_DIR`: the first run stores a function call (`store: true`, the official
+`openai` SDK), the second must still `retrieve` it and continue it by
+`previous_response_id`. The follow-up's input tokens equal those of the same history sent
+written out, so the stored turn really was in the prompt; the answer is the scripted one.
+
+Layouts: the default (HTTP from the model's replica, the store in it), two-hop with three
+models (the issue's report: the store in the one ingress replica), and two ingress
+replicas (the store in a Ray actor that both reach).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from replicas.builtin import ensure_builtin, script
+from replicas.builtin.build import default_cache_root
+from tests.e2e.test_responses_http import calls, response_args, round_trip_input
+from tests.serve_process import ServeProcess, config_copy, free_port, serve_run
+
+pytestmark = pytest.mark.e2e
+
+APP = "orchard"  # serve_config.yaml's application: the store file is named after it
+TINY = {"source": "builtin:tiny", "num_replicas": 1, "max_ongoing_requests": 16}
+# layout -> what it changes in the real config's `args`
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "two-hop": {"ingress": {"colocate": False},
+                "models": [{"id": name, **TINY} for name in
+                           ("orchard-tiny", "orchard-tiny-2", "orchard-tiny-3")]},
+    "store-actor": {"ingress": {"colocate": False, "num_replicas": 2}},
+}
+
+
+def layout_config(tmp: Path, port: int, layout: str) -> Path:
+    path = config_copy(tmp, port)
+    config = yaml.safe_load(path.read_text())
+    config["applications"][0]["args"].update(LAYOUTS[layout])
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextmanager
+def orchard(config: Path, port: int, env: dict[str, str],
+            log_path: Path) -> Iterator[tuple[openai.OpenAI, ServeProcess]]:
+    with serve_run(config, port, log_path, env=env) as serve:
+        yield openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="unused",
+                            max_retries=0, timeout=120), serve
+
+
+def item_input(item: Any) -> dict[str, Any]:
+    """An output item as the client sends it back in `input`."""
+    data: dict[str, Any] = item.model_dump(mode="json", exclude_none=True)
+    return data
+
+
+def stored_rows(cache: Path) -> int:
+    with sqlite3.connect(cache / "responses" / f"{APP}.sqlite3") as db:
+        return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_stored_response_survives_a_restart(layout: str, tmp_path: Path) -> None:
+    ensure_builtin("tiny")  # built once here, then shared with the private cache below
+    cache = tmp_path / "cache"  # the store starts empty: nothing from an earlier run answers
+    cache.mkdir()
+    (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
+    # A Ray of its own (short path: Ray puts Unix sockets under it), whatever else runs here.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ors-", dir="/tmp"))
+    env = {"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp)}
+    port = free_port()
+    config = layout_config(tmp_path, port, layout)
+    try:
+        with orchard(config, port, env, tmp_path / "first.log") as (client, serve):
+            if layout != "default":  # an ingress replica in front: its log lines name it
+                assert "Ingress" in serve.log(), serve.log()[-3000:]
+            first = client.responses.create(**response_args("tool-one"))
+            assert first.store is True and calls(first) == list(script("tool-one").expected_calls)
+            assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+        assert stored_rows(cache) == 1  # in the file, not only in a process now gone
+
+        with orchard(config, port, env, tmp_path / "second.log") as (client, _):
+            assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+            # Only the call's output is sent: the question and the call come from the store.
+            follow = client.responses.create(**response_args(
+                "tool-result", input=round_trip_input(first), previous_response_id=first.id))
+            written_out = client.responses.create(**response_args(
+                "tool-result", store=False, input=[
+                    *response_args("tool-one")["input"],
+                    *(item_input(i) for i in first.output), *round_trip_input(first)]))
+        assert follow.previous_response_id == first.id and follow.status == "completed"
+        assert follow.output_text == written_out.output_text == script("tool-result").answer
+        assert follow.usage is not None and written_out.usage is not None
+        assert follow.usage.input_tokens == written_out.usage.input_tokens
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
