@@ -22,8 +22,7 @@ from pydantic import (
 from ray.serve.config import AutoscalingConfig
 
 from ingress.options import EdgeOptions
-from replicas.pipeline.channels import FORMATS
-from replicas.pipeline.tool_formats import TOOL_FORMATS
+from replicas.families.registry import CHANNEL_FORMATS, TOOL_FORMATS
 
 
 class _Strict(BaseModel):
@@ -57,6 +56,9 @@ class EngineSettings(_Strict):
                                     ge=1, description="Prompts prefilled together.")
     prefill_step_size: int = Field(default_factory=_engine_default("prefill_step_size"),
                                    ge=16, description="Prompt tokens per prefill step.")
+    stuck_after_s: float = Field(default_factory=_engine_default("stuck_after_s"), gt=0,
+                                 description="A batch step running longer than this fails "
+                                 "the replica's health check, and Serve replaces it.")
 
     @model_validator(mode="after")
     def _batch_holds_a_prefill(self) -> "EngineSettings":
@@ -84,8 +86,9 @@ class MemorySettings(_Strict):
         None, ge=1, description="KV bytes per replica for running requests plus the prefix "
         "cache (per Mac when sharded); unset: 75% of the machine's memory (a Mac's "
         "recommended GPU working set) less the weights.")
-    max_waiting: int = Field(64, ge=0, description="Requests that may wait for KV memory; "
-                             "past it, the newest get the API's overloaded error.")
+    max_waiting: int = Field(default_factory=_engine_default("max_memory_waiting"), ge=0,
+                             description="Requests that may wait for KV memory; past it, the "
+                             "newest get the API's overloaded error.")
 
 
 RoutingPolicy = Literal["auto", "prefix", "session", "none"]
@@ -141,8 +144,14 @@ class DistributedSettings(_Strict):
         Field("auto", description="Ray placement of a replica's shards; `auto`: one per node "
               "(STRICT_SPREAD) when the model is pinned to Macs, else PACK.")
     collective_timeout_s: float = Field(
-        120.0, gt=0, description="A batch step that has not returned after this long (a "
-        "collective whose peer is gone) fails the replica; Serve then replaces it.")
+        30.0, gt=0, description="A batch step that has not returned after this long (a "
+        "collective whose peer is gone, a link that stalled) fails the replica; Serve then "
+        "replaces it and its streams resume elsewhere. Keep it above the longest prefill "
+        "step (`engine.prefill_step_size` tokens) the model takes on these Macs.")
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="A shard that has not answered rank 0's heartbeat (every "
+        "second or two, busy or idle) for this long is lost: a Mac that froze, slept or "
+        "left. The replica fails at once, as for `collective_timeout_s`.")
 
     @field_validator("port_range")
     @classmethod
@@ -166,10 +175,10 @@ class ModelSettings(_Strict):
     default_stops: list[str] = Field(default_factory=list,
                                      description="Merged with each request's stops.")
     channel_format: str | None = Field(
-        None, description="Reasoning format, a name in replicas.pipeline.channels.FORMATS; "
-                          "detected from the tokenizer when unset.")
+        None, description="Reasoning format, a name in replicas.families.registry."
+                          "CHANNEL_FORMATS; detected from the tokenizer when unset.")
     tool_format: str | None = Field(
-        None, description="Tool-call syntax, a name in replicas.pipeline.tool_formats."
+        None, description="Tool-call syntax, a name in replicas.families.registry."
                           "TOOL_FORMATS; detected from the chat template when unset.")
     thinking_budget: int | None = Field(None, ge=1, description="Default reasoning budget.")
     max_model_len: int | None = Field(
@@ -178,6 +187,10 @@ class ModelSettings(_Strict):
     max_tokens_past_context: Literal["clamp", "reject"] = Field(
         "clamp", description="A max_tokens past what the context has left: `clamp` lowers "
                              "it to what is left, `reject` answers 400.")
+    load_timeout_s: float = Field(
+        default_factory=_replica_default("load_timeout_s"), gt=0,
+        description="Seconds a replica may take to fetch and load its model before it "
+                    "gives up; the first download of a big model is the long one.")
     stream_flush_ms: float = Field(
         default_factory=_replica_default("flush_interval_s", 1000.0), ge=0,
         description="After the first event, stream chunks leave at most this often "
@@ -212,7 +225,7 @@ class ModelSettings(_Strict):
     @classmethod
     def _format_known(cls, value: str | None, info: ValidationInfo) -> str | None:
         # The registries are the one list of names; the config only looks them up.
-        registry = FORMATS if info.field_name == "channel_format" else TOOL_FORMATS
+        registry = CHANNEL_FORMATS if info.field_name == "channel_format" else TOOL_FORMATS
         if value is not None and value not in registry:
             raise ValueError(f"unknown {info.field_name} '{value}'; valid: "
                              f"{', '.join(sorted(registry))}")
@@ -306,14 +319,22 @@ class IngressSettings(_Strict):
     replica_wait_s: float | None = Field(
         15.0, gt=0, description="How long a request waits for a model replica to accept it "
         "(none running, all busy starting) before a 503/529. null: wait without limit.")
+    resume_attempts: int = Field(
+        4, ge=0, description="Times one stream may move to another replica (or the "
+        "replacement) after its replica died, froze or lost a shard under it: the new "
+        "replica continues where the old one stopped. 0: the stream ends with the error "
+        "event.")
+    resume_wait_s: float = Field(
+        60.0, gt=0, description="Seconds a stream may spend resuming, from its first "
+        "failure, waiting for a replica included; past it, the protocol's error event.")
     colocate: bool | Literal["auto"] = Field(
         "auto", description="Serve HTTP from the model's own replicas: one process and one Ray "
         "hop fewer per token, admission in the replica. `auto` (default): when one model runs "
         "on exactly one fixed replica and `num_replicas` here is 1; `true`: one model at any "
         "scale (Serve's proxy then picks a replica, with no cache-aware routing); `false`: "
         "always an ingress deployment in front. Colocated, `num_replicas`, "
-        "`max_ongoing_requests` and `replica_wait_s` "
-        "here are unused.")
+        "`max_ongoing_requests`, `replica_wait_s` and the resume settings "
+        "here are unused: the replica is the HTTP server, so its streams end with it.")
 
 
 class ResponsesSettings(_Strict):

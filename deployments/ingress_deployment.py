@@ -12,7 +12,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs, IngressSettings, ObservabilitySettings, ResponsesSettings
-from deployments.model_clients import RayModelClient
+from deployments.metrics import stream_resumes
+from deployments.model_clients import RayModelClient, ResumePolicy
 from deployments.observability import request_observer
 from deployments.response_store import response_store
 from ingress.app import create_app
@@ -63,8 +64,11 @@ class Ingress:
                  edge: EdgeArgs = EdgeArgs()) -> None:
         model_cards = [ModelCard(**card) for card in cards]
         by_id = {card.id: handle for card, handle in zip(model_cards, handles)}
-        self._client = RayModelClient(model_cards, by_id,
-                                      replica_wait_s=edge.ingress.replica_wait_s)
+        settings = edge.ingress
+        self._client = RayModelClient(
+            model_cards, by_id, replica_wait_s=settings.replica_wait_s,
+            resume=ResumePolicy(settings.resume_attempts, settings.resume_wait_s),
+            on_resume=stream_resumes() if edge.observability.metrics else None)
         self._options = edge.options(os.environ)
         self._store = response_store(edge.ingress.num_replicas, edge.responses)
         self._observer = request_observer(edge.observability)

@@ -116,6 +116,14 @@ class RequestMetrics:
                 self._refused.inc(1, model)
 
 
+def stream_resumes() -> Callable[[str], None]:
+    """Counts streams moved to another replica after theirs failed (`RayModelClient`)."""
+    counter = Counter("orchard_stream_resumes_total", "Streams that went on on another "
+                      "replica after theirs died, froze or lost a shard.",
+                      tag_keys=_keys("model"))
+    return lambda model: counter.inc(1, {"model": model})
+
+
 class EngineMetrics:
     """A replica's engine, read into gauges, counters (as deltas) and histograms."""
 

@@ -4,14 +4,20 @@ the colocated layout) and over Ray Serve deployment handles (`RayModelClient`, t
 Both turn every failure of the model side into the error taxonomy before the adapters see
 it: a proper error status before the first byte, the protocol's error event mid-stream,
 never a cut stream. Both answer a full model with the same overloaded message.
+
+`RayModelClient` also survives its replica: a stream whose replica dies, freezes or loses a
+shard goes on on another replica (or the replacement), which prefills what was already
+sent and continues (`GenerationRequest.resume`), so the client sees one stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, Protocol, Sequence, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Callable, Protocol, Sequence, TypeVar, cast
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -24,6 +30,7 @@ from replicas.contract import (
     Failed,
     GenerationRequest,
     OutputEvent,
+    TokenIds,
     TokenizerInfo,
     is_terminal,
 )
@@ -35,6 +42,21 @@ log = logging.getLogger(__name__)
 # still starting) without limit; past this wait the client gets a 503 it can retry. The
 # value is the config's default (`ingress.replica_wait_s`), kept there only.
 REPLICA_WAIT_S: float | None = IngressSettings.model_fields["replica_wait_s"].default
+
+
+# The longest pause between tries at a replica that keeps refusing a resumed stream.
+_MAX_PAUSE_S = 2.0
+
+
+@dataclass(frozen=True)
+class ResumePolicy:
+    """How far a stream may go to outlive its replica (`ingress.resume_*`)."""
+
+    attempts: int = IngressSettings.model_fields["resume_attempts"].default
+    wait_s: float = IngressSettings.model_fields["resume_wait_s"].default
+    # Between attempts: a dead replica is dropped from Serve's routing a moment after its
+    # first failed call, and a replacement needs seconds to load.
+    backoff_s: float = 0.5
 
 
 class LocalReplica(Protocol):
@@ -100,9 +122,14 @@ class RayModelClient:
     for a replica to accept, Ray's failures as the taxonomy's."""
 
     def __init__(self, cards: Sequence[ModelCard], handles: dict[str, DeploymentHandle], *,
-                 replica_wait_s: float | None = REPLICA_WAIT_S) -> None:
+                 replica_wait_s: float | None = REPLICA_WAIT_S,
+                 resume: ResumePolicy = ResumePolicy(),
+                 on_resume: Callable[[str], None] | None = None) -> None:
+        """`on_resume(model)`: called once per stream moved to another replica (metrics)."""
         self._cards = list(cards)
         self._replica_wait_s = replica_wait_s
+        self._resume = resume
+        self._on_resume = on_resume
         self._by_name = {name: card for card in cards for name in (card.id, *card.aliases)}
         # Streaming handles are built once per model; options() is not free.
         self._streams = {mid: h.options(stream=True) for mid, h in handles.items()}
@@ -115,33 +142,96 @@ class RayModelClient:
         return self._by_name.get(model)
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
+        """The request's events, through as many replicas as it takes (`ResumePolicy`).
+
+        A replica that served part of the stream and failed counts against
+        `resume_attempts`; one that refused it outright (it failed already, and Serve has
+        not replaced it yet) costs only time, with a growing pause, within `resume_wait_s`,
+        which starts at the first failure."""
+        loop = asyncio.get_running_loop()
+        sent = _Sent()
+        attempt = dataclasses.replace(request, report_tokens=True)
+        resumes, pause = 0, self._resume.backoff_s
+        deadline: float | None = None
+        while True:
+            before = sent.progress()
+            # A resume waits for a replica as long as the policy allows: the replacement
+            # of the only one takes seconds to load.
+            wait = self._replica_wait_s if deadline is None else max(0.0, deadline - loop.time())
+            lost = None
+            async for item in self._attempt(attempt, sent, wait, resumed=deadline is not None):
+                if isinstance(item, _Lost):
+                    lost = item
+                else:
+                    yield item
+            if lost is None:
+                return
+            if deadline is None:
+                deadline = loop.time() + self._resume.wait_s
+            if sent.progress() != before:  # this replica served some of it, then failed
+                resumes, pause = resumes + 1, self._resume.backoff_s
+                log.warning("request %s to '%s': its replica failed (%s) after %d tokens",
+                            request.request_id, request.model, lost.why, len(sent.ids))
+            left = deadline - loop.time()
+            if resumes > self._resume.attempts or left <= pause:
+                log.warning("request %s to '%s': not resumed (%s; %d resumes, %.0f s left)",
+                            request.request_id, request.model, lost.why, resumes, left)
+                yield [Failed(ErrorKind.INTERNAL, f"the replica serving '{request.model}' failed")]
+                return
+            if self._on_resume is not None:
+                self._on_resume(request.model)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE_S)
+            attempt = dataclasses.replace(attempt, resume=sent.resume())
+
+    async def _attempt(self, request: GenerationRequest, sent: "_Sent", wait_s: float | None,
+                       *, resumed: bool) -> AsyncGenerator["list[OutputEvent] | _Lost", None]:
+        """One replica's part of a stream: its batches without their token ids (noted in
+        `sent`), or `_Lost` when the replica failed under it."""
         # A handle with stream=True answers with a generator; its type does not say so.
         gen = cast(DeploymentResponseGenerator, self._streams[request.model].stream.remote(request))
         done = False
         try:
-            if not await self._accepted(gen):
-                yield [Failed(ErrorKind.OVERLOADED, _unplaced(request.model, self._replica_wait_s))]
-                return  # `finally` cancels the request still queued in the handle
+            if not await self._accepted(gen, wait_s):  # `finally` cancels it, still queued
+                if resumed:  # no replica yet (the replacement loads): try again
+                    yield _Lost("no replica took the resumed stream")
+                else:
+                    yield [Failed(ErrorKind.OVERLOADED,
+                                  _unplaced(request.model, self._replica_wait_s))]
+                return
             async for batch in gen:
-                if not batch:
-                    continue  # the replica's "accepted" marker carries no events
-                done = any(is_terminal(e) for e in batch)
-                yield batch
+                events = sent.take(batch)
+                fault = next((i for i, e in enumerate(events)
+                              if isinstance(e, Failed) and e.replica_fault), None)
+                if fault is not None:  # the replica's own failure: resume elsewhere
+                    done = True
+                    if fault:  # what it sent before failing is the client's
+                        sent.answered = True
+                        yield events[:fault]
+                    yield _Lost(cast(Failed, events[fault]).message)
+                    return
+                if events:
+                    done = any(is_terminal(e) for e in events)
+                    sent.answered = True
+                    yield events
         except (BackPressureError, DeploymentUnavailableError) as exc:
             done = True
-            yield [Failed(ErrorKind.OVERLOADED, _overloaded(request.model, exc))]
+            if resumed:
+                yield _Lost(type(exc).__name__)
+            else:
+                yield [Failed(ErrorKind.OVERLOADED, _overloaded(request.model, exc))]
         except RayError as exc:  # the replica died or its call failed
             done = True
             _log_failure(request, exc)
-            yield [Failed(ErrorKind.INTERNAL, f"the replica serving '{request.model}' failed")]
+            yield _Lost(type(exc).__name__)
         finally:
             if not done:
                 gen.cancel()  # the client left: cancel downstream within a decode step
 
-    async def _accepted(self, gen: DeploymentResponseGenerator) -> bool:
+    async def _accepted(self, gen: DeploymentResponseGenerator, wait_s: float | None) -> bool:
         """Whether a replica took the request (it sends an empty batch first) in time."""
         try:
-            await asyncio.wait_for(gen.__anext__(), self._replica_wait_s)
+            await asyncio.wait_for(gen.__anext__(), wait_s)
         except TimeoutError:
             return False
         return True
@@ -175,6 +265,36 @@ class RayModelClient:
             log.debug("%s on '%s' failure detail: %s", method, model, exc)
             raise InternalError(f"the replica serving '{model}' failed") from exc
         return _answer(result)
+
+
+@dataclass(frozen=True)
+class _Lost:
+    """The replica failed under a stream: why, in a few words."""
+
+    why: str
+
+
+class _Sent:
+    """What a stream's client has received so far: the token ids behind it, and whether
+    anything reached it at all (before that, a retry starts over; after, it resumes)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.answered = False
+
+    def take(self, batch: list[OutputEvent]) -> list[OutputEvent]:
+        """The batch's events for the client; its token ids are noted here. A batch comes
+        whole, so its ids and its events are received together."""
+        events: list[OutputEvent] = [e for e in batch if not isinstance(e, TokenIds)]
+        if len(events) < len(batch):
+            self.ids.extend(i for e in batch if isinstance(e, TokenIds) for i in e.ids)
+        return events
+
+    def resume(self) -> tuple[int, ...] | None:
+        return tuple(self.ids) if self.answered else None
+
+    def progress(self) -> tuple[int, bool]:
+        return len(self.ids), self.answered
 
 
 _T = TypeVar("_T")

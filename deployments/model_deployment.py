@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import aclosing
 from typing import Any, AsyncGenerator
 
@@ -42,6 +43,7 @@ def replica_options(settings: ModelSettings,
                             prompt_cache_bytes=settings.prompt_cache.max_bytes,
                             kv_budget_bytes=settings.memory.budget_bytes,
                             max_memory_waiting=settings.memory.max_waiting),
+        load_timeout_s=settings.load_timeout_s,
         flush_interval_s=settings.stream_flush_ms / 1000,
         max_chunks_per_s=settings.stream_chunks_per_s,
     )
@@ -85,7 +87,7 @@ class ReplicaOwner:
         # The replica's actor name says which replica answered (a handle picks one).
         name = serve.get_replica_context().replica_id.to_full_id_str()
         steps, sync_s = self._replica.sync_totals()
-        return {"replica": name, **dataclasses.asdict(self._replica.stats()),
+        return {"replica": name, "pid": os.getpid(), **dataclasses.asdict(self._replica.stats()),
                 "shards": self._shards.size if self._shards else 1,
                 "sync_steps": steps, "sync_seconds": sync_s}
 

@@ -21,14 +21,16 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.cluster import require_metal
 from deployments.config import DistributedSettings, ModelSettings
-from replicas.engine.config import EngineConfig
-from replicas.engine.config import Mode, ShardPlan
+from replicas.engine.config import EngineConfig, Mode, ShardPlan
 
 log = logging.getLogger(__name__)
 
 # How long a health check waits for a shard to answer a ping.
 _PING_TIMEOUT_S = 10.0
+# How often the watch pings every shard, busy or idle: a frozen Mac answers nothing.
+_HEARTBEAT_S = 1.0
 
 
 def listen_address(settings: DistributedSettings) -> str:
@@ -63,11 +65,15 @@ class ShardWorker:
     def address(self, settings: DistributedSettings) -> tuple[str, str]:
         return listen_address(settings), ray.get_runtime_context().get_node_id()
 
-    def run(self, source: str, plan: ShardPlan, engine: EngineConfig) -> int:
-        """Load this rank's shard and follow rank 0 until it stops (the steps run)."""
+    def run(self, source: str, plan: ShardPlan, engine: EngineConfig,
+            metal_for: str | None = None) -> int:
+        """Load this rank's shard and follow rank 0 until it stops (the steps run).
+        `metal_for`: the model id, when its placement requires Metal on every rank."""
         from replicas.engine.sharding import follow
         from replicas.sources import resolve_source
 
+        if metal_for is not None:
+            require_metal(metal_for)  # each Mac checks itself, not only rank 0's
         return follow(source, resolve_source(source), plan, engine, self._wait_for_work)
 
     def ping(self) -> int:
@@ -117,23 +123,42 @@ class ShardGroup:
         def plan(rank: int) -> ShardPlan:
             return ShardPlan(mode, rank, settings.shards, dist.backend, addresses, devices)
 
-        self._runs = [w.run.remote(settings.source, plan(rank), engine)
+        metal = settings.id if settings.placement is not None \
+            and settings.placement.metal_required else None
+        self._runs = [w.run.remote(settings.source, plan(rank), engine, metal)
                       for rank, w in enumerate(self._workers, start=1)]
         log.info("model %s: %d shards (%s) at %s", settings.id, settings.shards, mode,
                  ", ".join(addresses))
         return plan(0)
 
     def watch(self, on_lost: Callable[[str], None], stalled_for: Callable[[], float]) -> None:
-        """Call `on_lost(reason)` once, from a daemon thread, when a shard ends or errs or
-        a step stays stuck past `collective_timeout_s`."""
-        timeout = self._settings.distributed.collective_timeout_s
+        """Call `on_lost(reason)` once, from a daemon thread, when a shard ends or errs, a
+        shard misses its heartbeats past `heartbeat_timeout_s` (frozen, asleep, cut off:
+        busy or idle), or a step stays stuck past `collective_timeout_s`."""
+        dist = self._settings.distributed
+        timeout = dist.collective_timeout_s
+        heard = [time.monotonic()] * len(self._workers)  # each shard's last answer
+        pings: list[Any] = [None] * len(self._workers)
+
+        def silent() -> str | None:
+            now = time.monotonic()
+            for i, worker in enumerate(self._workers):
+                if pings[i] is not None and ray.wait([pings[i]], timeout=0)[0]:
+                    heard[i], pings[i] = now, None
+                if pings[i] is None:
+                    pings[i] = worker.ping.remote()
+                if now - heard[i] > dist.heartbeat_timeout_s:
+                    return f"shard {i + 2} of {self.size} has not answered for " \
+                           f"{now - heard[i]:.0f}s (distributed.heartbeat_timeout_s is " \
+                           f"{dist.heartbeat_timeout_s:g}): frozen, asleep or cut off"
+            return None
 
         def loop() -> None:
             while not self._stopping:
-                ready, _ = ray.wait(self._runs, num_returns=1, timeout=1.0)
+                ready, _ = ray.wait(self._runs, num_returns=1, timeout=_HEARTBEAT_S)
                 if self._stopping:
                     return
-                reason = self._ended(ready[0]) if ready else None
+                reason = self._ended(ready[0]) if ready else silent()
                 stalled = stalled_for()
                 if reason is None and stalled > timeout:
                     reason = f"a batch step has not returned for {stalled:.0f}s " \

@@ -36,7 +36,10 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
     app = FastAPI(title="Orchard", version="0.1.0")
     limited = LimitedClient(client, options)
     app.state.client = limited if observer is None else ObservedClient(limited)
-    app.state.response_store = response_store or MemoryResponseStore()
+    # `is None`, not `or`: a store with `__len__` is falsy while empty, and `or` would
+    # swap a fresh durable store for one in memory (issue 32).
+    app.state.response_store = MemoryResponseStore() if response_store is None \
+        else response_store
     _install_error_handlers(app)
     _install_routes(app)
     _install_middleware(app, options, observer)

@@ -12,6 +12,7 @@ from replicas.contract import (
     Finished,
     OutputEvent,
     TextDelta,
+    TokenIds,
     ToolCallDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -47,6 +48,8 @@ class EventRenderer(ABC, Generic[Out]):
         if isinstance(event, Finished):
             self.done = True
             return self._finished(event)
+        if isinstance(event, TokenIds):
+            return []  # model clients take them out; nothing to render
         return self._fail(event)
 
     def finish(self) -> list[Out]:

@@ -167,6 +167,14 @@ class GenerationRequest:
     # Completions' `echo`: the prompt comes back as the answer's first text, with its own
     # tokens' logprobs when `sampling.logprobs` is set (one prefill scores them).
     echo: bool = False
+    # The replica reports the token ids behind each batch of events (`TokenIds`), so the
+    # client can resume the stream elsewhere if this replica dies (`resume`).
+    report_tokens: bool = False
+    # A resumed stream: the token ids the request generated and the client received before
+    # its replica failed (maybe none: only the echo). The new replica prefills them after
+    # the prompt, runs them through the pipeline without sending their events again, and
+    # continues; None: a new request.
+    resume: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -257,9 +265,21 @@ class Failed:
     kind: ErrorKind
     message: str
     param: str | None = None  # the request field at fault, when one is
+    # The replica failed, not the request (its engine stopped, a shard was lost): the same
+    # request may resume on another replica.
+    replica_fault: bool = False
 
 
-OutputEvent = Union[TextDelta, ToolCallStart, ToolCallDelta, ToolCallEnd, Finished, Failed]
+@dataclass(frozen=True)
+class TokenIds:
+    """The token ids behind the events before it in the same batch (only with
+    `GenerationRequest.report_tokens`; model clients take it out, adapters never see it)."""
+
+    ids: tuple[int, ...]
+
+
+OutputEvent = Union[TextDelta, ToolCallStart, ToolCallDelta, ToolCallEnd, Finished, Failed,
+                    TokenIds]
 TerminalEvent = Union[Finished, Failed]
 
 
@@ -270,8 +290,13 @@ def is_terminal(event: OutputEvent) -> bool:
 def merge_deltas(events: list[OutputEvent]) -> list[OutputEvent]:
     """Adjacent text of one channel, and adjacent argument pieces of one call, as one event:
     a chunk that carries several tokens is rendered and sent as one delta, not one per
-    token (the pieces still concatenate to the same whole)."""
+    token (the pieces still concatenate to the same whole). A batch's `TokenIds` go first,
+    as one: a client receives a batch whole, so its ids and its events arrive together."""
     merged: list[OutputEvent] = []
+    ids = tuple(i for e in events if isinstance(e, TokenIds) for i in e.ids)
+    if ids:
+        merged.append(TokenIds(ids))
+        events = [e for e in events if not isinstance(e, TokenIds)]
     for event in events:
         last = merged[-1] if merged else None
         if isinstance(event, TextDelta) and isinstance(last, TextDelta) \

@@ -24,7 +24,8 @@ class ReplicaOptions:
     # A max_tokens past the context: "clamp" lowers it to what is left, "reject" is a 400.
     max_tokens_past_context: str = "clamp"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    load_timeout_s: float = 600.0
+    # A first download of a model of a few hundred GB at a home connection's speed.
+    load_timeout_s: float = 3600.0
     # After the first chunk, a stream's chunks leave at most this often, so one carries
     # several tokens when decode is fast: each costs about 1.5 ms of CPU through Ray's
     # replica bridge and proxy, whatever it holds (load/RESULTS.md, issue 23). 50 a second

@@ -30,9 +30,15 @@ from replicas.engine.loading import LoadedModel, load_model
 from replicas.engine.lockstep import LockstepBatch
 from replicas.options import ReplicaOptions
 from replicas.sources import resolve_source
-from replicas.pipeline.channels import ChannelFormat, detect_format, get_format
+from replicas.families.channel_format import ChannelFormat
+from replicas.families.registry import (
+    detect_channel_format,
+    detect_tool_format,
+    get_channel_format,
+    get_tool_format,
+)
+from replicas.families.tool_format import ToolFormat
 from replicas.pipeline.detokenizer import make_decode
-from replicas.pipeline.tool_formats import ToolFormat, detect_tool_format, get_tool_format
 from replicas.pipeline.prepare import InputProcessor
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
@@ -51,7 +57,7 @@ class ModelReplica:
         self._timings = Timings()
         self._engine = Engine(self._open, options.engine, on_step=self._timings.step)
         self._model: LoadedModel | None = None
-        self._format: ChannelFormat = get_format("none")
+        self._format: ChannelFormat = get_channel_format("none")
         self._tool_format: ToolFormat = get_tool_format("none")
         self._inputs: InputProcessor | None = None
         self._streams = 0  # streams open now, which share the replica's chunk rate
@@ -76,8 +82,8 @@ class ModelReplica:
         model = self._engine.wait_ready(self.options.load_timeout_s)
         self._model = model
         vocab = model.hf_tokenizer.get_vocab().keys()
-        name = self.options.channel_format or detect_format(model.chat_template, vocab)
-        self._format = get_format(name)
+        name = self.options.channel_format or detect_channel_format(model.chat_template, vocab)
+        self._format = get_channel_format(name)
         tool_name = self.options.tool_format or detect_tool_format(model.chat_template, vocab)
         self._tool_format = get_tool_format(tool_name)
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
@@ -145,14 +151,16 @@ class ModelReplica:
         loop = asyncio.get_running_loop()
         buffer = EventBuffer(loop)
         try:
-            sub, warnings = await asyncio.to_thread(self.inputs.prepare, request, buffer)
+            prepared = await asyncio.to_thread(self.inputs.prepare, request, buffer)
         except ReplicaError as exc:
             yield [exc.as_event()]
             return
+        warnings = prepared.warnings
         try:
-            self._engine.submit(sub)
+            self._engine.submit(prepared.request, prepared.output)
         except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
-            yield [Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}")]
+            yield [Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}",
+                          replica_fault=True)]
             return
         done = False
         next_flush = 0.0

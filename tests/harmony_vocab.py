@@ -8,7 +8,7 @@ as package data, so it is unpacked once into `$ORCHARD_CACHE_DIR/tiktoken/` (els
 `~/.cache/orchard/tiktoken/`) and the variable is pointed there.
 
 Production code never needs this: the replica's Harmony routing is text-level data
-(`replicas/pipeline/harmony.py`).
+(`replicas/families/harmony.py`).
 """
 
 from __future__ import annotations

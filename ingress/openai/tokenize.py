@@ -14,7 +14,8 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ingress.client import ModelCard, ModelClient, require_model
 from ingress.openai.convert import chat_request
@@ -61,8 +62,12 @@ def _request(body: TokenizeRequest, card: ModelCard) -> GenerationRequest:
                                   "any ids' text", param="return_token_strs")
     if body.prompt is not None:
         return GenerationRequest(f"tok-{uuid.uuid4().hex}", card.id, TextPrompt(body.prompt))
-    chat = ChatCompletionRequest(model=card.id, messages=body.messages or [], tools=body.tools,
-                                 chat_template_kwargs=body.chat_template_kwargs)
+    try:  # what a chat request itself would refuse (no messages, say) is the client's 400
+        chat = ChatCompletionRequest(model=card.id, messages=body.messages or [],
+                                     tools=body.tools,
+                                     chat_template_kwargs=body.chat_template_kwargs)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from exc
     return chat_request(chat, card.id)
 
 

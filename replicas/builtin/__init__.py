@@ -3,8 +3,9 @@
 `builtin:tiny` is a small qwen3 model trained to reproduce the scripts in
 scripts.json exactly; `builtin:bench` has the same tokenizer and architecture with
 random weights and about 25M parameters, for throughput benchmarks; `builtin:fmt-<format>`
-has the tokenizer and chat template of a family that writes that tool format, and random
-weights, for driving each format over HTTP (formats.py). All are built
+has the tokenizer and chat template of a model family that writes that tool format (the
+family's test template, `replicas/families/`), and random weights, for driving each format
+over HTTP (family_models.py). All are built
 on first use and cached; tiny's build writes the trained weights shipped in the package and
 trains only if they fail verification (see README.md).
 """
@@ -14,12 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from .build import ensure_recipe
-from .formats import FORMAT_MODELS, ensure_format_model, format_model_name
+from .family_models import FAMILY_MODELS, ensure_family_model, family_model_name
 from .recipe import RECIPES
 from .scripts import Message, Script, load_scripts, script
 
-# The recipes, then one random-weights model per tool format (`fmt-<format>`, formats.py).
-BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, *FORMAT_MODELS)
+# The recipes, then one random-weights model per family with calls (`fmt-<tool format>`,
+# family_models.py).
+BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, *FAMILY_MODELS)
 
 
 def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
@@ -27,8 +29,8 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
 
     `cache_dir` defaults to `$ORCHARD_CACHE_DIR/builtin`, else `~/.cache/orchard/builtin`.
     """
-    if name in FORMAT_MODELS:
-        return ensure_format_model(name, cache_dir)
+    if name in FAMILY_MODELS:
+        return ensure_family_model(name, cache_dir)
     recipe = RECIPES.get(name)
     if recipe is None:
         raise ValueError(f"unknown builtin model {name!r}; valid names: {', '.join(BUILTIN_NAMES)}")
@@ -40,7 +42,7 @@ __all__ = [
     "Message",
     "Script",
     "ensure_builtin",
-    "format_model_name",
+    "family_model_name",
     "load_scripts",
     "script",
 ]

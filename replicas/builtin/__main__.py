@@ -1,5 +1,5 @@
 """`python -m replicas.builtin NAME`: build (if needed) and print the model's path (NAME:
-tiny, bench, pipe, ceiling, or fmt-<format> for a tool format's model).
+tiny, bench, pipe, ceiling, or fmt-<tool format> for a model family's test model).
 
 `python -m replicas.builtin tiny --refresh-shipped` trains tiny from scratch and replaces the
 weights shipped in the package (replicas/builtin/shipped/), printing their file: run it after

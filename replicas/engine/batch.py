@@ -1,7 +1,7 @@
 """The batch a replica decodes: mlx-lm's `BatchGenerator` with the KV prefix cache beside it.
 
 Everything that changes the batch goes through here as a few whole operations (insert rows,
-step, finish rows, reset), never as loose calls on the generator. That is what lets a
+step, finish rows, recover after a failed step), never as loose calls on the generator. That is what lets a
 sharded replica run the same batch on every rank: `replicas.engine.lockstep` records these
 operations on rank 0 and replays them on the others, and the engine above never knows how
 many ranks there are.
@@ -57,7 +57,7 @@ class Batch(Protocol):
     def step(self) -> list[Any]: ...
     def finish(self, done: Sequence[Done]) -> None: ...
     def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]: ...
-    def reset(self) -> None: ...
+    def recover(self) -> bool: ...
     def evict_cache_to(self, nbytes: int) -> None: ...
     def close(self) -> None: ...
 
@@ -156,11 +156,12 @@ class LocalBatch:
             self._cache.save(list(prompt_ids), cache)
         return picked
 
-    def reset(self) -> None:
-        """A fresh, empty batch after a failed step (the cache keeps what it holds)."""
+    def recover(self) -> bool:
+        """After a failed step: a fresh, empty batch (the cache keeps what it holds)."""
         self._gen = self._new_generator()
         self._ended = {}
         self._rows = set()
+        return True
 
     def evict_cache_to(self, nbytes: int) -> None:
         """Shrink the prefix cache to `nbytes` (KV memory admission making room)."""

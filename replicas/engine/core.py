@@ -1,9 +1,11 @@
 """The engine thread: the sole owner of MLX in a replica.
 
-It drives the batch (`replicas.engine.batch`: mlx-lm's BatchGenerator with continuous batching,
-requests join and leave between steps, and the KV prefix cache), feeds each generated token through that request's output pipeline, and hands
-events back to asyncio through the sinks' event loops. Commands (submit, cancel) arrive on
-a thread-safe queue and are applied between steps, so a cancel frees its slot before the
+It drives the batch (`replicas.engine.batch`: mlx-lm's BatchGenerator with continuous
+batching, requests join and leave between steps, and the KV prefix cache), hands each
+generated token id to that request's `RequestOutput` (`replicas.engine.request`; the
+pipeline's output processor, which alone turns tokens into events), and hands the events
+back to asyncio through the sinks' event loops. Commands (submit, cancel) arrive on a
+thread-safe queue and are applied between steps, so a cancel frees its slot before the
 next decode step.
 
 Faults stay as small as they can: a request whose own processing raises (its sampler, its
@@ -21,7 +23,6 @@ it is handed keeps the other ranks in lockstep (`replicas.engine.lockstep`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -30,21 +31,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from replicas.engine.batch import Batch, Done, EngineConfig, Row
-from replicas.engine.delivery import EventSink, Submission, deliver
-from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, TextDelta
+from replicas.contract import ErrorKind, Failed, OutputEvent
+from replicas.engine.batch import Batch, Done, Row
+from replicas.engine.config import EngineConfig
+from replicas.engine.delivery import EventSink, deliver
 from replicas.engine.loading import LoadedModel
 from replicas.engine.logprobs import Asked, Picked, pick
+from replicas.engine.memory import KvBudget, open_budget
+from replicas.engine.request import EngineRequest, Generated, RequestOutput, Submitted
+from replicas.engine.sampling import GuardedProcessors, guarded_processors, make_request_sampler
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
-from replicas.engine.memory import KvBudget, open_budget
-from replicas.engine.scoring import echo_delta
-from replicas.engine.sampling import (
-    GuardedProcessors,
-    LogitsProcessor,
-    guarded_processors,
-    make_request_sampler,
-)
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +49,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Active:
     uid: int
-    sub: Submission
+    sub: Submitted
     guard: GuardedProcessors | None
     reserved: int  # KV bytes admission set aside for it
     cached: int  # prompt tokens the prefix cache served, for its usage
+
+    @property
+    def output(self) -> RequestOutput:
+        return self.sub.output
 
 
 @dataclass(frozen=True)
@@ -65,17 +66,27 @@ class _Cancel:
 
 
 # What the engine thread is told; None only wakes it (to see `_stopping`).
-_Command = Submission | _Cancel | None
+_Command = Submitted | _Cancel | None
 
 
 @dataclass
 class _Commands:
-    submits: list[Submission] = field(default_factory=list)
+    submits: list[Submitted] = field(default_factory=list)
     cancels: dict[str, int] = field(default_factory=dict)  # request id -> step seen
 
 
 class EngineDead(RuntimeError):
     pass
+
+
+class _BatchLost(RuntimeError):
+    """A step failed on a batch that cannot start over (a sharded one): the engine stops."""
+
+
+def _lost(reason: str) -> Failed:
+    """What a request hears when the engine stops under it: the replica's fault, so the
+    client may resume it on another replica."""
+    return Failed(ErrorKind.INTERNAL, reason, replica_fault=True)
 
 
 # What a client is told when its request failed inside the engine; the log has the details.
@@ -114,7 +125,8 @@ class Engine:
         self._stopping = False
         self._batch: Batch | None = None
         self._kv: KvBudget | None = None
-        self._waiting: deque[Submission] = deque()  # admitted by Serve, waiting for memory
+        # Admitted by Serve, waiting for KV memory (`replicas.engine.memory`).
+        self._waiting: deque[Submitted] = deque()
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------
@@ -129,11 +141,11 @@ class Engine:
             raise EngineDead(f"model failed to load: {self._load_error}") from self._load_error
         return self._loaded
 
-    def submit(self, sub: Submission) -> None:
+    def submit(self, request: EngineRequest, output: RequestOutput) -> None:
         """Queue a request for the batch; raises `EngineDead` if the engine cannot run it."""
         with self._lock:
             self.check_health()
-            self._commands.put(sub)
+            self._commands.put(Submitted(request, output))
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id, self._steps))
@@ -198,6 +210,10 @@ class Engine:
                 self._apply(self._take_commands(block=not self._by_uid and not self._waiting))
                 if self._by_uid:
                     self._step()
+        except _BatchLost as exc:  # no collective may follow: no close either
+            log.exception("a sharded step failed; the replica stops")
+            self._die(str(exc))
+            return
         except BaseException:  # noqa: BLE001 - the thread ends here either way
             log.exception("the engine thread died")
             self._die("the model engine stopped")
@@ -217,11 +233,11 @@ class Engine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(command, Submission):
-                    queued.append((command.sink, [Failed(ErrorKind.INTERNAL, reason)]))
+                if isinstance(command, Submitted):
+                    queued.append((command.output.sink, [_lost(reason)]))
             waiting, self._waiting = list(self._waiting), deque()
-            queued += [(sub.sink, [Failed(ErrorKind.INTERNAL, reason)]) for sub in waiting]
-            outbox = queued + self._fail_all_outbox(reason)
+            queued += [(sub.output.sink, [_lost(reason)]) for sub in waiting]
+            outbox = queued + self._fail_all_outbox(_lost(reason))
         deliver(outbox)
 
     @property
@@ -235,7 +251,7 @@ class Engine:
         try:
             item = self._commands.get(block=block)
             while True:
-                if isinstance(item, Submission):
+                if isinstance(item, Submitted):
                     commands.submits.append(item)
                 elif isinstance(item, _Cancel):
                     commands.cancels[item.request_id] = item.step
@@ -260,52 +276,57 @@ class Engine:
                 self._forget(active)
                 self._cancel_latency.append(self._steps - commands.cancels[active.sub.request_id])
 
-    def _admit(self, pending: list[Submission]) -> tuple[list[Submission], deque[Submission]]:
-        """Those whose KV fits now, in order; the rest wait; past the waiting bound the
-        newest get the overloaded error."""
+    def _admit(self, pending: list[Submitted]
+               ) -> tuple[list[tuple[Submitted, int]], deque[Submitted]]:
+        """Those whose KV fits now, in order, with the bytes each reserved; the rest wait;
+        past the waiting bound the newest get the overloaded error."""
         assert self._kv is not None and self._batch is not None
         batch, cache = self._batch, self._batch.cache
         admitted, waiting, refused = self._kv.take(
-            pending, lambda s: len(s.prompt_ids) + s.max_tokens,
+            pending, lambda s: len(s.request.prompt_ids) + s.request.max_tokens,
             lambda: cache.nbytes if cache else 0, batch.evict_cache_to)
-        for sub, reserved in admitted:
-            sub.reserved = reserved
-        deliver([(s.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)]) for s in refused])
-        return [sub for sub, _ in admitted], waiting
+        deliver([(s.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
+                 for s in refused])
+        return admitted, waiting
 
-    def _insert(self, subs: list[Submission]) -> None:
+    def _insert(self, subs: list[tuple[Submitted, int]]) -> None:
         assert self._loaded is not None and self._batch is not None
         eos = self._loaded.eos_token_ids
-        ready: list[tuple[Submission, Row, GuardedProcessors | None]] = []
+        ready: list[tuple[Submitted, int, Row, GuardedProcessors | None]] = []
         failed: list[tuple[EventSink, list[OutputEvent]]] = []
-        for sub in subs:
-            try:  # a request whose sampling cannot be built fails alone
-                if sub.echo is not None:
-                    deliver([(sub.sink, [self._echo(sub)])])
-                guard = _guarded(sub)
-                row = Row(tuple(sub.prompt_ids), sub.boundary, sub.max_tokens,
-                          eos | sub.stop_token_ids, make_request_sampler(sub.sampling),
+        for sub, reserved in subs:
+            request = sub.request
+            try:  # a request whose sampling or output cannot start fails alone
+                first = sub.output.started(self._score(request))
+                if first:
+                    deliver([(sub.output.sink, first)])
+                guard = guarded_processors(request.sampling, list(request.logits_processors))
+                row = Row(request.prompt_ids, request.boundary, request.max_tokens,
+                          eos | request.stop_token_ids,
+                          make_request_sampler(request.sampling, request.sampled_before),
                           (guard,) if guard else ())
-                ready.append((sub, row, guard))
+                ready.append((sub, reserved, row, guard))
             except Exception:  # noqa: BLE001 - reported to that request
-                log.exception("request %s: building its sampler failed", sub.request_id)
-                failed.append((sub.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]))
+                log.exception("request %s: starting it failed", request.request_id)
+                failed.append((sub.output.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]))
+                if self._kv is not None:
+                    self._kv.release(reserved)
         deliver(failed)
         if not ready:
             return
-        placed = self._batch.insert([row for _, row, _ in ready])
-        for (uid, cached), (sub, _, guard) in zip(placed, ready):
-            active = _Active(uid, sub, guard, sub.reserved, cached)
+        placed = self._batch.insert([row for _, _, row, _ in ready])
+        for (uid, cached), (sub, reserved, _, guard) in zip(placed, ready):
+            active = _Active(uid, sub, guard, reserved, cached)
             self._by_uid[uid] = active
             self._by_rid[sub.request_id] = active
         self._submitted += len(ready)
 
-    def _echo(self, sub: Submission) -> TextDelta:
-        """The prompt's text, and its tokens' logprobs scored by one prefill if asked."""
-        assert self._batch is not None and sub.echo is not None
-        trail = sub.logprobs
-        picked = self._batch.score(sub.prompt_ids, trail.top) if trail is not None else None
-        return echo_delta(sub.echo, sub.prompt_ids, picked, trail)
+    def _score(self, request: EngineRequest) -> list[Picked] | None:
+        """The prompt's token logprobs from one prefill, when the request asked for them."""
+        if not request.score_prompt or request.logprobs is None:
+            return None
+        assert self._batch is not None
+        return self._batch.score(request.prompt_ids, request.logprobs)
 
     def _step(self) -> None:
         assert self._batch is not None
@@ -313,11 +334,13 @@ class Engine:
         try:
             responses = self._batch.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the replica
-            log.exception("batch step failed; failing the batch and starting a fresh one")
             # A ReplicaError's message is written for clients; anything else shows its type.
             reason = exc.message if isinstance(exc, ReplicaError) else type(exc).__name__
-            self._fail_all(f"generation failed: {reason}")
-            self._batch.reset()
+            message = f"generation failed: {reason}"
+            if not self._batch.recover():  # a sharded batch cannot start over
+                raise _BatchLost(message) from exc
+            log.exception("batch step failed; failing the batch and starting a fresh one")
+            self._fail_all(message)
             return
         self._steps += 1
         if self._on_step is not None:
@@ -330,14 +353,12 @@ class Engine:
             if active is None:
                 continue
             try:
-                events, finished = self._on_token(active, response)
-                if active.sub.logprobs is not None:
-                    events = active.sub.logprobs.on_token(events, picked, response)
+                events, finished = self._generated(active, response, picked)
             except Exception:  # noqa: BLE001 - one request's pipeline must not stop the batch
                 log.exception("request %s: output processing failed", active.sub.request_id)
                 events, finished = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
             if events:
-                outbox.append((active.sub.sink, events))
+                outbox.append((active.output.sink, events))
             if finished:
                 self._forget(active)
                 self._finished += 1
@@ -349,39 +370,26 @@ class Engine:
             self._kv.fit_cache(cache.nbytes, self._batch.evict_cache_to)
         deliver(outbox)
 
-    def _on_token(self, active: _Active, response: object) -> tuple[list[OutputEvent], bool]:
-        """Events for one generated token, and whether the request is done."""
-        sub = active.sub
-        token: int = response.token  # type: ignore[attr-defined]
-        finish: str | None = response.finish_reason  # type: ignore[attr-defined]
-        decoder, ctrl = sub.decoder, sub.controller
-        end = functools.partial(decoder.finish, cached_tokens=active.cached)
-        if ctrl is not None and ctrl.error is not None:
-            return [Failed(ErrorKind.INTERNAL, f"constraint failed: {ctrl.error}")], True
+    def _generated(self, active: _Active, response: Any,
+                   picked: dict[int, Picked] | None) -> tuple[list[OutputEvent], bool]:
+        """The request's events for its token, and whether it is done."""
         if active.guard is not None and active.guard.error is not None:
-            log.error("request %s: a logits processor failed: %s", sub.request_id,
+            log.error("request %s: a logits processor failed: %s", active.sub.request_id,
                       active.guard.error)
             return [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
-        if finish == "stop":  # an EOS or stop token id: it ends generation, it is not text
-            decoder.count(token)
-            if token in sub.stop_token_ids:
-                return end(FinishReason.STOP_TOKEN, token), True
-            grammar_done = ctrl is not None and ctrl.grammar_complete
-            reason = FinishReason.GRAMMAR_COMPLETE if grammar_done else FinishReason.EOS
-            return end(reason), True
-        events = decoder.feed(token)
-        if decoder.matched_stop is not None:
-            return events + end(FinishReason.STOP_SEQUENCE), True
-        if ctrl is not None and ctrl.grammar_complete:
-            return events + end(FinishReason.GRAMMAR_COMPLETE), True
-        if finish == "length":
-            return events + end(FinishReason.LENGTH), True
-        return events, False
+        logprob = None
+        if active.sub.request.logprobs is not None:
+            if picked is None or response.uid not in picked:
+                raise RuntimeError("no logprobs for this step")  # fails this request alone
+            logprob = picked[response.uid]
+        return active.output.generated(
+            Generated(response.token, response.finish_reason, logprob, active.cached))
 
     def _logprobs(self, responses: list[Any]) -> dict[int, Picked] | None:
         """The step's numbers for the rows that asked (None: computing them failed)."""
-        asked = [Asked(r.uid, r.token, r.logprobs, a.sub.sampling.temperature, a.sub.logprobs.top)
-                 for r in responses if (a := self._by_uid.get(r.uid)) and a.sub.logprobs]
+        asked = [Asked(r.uid, r.token, r.logprobs, a.sub.request.sampling.temperature, top)
+                 for r in responses
+                 if (a := self._by_uid.get(r.uid)) and (top := a.sub.request.logprobs) is not None]
         try:
             return pick(asked)
         except Exception:  # noqa: BLE001 - those requests fail alone, below
@@ -394,11 +402,11 @@ class Engine:
         self._by_rid.pop(active.sub.request_id, None)
 
     def _fail_all(self, message: str) -> None:
-        deliver(self._fail_all_outbox(message))
+        deliver(self._fail_all_outbox(Failed(ErrorKind.INTERNAL, message)))
 
-    def _fail_all_outbox(self, message: str) -> list[tuple[EventSink, list[OutputEvent]]]:
+    def _fail_all_outbox(self, failed: Failed) -> list[tuple[EventSink, list[OutputEvent]]]:
         outbox: list[tuple[EventSink, list[OutputEvent]]] = [
-            (a.sub.sink, [Failed(ErrorKind.INTERNAL, message)]) for a in list(self._by_uid.values())]
+            (a.output.sink, [failed]) for a in list(self._by_uid.values())]
         if self._kv is not None:
             for active in list(self._by_uid.values()):
                 self._kv.release(active.reserved)
@@ -406,7 +414,3 @@ class Engine:
         self._by_rid.clear()
         return outbox
 
-
-def _guarded(sub: Submission) -> GuardedProcessors | None:
-    extra: list[LogitsProcessor] = [sub.controller] if sub.controller is not None else []
-    return guarded_processors(sub.sampling, extra)

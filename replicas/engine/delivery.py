@@ -1,19 +1,14 @@
-"""A request as the engine runs it (`Submission`, built by `replicas.pipeline.prepare` off the
-engine thread) and where its events go (`EventSink`, `deliver`)."""
+"""Where a request's events go from the engine thread: an `EventSink` (`EventBuffer`, read
+by the request's stream on its event loop) and `deliver`, which hands a step's events over
+with at most one thread hop per event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from replicas.contract import OutputEvent, SamplingParams, is_terminal
-from replicas.pipeline.control import RequestController
-from replicas.pipeline.decoding import RequestDecoder
-
-if TYPE_CHECKING:  # built by prepare; this module stays free of MLX
-    from replicas.engine.logprobs import LogprobTrail
+from replicas.contract import OutputEvent, is_terminal
 
 
 class EventSink(Protocol):
@@ -89,24 +84,6 @@ class EventBuffer:
             with self._lock:
                 self._wake_on = None
         return self.take()
-
-
-@dataclass
-class Submission:
-    """A validated request, ready for the batch. Built off the engine thread, pure Python."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]  # the user's; EOS ids come from the model
-    decoder: RequestDecoder
-    controller: RequestController | None
-    sink: EventSink
-    boundary: int = 0  # prompt tokens before the last message: their KV is kept once prefilled
-    reserved: int = 0  # KV bytes set aside at admission (set by the engine)
-    logprobs: LogprobTrail | None = None  # set when the request asked for logprobs
-    echo: str | None = None  # the prompt's text, sent back first (completions' `echo`)
 
 
 def deliver(outbox: list[tuple[EventSink, list[OutputEvent]]]) -> None:

@@ -76,11 +76,6 @@ class _Finish:
 
 
 @dataclass(frozen=True)
-class _Reset:
-    pass
-
-
-@dataclass(frozen=True)
 class _Evict:
     nbytes: int  # the prefix cache shrinks to this (its cost, equal on every rank)
 
@@ -103,7 +98,7 @@ class _Stop:
     pass
 
 
-_Op = Union[_Insert, _Finish, _Reset, _Evict, _Score, _Idle, _Stop]
+_Op = Union[_Insert, _Finish, _Evict, _Score, _Idle, _Stop]
 
 
 class Channel:
@@ -214,9 +209,11 @@ class LockstepBatch:
         self._log.append(_Finish(tuple(done)))
         self._idle_if_empty()
 
-    def reset(self) -> None:
-        self._local.reset()
-        self._log.append(_Reset())
+    def recover(self) -> bool:
+        """Never: after a failed step the other ranks may still be inside it, and any new
+        collective would meet theirs out of order (garbage or a hang). The engine stops
+        and the replica is replaced, every rank with it."""
+        return False
         self._idle_if_empty()
 
     def evict_cache_to(self, nbytes: int) -> None:
@@ -284,8 +281,6 @@ class Follower:
                                         f"prompt tokens, this rank {cached}")
         elif isinstance(op, _Finish):
             self._local.finish(op.done)
-        elif isinstance(op, _Reset):
-            self._local.reset()
         elif isinstance(op, _Evict):
             self._local.evict_cache_to(op.nbytes)
         elif isinstance(op, _Score):

@@ -1,4 +1,7 @@
-"""Token logprobs for the requests that ask for them (OpenAI `logprobs` / `top_logprobs`).
+"""Token logprobs for the requests that ask for them (OpenAI `logprobs` / `top_logprobs`):
+the arithmetic. Each number's text and where it rides out is the pipeline's
+(`replicas.pipeline.logprob_trail`).
+
 
 mlx-lm's batch responses carry, per row, the log-softmax of the logits after the row's
 logits processors (penalties, logit bias, the controller's grammar mask and bans) and
@@ -14,20 +17,11 @@ Cost: nothing for a step without such rows; otherwise one stacked computation an
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
 
-from replicas.contract import (
-    Channel,
-    Finished,
-    OutputEvent,
-    TextDelta,
-    TokenLogprob,
-)
-from replicas.pipeline.detokenizer import Decode
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat `top_logprobs`
 # JSON has no -inf: a token a mask ruled out is reported with OpenAI's floor value.
@@ -86,71 +80,3 @@ def top_of(logprobs: mx.array, tokens: Sequence[int], top: int) -> list[Picked]:
 
 def _finite(value: float) -> float:
     return value if value > FLOOR else FLOOR
-
-
-class TokenPieces:
-    """Each id's text as one token (special tokens kept), cached: top-k lookups repeat the
-    same few ids. Shared by a model's requests; the lock makes it safe off the engine thread."""
-
-    def __init__(self, decode: Decode) -> None:
-        self._decode = decode
-        self._pieces: dict[int, str] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, token_id: int) -> str:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._decode([token_id])
-            with self._lock:
-                if len(self._pieces) > 1 << 18:  # bounded: a huge vocab swept by top-k
-                    self._pieces.clear()
-                self._pieces[token_id] = piece
-        return piece
-
-
-class LogprobTrail:
-    """One request's logprob entries on their way out: each token's entry rides with the
-    first text the pipeline emits at or after it (a held token waits for its text), and
-    what is left at the end rides in an empty answer delta before `Finished`."""
-
-    def __init__(self, top: int, pieces: TokenPieces) -> None:
-        self.top = top
-        self._pieces = pieces
-        self._pending: list[TokenLogprob] = []
-
-    def piece(self, token_id: int) -> str:
-        return self._pieces(token_id)
-
-    def entry(self, token_id: int, picked: Picked) -> TokenLogprob:
-        piece = self._pieces
-        return TokenLogprob(piece(token_id), token_id, picked.logprob,
-                            tuple((piece(i), v) for i, v in picked.top))
-
-    def on_token(self, events: list[OutputEvent], picked: dict[int, Picked] | None,
-                 response: Any) -> list[OutputEvent]:
-        """One token's events (mlx-lm's `response`) with the entries they carry."""
-        if picked is None or response.uid not in picked:
-            raise RuntimeError("no logprobs for this step")  # fails this request alone
-        # An EOS or stop token id ends the turn and is no text: it has no entry (as OpenAI).
-        if response.finish_reason == "stop":
-            return self.attach(events, None)
-        return self.attach(events, self.entry(response.token, picked[response.uid]))
-
-    def attach(self, events: list[OutputEvent], entry: TokenLogprob | None) -> list[OutputEvent]:
-        """`events` (one token's) with the pending entries on their first text; `entry`:
-        this token's, None for a token that is not text (EOS, a stop token id)."""
-        if entry is not None:
-            self._pending.append(entry)
-        if not self._pending:
-            return events
-        for i, event in enumerate(events):
-            if isinstance(event, TextDelta) and event.text:
-                out = list(events)
-                out[i] = dataclasses.replace(event, logprobs=tuple(self._pending))
-                self._pending = []
-                return out
-        if events and isinstance(events[-1], Finished):
-            tail = TextDelta(Channel.ANSWER, "", tuple(self._pending))
-            self._pending = []
-            return [*events[:-1], tail, events[-1]]
-        return events

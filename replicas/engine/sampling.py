@@ -54,12 +54,14 @@ def validate(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
-def make_request_sampler(params: SamplingParams) -> Sampler:
+def make_request_sampler(params: SamplingParams, sampled_before: int = 0) -> Sampler:
+    """`sampled_before`: tokens a resumed request sampled elsewhere; a seeded sampler skips
+    the keys they took, so it draws what the uninterrupted run would have."""
     if params.temperature == 0:
         return greedy_sampler
     if params.seed is None:
         return _shared_sampler(params.temperature, params.top_p, params.min_p, params.top_k)
-    return _SeededSampler(params)
+    return _SeededSampler(params, sampled_before)
 
 
 @lru_cache(maxsize=256)
@@ -70,8 +72,10 @@ def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) 
 class _SeededSampler:
     """A sampler with its own PRNG key, so a seed reproduces whatever else is in the batch."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, skip: int = 0) -> None:
         self._key = mx.random.key(params.seed or 0)
+        for _ in range(skip):  # the same split per token as `__call__`
+            self._key, _ = mx.random.split(self._key)
         self._inv_temp = 1.0 / params.temperature
         self._top_p = params.top_p
         self._min_p = params.min_p

@@ -1,5 +1,5 @@
 """The prompt's own token logprobs (`echo` with `logprobs` on /v1/completions), from one
-prefill.
+prefill. The echo's text and entries are the pipeline's (`replicas.pipeline.logprob_trail`).
 
 A prompt is scored by one forward pass over it, in chunks, into a fresh KV cache: the
 logits at position i give token i+1's logprob and its top alternatives. The KV that pass
@@ -20,8 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from replicas.contract import Channel, TextDelta, TokenLogprob
-from replicas.engine.logprobs import LogprobTrail, Picked, top_of
+from replicas.engine.logprobs import Picked, top_of
 
 # Logits of one chunk are (chunk, vocab) float32: bound them, whatever the vocabulary.
 _LOGITS_BYTES = 256 * 1024**2
@@ -51,13 +50,3 @@ def score_prompt(model: nn.Module, prompt_ids: Sequence[int], top: int, max_chun
             start += logits.shape[0]
         mx.eval([c.state for c in cache])
     return picked, cache
-
-
-def echo_delta(text: str, prompt_ids: Sequence[int], picked: Sequence[Picked] | None,
-               trail: LogprobTrail | None) -> TextDelta:
-    """The prompt as the first answer text; with its logprobs when the request asked."""
-    if trail is None or picked is None:
-        return TextDelta(Channel.ANSWER, text)
-    first = TokenLogprob(trail.piece(prompt_ids[0]), prompt_ids[0], None)
-    entries = [trail.entry(t, p) for t, p in zip(prompt_ids[1:], picked)]
-    return TextDelta(Channel.ANSWER, text, (first, *entries))

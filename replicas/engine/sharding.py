@@ -28,6 +28,7 @@ from replicas.engine.batch import LocalBatch
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
 from replicas.engine.loading import LoadedModel, loaded_model
 from replicas.engine.lockstep import Follower
+from replicas.engine.memory import open_budget
 from replicas.startup import Progress
 
 
@@ -128,7 +129,9 @@ def follow(source: str, resolved: Path | str, plan: ShardPlan, config: EngineCon
            wait_for_work: Callable[[], None]) -> int:
     """Ranks 1..N-1: load the shard, then replay rank 0's batch until it stops. Returns
     the steps run."""
-    _, batch, group = open_shard(source, resolved, plan, config)
+    loaded, batch, group = open_shard(source, resolved, plan, config)
+    # This rank's own memory limit, from its own weights and KV (rank 0 sets its own).
+    open_budget(loaded.model, loaded.config, config.kv_budget_bytes, config.max_memory_waiting)
     follower = Follower(batch, group, wait_for_work)
     follower.run()
     return follower.steps

@@ -1,47 +1,43 @@
 """The channel router: splits a reasoning model's decoded text into reasoning and answer.
 
-Formats are data (`channel_formats.py`, `harmony.py`); this module holds the registry, the
-detection helpers and the streaming router that runs a format. Markers never reach a
-channel, however they are split across tokens: like the stop matcher, the router holds back
-only a tail that could still become a marker, using the same matching engine.
+Channel formats are data, one per model family (`replicas/families/`, their registry in
+`replicas.families.registry`); this module runs one: the prompt-based start state and the
+streaming router. Markers never reach a channel, however they are split across tokens:
+like the stop matcher, the router holds back only a tail that could still become a
+marker, using the same matching engine.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
-from types import MappingProxyType
+from dataclasses import dataclass
 
 from replicas.contract import Channel, TextDelta
-from replicas.pipeline.channel_formats import (
-    NONE,
-    THINK_TAGS,
-    ByHeader,
-    CallBoundary,
-    ChannelFormat,
-)
-from replicas.pipeline.harmony import HARMONY
-from replicas.pipeline.reasoning_formats import GEMMA4_THOUGHT, LONGCAT_THINK, THINK_COLON, XTML
+from replicas.families.channel_format import ByHeader, ChannelFormat
 from replicas.pipeline.textmatch import NO_MATCH, ROOT, Automaton, compile_patterns
 
-__all__ = [  # ChannelFormat is re-exported: callers need the registry and its type together
-    "FORMATS",
+__all__ = [
     "CallBoundary",
-    "ChannelFormat",
     "ChannelRouter",
     "Routed",
-    "detect_format",
-    "get_format",
     "initial_channel",
     "initial_state",
 ]
 
-# Detection tries formats in this order and "none" (no signature) always matches last; the
-# single-token pairs come before the spelled-out markers, as in mlx-lm's `_infer_thinking`.
-FORMATS: Mapping[str, ChannelFormat] = MappingProxyType(
-    {fmt.name: fmt for fmt in (HARMONY, THINK_TAGS, LONGCAT_THINK, THINK_COLON, GEMMA4_THOUGHT,
-                               XTML, NONE)}
-)
+
+@dataclass(frozen=True, slots=True)
+class CallBoundary:
+    """Router output, between text pieces: a tool call opens or closes.
+
+    `marker` is the marker text that fired ("" when a new call implicitly closes the last),
+    so a malformed call can be given back as the text the model wrote. `name` is the
+    recipient read from the header (Harmony) on an open, else None.
+    """
+
+    opened: bool
+    marker: str
+    name: str | None = None
+
 
 # Only a header's first word is used, so a runaway header costs bounded memory.
 _HEADER_LIMIT = 64
@@ -51,23 +47,6 @@ _HEADERS_LIMIT = 256
 
 # What a router with tool states reports: text pieces and call boundaries, in stream order.
 Routed = TextDelta | CallBoundary
-
-
-def get_format(name: str) -> ChannelFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        valid = ", ".join(sorted(FORMATS))
-        raise ValueError(f"unknown channel format {name!r}; valid formats: {valid}") from None
-
-
-def detect_format(chat_template: str | None, vocab: Collection[str]) -> str:
-    """The first format whose signature texts are all in the vocab or the chat template."""
-    template = chat_template or ""
-    for name, fmt in FORMATS.items():
-        if all(text in vocab or text in template for text in fmt.signature):
-            return name
-    return NONE.name
 
 
 def initial_state(fmt: ChannelFormat, rendered_prompt: str) -> str:

@@ -1,8 +1,9 @@
 """Logits-level control of one request: the thinking budget and the grammar.
 
 mlx-lm calls a request's logits processors once per decode step, with the token history
-ending in the token just sampled. This controller tracks the channel at token level (its
-own detokenizer and channel router, so it agrees with the output pipeline), forces the
+ending in the token just sampled. This controller tracks the channel at token level (the
+request's one `ChannelTracker`, shared with the output pipeline: each token is detokenized
+and routed once, by whichever of the two reads it first), forces the
 format's end-of-reasoning tokens once the budget is spent, and hands answer-channel tokens
 to the guided matcher (tool-call bodies, Channel.TOOL, count as answer here: the tool
 grammar began before the call opened). It can also ban ids at every step (the tool
@@ -19,8 +20,9 @@ from typing import Literal, Protocol
 import mlx.core as mx
 
 from replicas.contract import Channel
-from replicas.pipeline.detokenizer import Decode, Detokenizer
-from replicas.pipeline.channels import ChannelFormat, ChannelRouter
+from replicas.families.channel_format import ChannelFormat
+from replicas.pipeline.detokenizer import Decode
+from replicas.pipeline.tracker import ChannelTracker
 
 
 class Grammar(Protocol):
@@ -47,13 +49,20 @@ class RequestController:
         eos_ids: frozenset[int] = frozenset(),
         banned_ids: tuple[int, ...] = (),
         grammar_start: Literal["answer", "reasoning_end"] = "answer",
+        tracker: ChannelTracker | None = None,
+        end_ids: frozenset[int] = frozenset(),
     ) -> None:
         """`grammar_start`: when the grammar takes over after reasoning. "answer": at the
         first answer (or tool) token, for grammars over the answer text. "reasoning_end": as
         soon as the reasoning block closes, for grammars that also cover the headers that
-        follow it (harmony tool calls); forced tokens after that point go to the grammar."""
-        self._detok = Detokenizer(decode)
-        self._router = ChannelRouter(fmt, initial, state=state)
+        follow it (harmony tool calls); forced tokens after that point go to the grammar.
+        `tracker`: the request's, shared with its decoder (else one of its own); `end_ids`:
+        the tokens that end the request (EOS, stop ids), which are no text to track."""
+        tracker = tracker or ChannelTracker(decode, fmt, initial, state)
+        self._cursor = tracker.cursor()
+        self._end_ids = end_ids
+        self._channel = tracker.router.channel
+        self._reasoning_ended = tracker.router.reasoning_ended
         self._budget = budget
         self._forced_end_ids = forced_end_ids
         self._forcing: deque[int] = deque()
@@ -87,18 +96,25 @@ class RequestController:
             self.error = f"{type(exc).__name__}: {exc}"
             return logits
 
+    def replay(self, token: int) -> None:
+        """A token a resumed request generated before (on another replica): the budget and
+        the grammar move over it as they did then."""
+        self._on_token(token)
+
     def _on_token(self, token: int) -> None:
         forced = bool(self._forcing)
         if forced:
             self._forcing.popleft()
-        before = self._router.channel
-        ended_before = self._router.reasoning_ended
-        self._router.feed(self._detok.feed(token))
-        after = self._router.channel
+        before = self._channel
+        ended_before = self._reasoning_ended
+        if token not in self._end_ids:  # the request ends with it: nothing more to route
+            routing = self._cursor.read(token)
+            self._channel, self._reasoning_ended = routing.after, routing.reasoning_ended
+        after = self._channel
         # Harmony's channel stays REASONING in the headers after the analysis message; a
         # grammar that covers those headers makes them answer tokens.
         reasoning = after is Channel.REASONING and not (
-            self._after_reasoning and self._router.reasoning_ended
+            self._after_reasoning and self._reasoning_ended
         )
         # The token that closes reasoning counts as reasoning, unless it opens a tool call.
         if reasoning or (before is Channel.REASONING and after is Channel.ANSWER):
@@ -116,7 +132,7 @@ class RequestController:
                     self.error = self._grammar.error
         self._first_step = False
         if self._after_reasoning:
-            if self._router.reasoning_ended and not ended_before:
+            if self._reasoning_ended and not ended_before:
                 self._grammar_on = True  # reasoning closed: the grammar owns the next token
         elif before is Channel.REASONING and after in _ANSWERS:
             self._grammar_on = True

@@ -1,8 +1,9 @@
 """The per-request output pipeline: token ids in, output events out.
 
-detokenizer -> channel router -> stop matcher (answer channel only) -> TextDelta events,
-and, with tool parsing on, the router's TOOL channel -> tool-call parser -> ToolCall*
-events. Like each stage it is `feed()` plus `finish()`; non-streaming is the same calls.
+detokenizer -> channel router (one `ChannelTracker` per request, shared with its
+controller) -> stop matcher (answer channel only) -> TextDelta events, and, with tool
+parsing on, the router's TOOL channel -> tool-call parser -> ToolCall* events. Like each
+stage it is `feed()` plus `finish()`; non-streaming is the same calls.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from replicas.contract import (
     ToolCallStart,
     Usage,
 )
-from replicas.pipeline.detokenizer import Decode, Detokenizer
-from replicas.pipeline.channels import ChannelFormat, ChannelRouter, Routed
+from replicas.families.channel_format import ChannelFormat
+from replicas.pipeline.channels import Routed
+from replicas.pipeline.detokenizer import Decode
 from replicas.pipeline.stops import StopMatcher
-from replicas.pipeline.tool_calls import ToolCallParser, ToolParsing
+from replicas.pipeline.tool_calls.parser import ToolCallParser, ToolParsing
+from replicas.pipeline.tracker import ChannelTracker
 
 _log = logging.getLogger(__name__)
 
@@ -34,12 +37,13 @@ class RequestDecoder:
 
     `tools`: None keeps tool-call markup as plain text. With a `ToolParsing` (e.g.
     `ToolParsing.from_specs(get_tool_format(name), request.tools)`), `fmt` must already be
-    composed with its tool format (`tool_formats.with_tools`, done once per request by
+    composed with its tool format (`compose.with_tools`, done once per request by
     `replicas.pipeline.prepare`); each call's text leaves as ToolCallStart/Delta/End events and
     never reaches the stop matcher, text after the first call is dropped (the contract's
     event order), and a turn that ends by itself after a call finishes with
     `FinishReason.TOOL_CALLS`. A `RequestController` for the same request routes with the
-    same composed format.
+    same composed format, and `tracker` (the request's `ChannelTracker`, else one of its
+    own) so each token is detokenized and routed once for both.
     """
 
     def __init__(
@@ -52,9 +56,11 @@ class RequestDecoder:
         include_stop: bool,
         prompt_tokens: int,
         tools: ToolParsing | None = None,
+        tracker: ChannelTracker | None = None,
     ) -> None:
-        self._detok = Detokenizer(decode)
-        self._router = ChannelRouter(fmt, initial, state=state)
+        self._tracker = tracker or ChannelTracker(decode, fmt, initial, state)
+        self._cursor = self._tracker.cursor()
+        self._router = self._tracker.router
         self._stops = StopMatcher(stops, include_stop)
         self._calls = ToolCallParser(tools) if tools is not None else None
         self._answer_closed = False  # a call started: no more text, stops are done
@@ -80,10 +86,10 @@ class RequestDecoder:
 
     def feed(self, token_id: int) -> list[OutputEvent]:
         self.completion_tokens += 1
-        before = self._router.channel
-        events = self._route(self._detok.feed(token_id))
+        routing = self._cursor.read(token_id)
+        events = self._route(list(routing.pieces))
         # A token that opens or closes reasoning, or sits inside it, is a reasoning token.
-        if Channel.REASONING in (before, self._router.channel):
+        if Channel.REASONING in (routing.before, routing.after):
             self.reasoning_tokens += 1
         return events
 
@@ -92,7 +98,8 @@ class RequestDecoder:
         """`cached_tokens`: prompt tokens the prefix cache served (the engine knows)."""
         events: list[OutputEvent] = []
         if self._stops.matched is None and reason is not FinishReason.CANCELLED:
-            events = self._route(self._detok.finish())
+            tracker = self._tracker
+            events = self._route(self._router.feed_with_calls(tracker.detokenizer.finish()))
             if self._stops.matched is None:
                 if self._calls is None:
                     events.extend(self._answer_or_reasoning(self._router.finish()))
@@ -113,12 +120,12 @@ class RequestDecoder:
         events.append(Finished(reason, usage, stop))
         return _merge(events)
 
-    def _route(self, text: str) -> list[OutputEvent]:
-        if not text or self._stops.matched is not None:
+    def _route(self, pieces: list[Routed]) -> list[OutputEvent]:
+        if not pieces or self._stops.matched is not None:
             return []
-        if self._calls is None:
-            return self._answer_or_reasoning(self._router.feed(text))
-        return self._dispatch(self._router.feed_with_calls(text))
+        if self._calls is None:  # no tool states: the router gives text pieces only
+            return self._answer_or_reasoning([p for p in pieces if isinstance(p, TextDelta)])
+        return self._dispatch(pieces)
 
     def _answer_or_reasoning(self, pieces: list[TextDelta]) -> list[OutputEvent]:
         events: list[OutputEvent] = []

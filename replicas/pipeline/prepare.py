@@ -1,5 +1,6 @@
 """Request preparation (the counterpart of vLLM's input processor): a `GenerationRequest`
-becomes an engine `Submission`.
+becomes an `EngineRequest` (token ids and how to pick each token) and the
+`OutputProcessor` that turns its tokens into events.
 
 Everything that can reject a request runs here, in a worker thread, before the request
 reaches the engine: sampling values, stops (merged with the model's defaults), the prompt
@@ -12,26 +13,28 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from dataclasses import dataclass
 import time
 from typing import TYPE_CHECKING, Sequence
 
 from replicas.contract import Channel, ChatPrompt, GenerationRequest, SamplingParams, TextPrompt
 from replicas.pipeline.control import Grammar, RequestController
-from replicas.engine.delivery import EventSink, Submission
+from replicas.engine.delivery import EventSink
+from replicas.engine.request import EngineRequest
 from replicas.errors import ContextLengthError, InvalidRequestError
 from replicas.engine.loading import LoadedModel
-from replicas.engine.logprobs import LogprobTrail, TokenPieces
+from replicas.pipeline.logprob_trail import LogprobTrail, TokenPieces
 from replicas.options import ReplicaOptions
-from replicas.pipeline.channels import (
-    ChannelFormat,
-    get_format,
-    initial_channel,
-    initial_state,
-)
+from replicas.families.channel_format import ChannelFormat
+from replicas.families.registry import get_channel_format
+from replicas.families.tool_format import ToolFormat
+from replicas.pipeline.channels import initial_channel, initial_state
 from replicas.pipeline.decoding import RequestDecoder
+from replicas.pipeline.output import OutputProcessor
+from replicas.pipeline.tracker import ChannelTracker
 from replicas.pipeline.detokenizer import Decode
 from replicas.pipeline.stops import merge_stops
-from replicas.pipeline.tool_formats import ToolFormat, with_tools, without_calls
+from replicas.pipeline.compose import with_tools, without_calls
 from replicas.pipeline.prompt import RenderedPrompt, last_message_boundary, render_prompt
 from replicas.engine.sampling import validate as validate_sampling
 from replicas.timings import Timings
@@ -39,6 +42,16 @@ from replicas.pipeline.tool_plan import ToolPlan, plan_tools
 
 if TYPE_CHECKING:  # imported on first guided request: llguidance is only loaded when used
     from replicas.pipeline.guided import GuidedTokenizer
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine: what it decodes, who reads its tokens, and the
+    warnings its response carries."""
+
+    request: EngineRequest
+    output: OutputProcessor
+    warnings: tuple[str, ...]
 
 
 class InputProcessor:
@@ -64,10 +77,10 @@ class InputProcessor:
         return render_prompt(model.hf_tokenizer, request.prompt, request.reasoning, model.vocab_size,
                              tools=request.tools)
 
-    def prepare(self, request: GenerationRequest,
-                sink: EventSink) -> tuple[Submission, tuple[str, ...]]:
-        """The request as the engine runs it, and warnings for its response; raises a
-        `ReplicaError` (a 4xx) for anything the request asks that cannot be served."""
+    def prepare(self, request: GenerationRequest, sink: EventSink) -> Prepared:
+        """The request as the engine runs it, its output side, and warnings for its
+        response; raises a `ReplicaError` (a 4xx) for anything the request asks that cannot
+        be served."""
         model = self.model
         validate_sampling(request.sampling, model.vocab_size)
         stops = self._stops(request)
@@ -75,7 +88,7 @@ class InputProcessor:
         max_tokens, clamp_warning = self._max_tokens(request, len(rendered.token_ids))
         # Completions are raw continuations: channels and tool calls only apply to chat.
         chat = isinstance(request.prompt, ChatPrompt)
-        base = self._channels if chat else get_format("none")
+        base = self._channels if chat else get_channel_format("none")
         initial = initial_channel(base, rendered.text)
         state = initial_state(base, rendered.text)
         tools = self._tool_plan(request, chat)
@@ -96,6 +109,9 @@ class InputProcessor:
         # A response_format grammar decides where the text ends; a tool grammar leaves the
         # text before a call free, so stops still apply to it.
         text_grammar = grammar is not None and tools.grammar is None
+        stop_ids = frozenset() if text_grammar else frozenset(request.stop.token_ids)
+        # One detokenizer and router for the decoder and the controller.
+        tracker = ChannelTracker(self._decode, fmt, initial, state)
         decoder = RequestDecoder(
             self._decode,
             fmt,
@@ -105,6 +121,7 @@ class InputProcessor:
             include_stop=request.stop.include_in_output,
             prompt_tokens=len(rendered.token_ids),
             tools=tools.parsing,
+            tracker=tracker,
         )
         budget = self._budget(request) if chat else None
         controller = None
@@ -121,24 +138,37 @@ class InputProcessor:
                 eos_ids=model.eos_token_ids,
                 banned_ids=tools.banned_ids,
                 grammar_start=tools.grammar_start,
+                tracker=tracker,
+                end_ids=model.eos_token_ids | stop_ids,
             )
-        sub = Submission(
+        top = request.sampling.logprobs
+        echo = self._echo(request, rendered.token_ids)
+        resume = request.resume or ()
+        if len(resume) >= max_tokens:  # it would have ended, and its end been sent, before
+            raise InvalidRequestError("a resumed request has no tokens left to generate",
+                                      param="resume")
+        engine_request = EngineRequest(
             request_id=request.request_id,
-            prompt_ids=list(rendered.token_ids),
-            max_tokens=max_tokens,
+            prompt_ids=tuple(rendered.token_ids) + resume,
+            max_tokens=max_tokens - len(resume),
+            sampled_before=len(resume),
             sampling=_unsigned_seed(request.sampling),
-            stop_token_ids=frozenset() if text_grammar else frozenset(request.stop.token_ids),
-            decoder=decoder,
-            controller=controller,
-            sink=sink,
+            stop_token_ids=stop_ids,
             boundary=last_message_boundary(model.hf_tokenizer, request.prompt, request.reasoning,
                                            rendered.token_ids, request.tools)
             if self._options.engine.prompt_cache_bytes else 0,
-            logprobs=None if request.sampling.logprobs is None
-            else LogprobTrail(request.sampling.logprobs, self._pieces),
-            echo=self._echo(request, rendered.token_ids),
+            logits_processors=(controller,) if controller is not None else (),
+            logprobs=top,
+            score_prompt=echo is not None and top is not None and request.resume is None,
         )
-        return sub, ((clamp_warning,) if clamp_warning else ()) + tools.warnings
+        output = OutputProcessor(
+            sink, decoder, controller, prompt_ids=rendered.token_ids,
+            stop_token_ids=stop_ids, echo=echo, report_tokens=request.report_tokens,
+            logprobs=None if top is None else LogprobTrail(top, self._pieces))
+        if request.resume is not None:
+            output.replay(resume)
+        warnings = ((clamp_warning,) if clamp_warning else ()) + tools.warnings
+        return Prepared(engine_request, output, warnings)
 
     def _echo(self, request: GenerationRequest, prompt_ids: Sequence[int]) -> str | None:
         """The prompt as the client wrote it (its tokens' text for a token prompt)."""

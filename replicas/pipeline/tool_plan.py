@@ -1,8 +1,8 @@
 """How one request's tools are handled: parsed, constrained, or banned.
 
 Pure decisions from the request and the model's tool format; the replica turns the plan
-into its decoder and controller. Whatever differs by format is a field of its entry in
-`pipeline/tool_formats.py`, never a check of its name here. Everything here runs before
+into its decoder and controller. Whatever differs by format is a field of the family's
+`ToolFormat` (`replicas/families/`), never a check of its name here. Everything here runs before
 the engine sees the request, so every bad combination is a 400 with no engine time spent.
 """
 
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 from replicas.contract import GenerationRequest
 from replicas.errors import InvalidRequestError
-from replicas.pipeline.tool_calls import ToolParsing
-from replicas.pipeline.tool_formats import ToolFormat
+from replicas.families.tool_format import ToolFormat
+from replicas.pipeline.tool_calls.parser import ToolParsing
 
 if TYPE_CHECKING:  # llguidance is imported on the first guided or tool request only
     from replicas.pipeline.guided import GuidedTokenizer

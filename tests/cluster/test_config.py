@@ -24,7 +24,7 @@ from deployments.config import (
 from deployments.model_clients import REPLICA_WAIT_S
 from deployments.model_deployment import ModelDeployment, replica_options
 from replicas.engine.config import EngineConfig
-from replicas.pipeline.channels import FORMATS
+from replicas.families.registry import CHANNEL_FORMATS, TOOL_FORMATS
 from replicas.replica import ReplicaOptions
 
 pytestmark = pytest.mark.cluster
@@ -161,6 +161,7 @@ def test_engine_and_replica_defaults_come_from_the_replica_side() -> None:
         "max_batch_size": engine.max_batch_size,
         "prefill_batch_size": engine.prefill_batch_size,
         "prefill_step_size": engine.prefill_step_size,
+        "stuck_after_s": engine.stuck_after_s,
     }
     assert defaults.stream_flush_ms == ReplicaOptions("m", "s").flush_interval_s * 1000
     options = replica_options(defaults)
@@ -178,15 +179,13 @@ def test_constants_are_the_config_defaults() -> None:
 
 
 def test_channel_format_is_checked_against_the_registry() -> None:
-    for name in FORMATS:
+    for name in CHANNEL_FORMATS:
         assert ModelSettings.model_validate(model(channel_format=name)).channel_format == name
     with pytest.raises(ValidationError, match="unknown channel_format 'thinktags'"):
         ModelSettings.model_validate(model(channel_format="thinktags"))
 
 
 def test_tool_format_is_checked_against_the_registry() -> None:
-    from replicas.pipeline.tool_formats import TOOL_FORMATS
-
     assert TOOL_FORMATS, "the tool-format registry is empty"
     for name in TOOL_FORMATS:
         settings = ModelSettings.model_validate(model(tool_format=name))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import sqlite3
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,9 +25,12 @@ from typing import Any
 import openai
 import pytest
 import yaml
+import ray  # noqa: F401  (first: Ray puts the psutil it ships on the path)
+import psutil  # noqa: E402
 
 from replicas.builtin import ensure_builtin, script
 from replicas.builtin.build import default_cache_root
+from tests.e2e.test_layouts import family
 from tests.e2e.test_responses_http import calls, response_args, round_trip_input
 from tests.serve_process import ServeProcess, config_copy, free_port, serve_run
 
@@ -41,6 +45,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                 "models": [{"id": name, **TINY} for name in
                            ("orchard-tiny", "orchard-tiny-2", "orchard-tiny-3")]},
     "store-actor": {"ingress": {"colocate": False, "num_replicas": 2}},
+}
+# layout -> how many of Ray's processes (by title) prove it is that layout: who serves HTTP,
+# and where the store lives (deployments/response_store.py names its actor's class).
+PROCESSES = {
+    "default": {"ServeReplica:orchard:Ingress": 0, "_StoreActor": 0},
+    "two-hop": {"ServeReplica:orchard:Ingress": 1, "_StoreActor": 0,
+                "ServeReplica:orchard:model:orchard-tiny-3": 1},
+    "store-actor": {"ServeReplica:orchard:Ingress": 2, "_StoreActor": 1},
 }
 
 
@@ -58,6 +70,25 @@ def orchard(config: Path, port: int, env: dict[str, str],
     with serve_run(config, port, log_path, env=env) as serve:
         yield openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="unused",
                             max_retries=0, timeout=120), serve
+
+
+def titles(serve: ServeProcess, wanted: dict[str, int],
+           timeout_s: float = 60.0) -> dict[str, int]:
+    """How many processes under `serve run` carry each title (Ray sets an actor's), once
+    they are `wanted` or after `timeout_s`: the other models' replicas may still start."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = dict.fromkeys(wanted, 0)
+        for proc in family(serve.proc.pid):
+            try:
+                line = " ".join(proc.cmdline())
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            for title in wanted:
+                found[title] += line.startswith(f"ray::{title}")
+        if found == wanted or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
 
 
 def item_input(item: Any) -> dict[str, Any]:
@@ -84,8 +115,7 @@ def test_a_stored_response_survives_a_restart(layout: str, tmp_path: Path) -> No
     config = layout_config(tmp_path, port, layout)
     try:
         with orchard(config, port, env, tmp_path / "first.log") as (client, serve):
-            if layout != "default":  # an ingress replica in front: its log lines name it
-                assert "Ingress" in serve.log(), serve.log()[-3000:]
+            assert titles(serve, PROCESSES[layout]) == PROCESSES[layout]
             first = client.responses.create(**response_args("tool-one"))
             assert first.store is True and calls(first) == list(script("tool-one").expected_calls)
             assert client.responses.retrieve(first.id).model_dump() == first.model_dump()

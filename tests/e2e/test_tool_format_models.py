@@ -26,9 +26,9 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from replicas.builtin import BUILTIN_NAMES, ensure_builtin, format_model_name
-from replicas.builtin.formats import FORMAT_MODELS, SAMPLE_TOOLS, format_markers
-from replicas.pipeline.tool_formats import TOOL_FORMATS, detect_tool_format
+from replicas.builtin import BUILTIN_NAMES, ensure_builtin, family_model_name
+from replicas.builtin.family_models import FAMILY_MODELS, SAMPLE_TOOLS, tool_markers
+from replicas.families.registry import TOOL_FORMATS, detect_tool_format
 from tests.serve_process import config_copy, ready, serve_run
 
 pytestmark = pytest.mark.e2e
@@ -54,17 +54,17 @@ MAX_TOKENS = 200
 
 def model_for(fmt: str) -> str:
     """The format's built-in model, or a failure naming the format that has none."""
-    name = format_model_name(fmt)
+    name = family_model_name(fmt)
     if name not in BUILTIN_NAMES:
-        pytest.fail(f"tool format {fmt!r} has no built-in model {name!r} (replicas/builtin/"
-                    "format_templates*.py)")
+        pytest.fail(f"tool format {fmt!r} has no built-in model {name!r} (its family's "
+                    "test template, replicas/families/)")
     return name
 
 
 def markers(fmt: str) -> tuple[str, ...]:
     """What must never reach the text: the format's markers and the model's added tokens."""
-    _, spec = FORMAT_MODELS[format_model_name(fmt)]
-    return tuple(dict.fromkeys((*format_markers(fmt), *spec.added)))
+    _, family = FAMILY_MODELS[family_model_name(fmt)]
+    return tuple(dict.fromkeys((*tool_markers(fmt), *family.template.added)))
 
 
 def no_markers(fmt: str, text: str | None) -> None:
@@ -85,8 +85,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    served = [format_model_name(f) for f in FORMATS if format_model_name(f) in BUILTIN_NAMES]
-    assert served, "no tool-format model to serve"
+    served = [family_model_name(f) for f in FORMATS if family_model_name(f) in BUILTIN_NAMES]
+    assert served, "no family model to serve"
     for name in served:  # built here, not in the replicas' constructors
         ensure_builtin(name)
     models = [{"id": name, "source": f"builtin:{name}", "num_replicas": 1,

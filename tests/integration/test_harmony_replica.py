@@ -26,7 +26,7 @@ from replicas.contract import (
     ToolCallStart,
     ToolSpec,
 )
-from replicas.pipeline.channels import get_format
+from replicas.families.registry import get_channel_format
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.integration.harmony_model import (
     MARKERS,
@@ -108,7 +108,7 @@ def test_thinking_budget_cuts_the_analysis(replica: ModelReplica) -> None:
     end = finished(events)
     # The forced `<|end|><|start|>assistant<|channel|>final<|message|>` counts as reasoning.
     forced = load_tokenizer(ensure_harmony_model()).encode(
-        get_format("harmony").reasoning_end, add_special_tokens=False)
+        get_channel_format("harmony").reasoning_end, add_special_tokens=False)
     assert end.usage.reasoning_tokens <= budget + len(forced)
     assert end.reason in (FinishReason.EOS, FinishReason.LENGTH)
     no_markup(events)

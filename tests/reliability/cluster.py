@@ -22,6 +22,12 @@ replica: colocated, `colocate: auto`): one replica with a KV memory budget of
 at the model's own context, so KV admission (not Serve's queue, not the context) is what
 refuses (issue 25). Its own application because its deadline is long: a request waiting
 for memory on a shared 2-core box may outlast the main app's 5 s and end as a 504.
+
+A fourth, under `/resume`, serves `orchard-pair` (two replicas) and `orchard-single` (one)
+with streams that resume on another replica, or the replacement, when theirs dies (issue
+32), and a deadline long enough for a replacement to load. The main app turns resuming
+off (`resume_attempts: 0`), so its replica-death tests prove the other half: a stream that
+cannot resume ends with the protocol's error.
 """
 
 from __future__ import annotations
@@ -95,12 +101,19 @@ COLO_APP = "orchard-colo"
 COLO_PREFIX = "/colo"
 COLO = Pool("orchard-colo", replicas=1, max_ongoing=1, max_queued=-1, app=COLO_APP,
             prefix=COLO_PREFIX)
+RESUME_APP = "orchard-resume"
+RESUME_PREFIX = "/resume"
+PAIR = Pool("orchard-pair", replicas=2, max_ongoing=16, max_queued=16, app=RESUME_APP,
+            prefix=RESUME_PREFIX, capped=False)
+SINGLE = Pool("orchard-single", replicas=1, max_ongoing=16, max_queued=16, app=RESUME_APP,
+              prefix=RESUME_PREFIX, capped=False)
+RESUME_TIMEOUT_S = 180.0
 
 
 def app_args() -> dict[str, Any]:
     return {
         "api_keys_env": KEYS_ENV,
-        "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S},
+        "ingress": {"request_timeout_s": REQUEST_TIMEOUT_S, "resume_attempts": 0},
         "models": [
             {"id": p.model, "source": "builtin:tiny", "num_replicas": p.replicas,
              "max_ongoing_requests": p.max_ongoing, "max_queued_requests": p.max_queued,
@@ -131,6 +144,18 @@ def memory_args() -> dict[str, Any]:
     }
 
 
+def resume_args() -> dict[str, Any]:
+    return {
+        "api_keys_env": KEYS_ENV,
+        "ingress": {"request_timeout_s": RESUME_TIMEOUT_S},
+        "models": [{"id": p.model, "source": "builtin:tiny", "num_replicas": p.replicas,
+                    "max_ongoing_requests": p.max_ongoing, "max_queued_requests": p.max_queued,
+                    # One session's streams stay on one replica (the one the tests kill).
+                    "routing": {"policy": "session", "max_imbalance": 64}}
+                   for p in (PAIR, SINGLE)],
+    }
+
+
 @contextmanager
 def serve_cluster() -> Iterator[str]:
     """Start the cluster and the app; yield the base URL; tear both down."""
@@ -149,6 +174,7 @@ def serve_cluster() -> Iterator[str]:
         serve.run(build_app(app_args()), name=APP, route_prefix="/")
         serve.run(build_app(colocated_args()), name=COLO_APP, route_prefix=COLO_PREFIX)
         serve.run(build_app(memory_args()), name=MEMORY_APP, route_prefix=MEMORY_PREFIX)
+        serve.run(build_app(resume_args()), name=RESUME_APP, route_prefix=RESUME_PREFIX)
         yield BASE_URL
     finally:
         serve.shutdown()

@@ -141,10 +141,10 @@ def test_a_sampler_that_cannot_be_built_fails_only_its_request(
 ) -> None:
     real = engine_module.make_request_sampler
 
-    def sampler(params: SamplingParams) -> Any:
+    def sampler(params: SamplingParams, *args: Any) -> Any:
         if params.presence_penalty == MARK:
             raise OverflowError("seed out of range")
-        return real(params)
+        return real(params, *args)
 
     monkeypatch.setattr(engine_module, "make_request_sampler", sampler)
     events = run_with_victim(replica, request("ocean-prose", "victim", presence_penalty=MARK))
@@ -154,14 +154,14 @@ def test_a_sampler_that_cannot_be_built_fails_only_its_request(
 def test_a_failing_output_pipeline_fails_only_its_request(
     replica: ModelReplica, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = Engine._on_token
+    real = Engine._generated
 
-    def on_token(self: Engine, active: Any, response: Any) -> Any:
-        if active.sub.request_id == "victim":
+    def generated(self: Engine, active: Any, *args: Any) -> Any:
+        if active.sub.request_id == "victim":  # as the request's output processor raising
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken detokenizer")
-        return real(self, active, response)
+        return real(self, active, *args)
 
-    monkeypatch.setattr(Engine, "_on_token", on_token)
+    monkeypatch.setattr(Engine, "_generated", generated)
     events = run_with_victim(replica, request("ocean-prose", "victim"))
     assert isinstance(events[-1], Failed)
 
@@ -188,8 +188,10 @@ def test_a_dead_engine_thread_fails_everything_at_once(replica: ModelReplica) ->
         # Broken, it would wait forever on a thread that is gone: a deadline, not a stopwatch.
         later = await asyncio.wait_for(collect(replica.stream(request("hello", "later"))),
                                        FAIL_FAST_S)
+        # The replica's fault, not the request's: a two-hop client resumes it elsewhere.
         assert later == [Failed(ErrorKind.INTERNAL,
-                                "the model is unavailable: the model engine stopped")]
+                                "the model is unavailable: the model engine stopped",
+                                replica_fault=True)]
 
     asyncio.run(scenario())
 
@@ -245,8 +247,8 @@ def test_a_request_cancelled_while_waiting_for_a_batch_slot_never_decodes(
         await eventually(lambda: replica.stats().active == 5, "the fifth request to queue")
         # Its own pipeline counts every token the batch gives it (engine internals: the
         # contract has no per-request counter before the request finishes).
-        decoder = replica._engine._by_rid["waiting"].sub.decoder
-        runner_decoder = replica._engine._by_rid["run0"].sub.decoder
+        decoder = replica._engine._by_rid["waiting"].sub.output.decoder  # type: ignore[attr-defined]
+        runner_decoder = replica._engine._by_rid["run0"].sub.output.decoder  # type: ignore[attr-defined]
         steps, runner_tokens = replica.stats().steps, runner_decoder.completion_tokens
         await eventually(lambda: replica.stats().steps >= steps + 5, "the batch to decode on")
         assert not waiting.done()
@@ -280,3 +282,70 @@ def test_the_deployment_health_check_fails_when_the_engine_dies() -> None:
             deployment.check_health()  # Serve replaces a replica whose check raises
     finally:
         deployment._replica.shutdown()
+
+
+class _Unrecoverable:
+    """A batch that, like a sharded one, cannot start over after a failed step; it fails
+    a step on demand and records every call it gets after that."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.fail = threading.Event()
+        self.after_failure: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name == "recover":
+            return attr
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.fail.is_set() and name != "step":
+                self.after_failure.append(name)
+            return attr(*args, **kwargs)
+        return call
+
+    def step(self) -> Any:
+        if self.fail.is_set():
+            raise RuntimeError("a collective failed on rank 0 only")
+        return self._inner.step()
+
+    def recover(self) -> bool:
+        return False
+
+
+def test_a_failed_step_on_a_batch_that_cannot_start_over_stops_the_replica_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sharded batch's failed step (here injected on this rank only) is never followed
+    by a reset or any other batch call, which would send collectives into a group whose
+    other ranks may be mid-step: the engine stops, every request hears it is the replica's
+    fault (so the client resumes it elsewhere), and the health check fails."""
+    batches: list[_Unrecoverable] = []
+    real_open = ModelReplica._open
+
+    def opened(self: ModelReplica) -> Any:
+        model, batch = real_open(self)
+        batches.append(_Unrecoverable(batch))
+        return model, batches[-1]
+
+    monkeypatch.setattr(ModelReplica, "_open", opened)
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny"))
+    rep.start()
+    try:
+        async def scenario() -> None:
+            running = rep.stream(endless(rep, "in-flight"))
+            assert isinstance((await running.__anext__())[0], TextDelta)
+            batches[0].fail.set()
+            rest = await asyncio.wait_for(collect(running), FAIL_FAST_S)
+            failed = rest[-1]
+            assert isinstance(failed, Failed) and failed.replica_fault, failed
+            assert "a collective failed" not in failed.message  # no internals to clients
+            with pytest.raises(EngineDead):
+                rep.check_health()
+            later = await asyncio.wait_for(collect(rep.stream(request("hello", "later"))),
+                                           FAIL_FAST_S)
+            assert isinstance(later[-1], Failed) and later[-1].replica_fault
+
+        asyncio.run(scenario())
+        assert batches[0].after_failure == []  # no reset, no close, no collective after it
+    finally:
+        rep.shutdown()

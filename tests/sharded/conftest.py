@@ -26,18 +26,23 @@ from tests.cluster.conftest import LocalCluster
 PAIRS = [("tiny", "tiny-x2", "tensor"), ("pipe", "pipe-x2", "pipeline"),
          ("pipe", "pipe-t2", "tensor")]
 SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench"}
+HEARTBEAT_TIMEOUT_S = 5.0
+RESUME_WAIT_S = 300.0
 
 
 def app_args() -> dict[str, Any]:
     def sharded(model_id: str, source: str, how: str) -> dict[str, Any]:
         return {"id": model_id, "source": source, "shards": 2, "sharding": how,
                 # Loopback: the ranks of this test never leave the machine.
-                "distributed": {"host": "127.0.0.1", "collective_timeout_s": 60}}
+                "distributed": {"host": "127.0.0.1", "collective_timeout_s": 60,
+                                "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}}
 
     models = [{"id": w, "source": SOURCES[w], "placement": {"pin": False}} for w in ("tiny", "pipe")]
     models += [sharded(s, SOURCES[w], how) for w, s, how in PAIRS]
     models.append(sharded("bench-x2", SOURCES["bench"], "tensor"))
-    return {"cluster": {"placement": {"pin": True, "require_metal": False}}, "models": models}
+    # A lost shard's streams resume on the replacement, which loads in a minute or two here.
+    return {"cluster": {"placement": {"pin": True, "require_metal": False}}, "models": models,
+            "ingress": {"resume_wait_s": RESUME_WAIT_S}}
 
 
 @pytest.fixture(scope="package")

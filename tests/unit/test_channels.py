@@ -12,23 +12,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replicas.contract import Channel
-from replicas.pipeline import harmony
-from replicas.pipeline.channel_formats import ByHeader, ChannelFormat, Rule, State
-from replicas.pipeline.channels import (
-    FORMATS,
-    ChannelRouter,
-    detect_format,
-    get_format,
-    initial_channel,
-    initial_state,
+from replicas.families import harmony
+from replicas.families.channel_format import ByHeader, ChannelFormat, Rule, State
+from replicas.families.registry import (
+    CHANNEL_FORMATS,
+    detect_channel_format,
+    get_channel_format,
 )
+from replicas.pipeline.channels import ChannelRouter, initial_channel, initial_state
 from tests.harmony_vocab import render_completion
 
 R, A = Channel.REASONING, Channel.ANSWER
 Pieces = list[tuple[Channel, str]]
-THINK = get_format("think_tags")
-HARMONY = get_format("harmony")
-NONE = get_format("none")
+THINK = get_channel_format("think_tags")
+HARMONY = get_channel_format("harmony")
+NONE = get_channel_format("none")
 
 
 def merged(pieces: Iterable[tuple[Channel, str]]) -> Pieces:
@@ -217,7 +215,7 @@ def fragments(fmt: ChannelFormat) -> st.SearchStrategy[str]:
 
 @st.composite
 def streams(draw: st.DrawFn) -> tuple[ChannelFormat, str, str, list[int]]:
-    fmt = draw(st.sampled_from(list(FORMATS.values())))
+    fmt = draw(st.sampled_from(list(CHANNEL_FORMATS.values())))
     state = draw(st.sampled_from([n for n, s in fmt.states.items() if s.channel is not None]))
     text = "".join(draw(st.lists(fragments(fmt), max_size=14)))
     cuts = draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=10)) if text else set()
@@ -288,7 +286,7 @@ def test_router_start_validation() -> None:
 
 def test_unknown_format_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="gemma4, harmony, longcat_think, none, think_colon, think_tags, xtml"):
-        get_format("deepseek")
+        get_channel_format("deepseek")
 
 
 def test_format_data_is_checked() -> None:
@@ -361,8 +359,8 @@ def test_start_only_rules_and_whitespace_stripping(text: str, want: Pieces) -> N
         (None, [], "none"),
     ],
 )
-def test_detect_format(template: str | None, vocab: Sequence[str], want: str) -> None:
-    assert detect_format(template, vocab) == want
+def test_detect_channel_format(template: str | None, vocab: Sequence[str], want: str) -> None:
+    assert detect_channel_format(template, vocab) == want
 
 
 # `harmony_encoding` (tests/unit/conftest.py) is the real encoding, loaded offline.

@@ -37,9 +37,9 @@ from replicas.pipeline.detokenizer import make_decode
 from replicas.errors import InvalidRequestError
 from replicas.pipeline.guided import GuidedMatcher, GuidedTokenizer
 from replicas.pipeline.guided.tools import compile_tool_grammar
-from replicas.pipeline.channel_formats import ChannelFormat, Rule, State
-from replicas.pipeline.channels import get_format
-from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar
+from replicas.families.channel_format import ChannelFormat, Rule, State
+from replicas.families.registry import TOOL_FORMATS, get_channel_format
+from replicas.families.tool_format import CallGrammar
 from replicas.pipeline.tool_plan import reserved_token_ids
 from tests.unit.test_guided import build_hf_tokenizer, guided_tokenizer
 
@@ -517,7 +517,7 @@ def test_banned_ids_are_forbidden_at_every_step() -> None:
 
 def test_harmony_grammar_starts_when_the_analysis_message_ends() -> None:
     g = grammar("harmony", ToolChoice("required"))
-    controller = controller_for(get_format("harmony"), Channel.REASONING, g,
+    controller = controller_for(get_channel_format("harmony"), Channel.REASONING, g,
                                 grammar_start="reasoning_end")
     analysis = "The user wants weather"
     drive(controller, f"{analysis}<|end|>" + call_text("harmony", "get_weather", PARIS))

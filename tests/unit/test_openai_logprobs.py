@@ -25,7 +25,9 @@ from replicas.contract import (
     Usage,
     merge_deltas,
 )
-from replicas.engine.logprobs import LogprobTrail, Picked, TokenPieces
+from replicas.engine.logprobs import Picked
+from replicas.engine.request import Generated
+from replicas.pipeline.logprob_trail import LogprobTrail, TokenPieces
 from tests.fakes import FakeClient
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=3)
@@ -254,23 +256,17 @@ def test_merge_deltas_joins_logprobs_in_order() -> None:
     assert merged == [TextDelta(Channel.ANSWER, "Hello", (HEL, LO, BANG))]
 
 
-class _Response:
-    def __init__(self, uid: int, token: int, finish: str | None = None) -> None:
-        self.uid, self.token, self.finish_reason = uid, token, finish
-
-
 def test_trail_holds_entries_until_text_and_flushes_before_finished() -> None:
     trail = LogprobTrail(1, TokenPieces(lambda ids: {1: "a", 2: "b", 3: "<eos>"}[ids[0]]))
-    picked = {7: Picked(-0.5, ((1, -0.5),))}
+    picked = Picked(-0.5, ((1, -0.5),))
     # token 1 makes no text yet (held): its entry waits
-    assert trail.on_token([], picked, _Response(7, 1)) == []
-    out = trail.on_token([TextDelta(Channel.ANSWER, "ab")], {7: Picked(-1.0, ())},
-                         _Response(7, 2))
+    assert trail.on_token([], Generated(1, None, picked, 0)) == []
+    out = trail.on_token([TextDelta(Channel.ANSWER, "ab")], Generated(2, None, Picked(-1.0, ()), 0))
     assert [e.token for e in out[0].logprobs] == ["a", "b"]  # type: ignore[union-attr]
-    trail.on_token([], picked, _Response(7, 1))
+    trail.on_token([], Generated(1, None, picked, 0))
     end = Finished(FinishReason.EOS, USAGE)
-    out = trail.on_token([end], picked, _Response(7, 3, "stop"))  # EOS has no entry
+    out = trail.on_token([end], Generated(3, "stop", picked, 0))  # EOS has no entry
     assert out == [TextDelta(Channel.ANSWER, "", (TokenLogprob("a", 1, -0.5, (("a", -0.5),)),)),
                    end]
     with pytest.raises(RuntimeError):  # no numbers for this row: the request fails alone
-        trail.on_token([], None, _Response(7, 1))
+        trail.on_token([], Generated(1, None, None, 0))

@@ -31,17 +31,19 @@ from replicas.contract import (
     ToolCallStart,
     ToolSpec,
 )
-from replicas.pipeline.decoding import RequestDecoder
-from replicas.pipeline.channel_formats import CallBoundary
-from replicas.pipeline.channels import FORMATS, ChannelRouter, get_format, initial_state
-from replicas.pipeline.tool_calls import ToolCallParser, ToolParsing, new_call_id
-from replicas.pipeline.tool_formats import (
+from replicas.families.registry import (
+    CHANNEL_FORMATS,
     TOOL_FORMATS,
     detect_tool_format,
+    get_channel_format,
     get_tool_format,
-    with_tools,
 )
-from replicas.pipeline.tool_xml import convert
+from replicas.families.tool_format import Syntax
+from replicas.pipeline.channels import CallBoundary, ChannelRouter, initial_state
+from replicas.pipeline.compose import with_tools
+from replicas.pipeline.decoding import RequestDecoder
+from replicas.pipeline.tool_calls.parser import READERS, ToolCallParser, ToolParsing, new_call_id
+from replicas.pipeline.tool_calls.xml_reader import convert
 
 R, A, T = Channel.REASONING, Channel.ANSWER, Channel.TOOL
 EOS, LENGTH = FinishReason.EOS, FinishReason.LENGTH
@@ -186,8 +188,8 @@ def decode(sample: Sample, chunks: Sequence[str], reason: FinishReason | None = 
                           new_id=lambda: f"id{next(counter)}")
     decoder = RequestDecoder(
         lambda ids: "".join(chunks[i] for i in ids),
-        with_tools(get_format(sample.channels), parsing.format), A, sample.state, sample.stops,
-        False, 5, tools=parsing,
+        with_tools(get_channel_format(sample.channels), parsing.format), A, sample.state,
+        sample.stops, False, 5, tools=parsing,
     )
     events: list[OutputEvent] = []
     for token in range(len(chunks)):
@@ -253,7 +255,7 @@ def split(text: str, cuts: Iterable[int]) -> list[str]:
 
 
 def markup(sample: Sample) -> list[str]:
-    fmt = with_tools(get_format(sample.channels), get_tool_format(sample.tools))
+    fmt = with_tools(get_channel_format(sample.channels), get_tool_format(sample.tools))
     return [m for m in fmt.markers if m != '{"name"']
 
 
@@ -308,7 +310,8 @@ def test_held_stop_prefix_is_flushed_before_the_call() -> None:
 
 
 def test_without_tools_markup_stays_text() -> None:
-    decoder = RequestDecoder(lambda ids: HERMES_CALL, get_format("none"), A, None, (), False, 1)
+    decoder = RequestDecoder(lambda ids: HERMES_CALL, get_channel_format("none"), A, None, (),
+                             False, 1)
     events = decoder.feed(0) + decoder.finish(EOS)
     assert events[0] == TextDelta(A, HERMES_CALL)
     assert isinstance(events[1], Finished) and events[1].reason is EOS
@@ -379,7 +382,7 @@ def test_qwen3_coder_values(value: str, kind: object, want: object) -> None:
 
 
 def test_router_reports_boundaries_and_harmony_names() -> None:
-    fmt = with_tools(get_format("harmony"), get_tool_format("harmony"))
+    fmt = with_tools(get_channel_format("harmony"), get_tool_format("harmony"))
     router = ChannelRouter(fmt)
     items = router.feed_with_calls(HARMONY_ANALYSIS + HARMONY_CALL) + router.finish_with_calls()
     assert items == [
@@ -388,21 +391,21 @@ def test_router_reports_boundaries_and_harmony_names() -> None:
         TextDelta(T, '{"city":"Paris"}'),
         CallBoundary(False, "<|call|>"),
     ]
-    router = ChannelRouter(with_tools(get_format("none"), get_tool_format("hermes")))
+    router = ChannelRouter(with_tools(get_channel_format("none"), get_tool_format("hermes")))
     items = router.feed_with_calls(HERMES_CALL + HERMES_CALL)
     assert [i for i in items if isinstance(i, CallBoundary)] == [
         CallBoundary(True, "<tool_call>"), CallBoundary(False, "</tool_call>"),
         CallBoundary(True, "<tool_call>"), CallBoundary(False, "</tool_call>"),
     ]
     # feed() keeps its old shape: text pieces only.
-    router = ChannelRouter(with_tools(get_format("none"), get_tool_format("hermes")))
+    router = ChannelRouter(with_tools(get_channel_format("none"), get_tool_format("hermes")))
     assert router.feed("a" + HERMES_CALL) == [
         TextDelta(A, "a"), TextDelta(T, HERMES_CALL[11:-12])]
     assert router.channel is A
 
 
 def test_composition_is_cached_and_checked() -> None:
-    think, hermes = get_format("think_tags"), get_tool_format("hermes")
+    think, hermes = get_channel_format("think_tags"), get_tool_format("hermes")
     composed = with_tools(think, hermes)
     assert with_tools(think, hermes) is composed and with_tools(composed, hermes) is composed
     assert with_tools(think, get_tool_format("none")) is think
@@ -413,7 +416,7 @@ def test_composition_is_cached_and_checked() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    base=st.sampled_from(list(FORMATS.values())),
+    base=st.sampled_from(list(CHANNEL_FORMATS.values())),
     tools=st.sampled_from(["hermes", "qwen3_coder", "llama3_json", "mistral"]),
     parts=st.lists(st.sampled_from(["<think>", "</think>", "\n", "a b", "<|channel|>",
                                     "final", "<|message|>", "<|end|>", "{", "こ"]),
@@ -455,11 +458,16 @@ def test_harmony_calls_agree_with_the_real_encoding(harmony_encoding: Any) -> No
             "harmony", "harmony", harmony_encoding.decode(completion),
             reasoning="".join(t for c, t in texts if c != "final"),
             answer="".join(t for c, t in texts if c == "final"),
-            calls=calls, state=initial_state(get_format("harmony"), prompt),
+            calls=calls, state=initial_state(get_channel_format("harmony"), prompt),
         )
         chunks = [harmony_encoding.decode([t]) for t in completion]
         assert check(sample, decode(sample, chunks)) == expected(sample), chunks
         assert check(sample, decode(sample, [sample.text])) == expected(sample)
+
+
+def test_every_syntax_with_calls_has_a_reader() -> None:
+    assert set(READERS) == set(Syntax) - {Syntax.NONE}
+    assert {fmt.syntax for fmt in TOOL_FORMATS.values()} <= {*READERS, Syntax.NONE}
 
 
 def test_call_open_markers() -> None:

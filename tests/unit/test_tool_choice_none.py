@@ -24,15 +24,10 @@ from replicas.contract import (
     ToolChoice,
     ToolSpec,
 )
-from replicas.pipeline.channels import ChannelRouter, get_format
-from replicas.pipeline.tool_formats import (
-    TOOL_FORMATS,
-    CallGrammar,
-    Syntax,
-    ToolFormat,
-    get_tool_format,
-    without_calls,
-)
+from replicas.families.registry import TOOL_FORMATS, get_channel_format, get_tool_format
+from replicas.families.tool_format import CallGrammar, Syntax, ToolFormat
+from replicas.pipeline.channels import ChannelRouter
+from replicas.pipeline.compose import without_calls
 from replicas.pipeline.tool_plan import plan_tools, reserved_token_ids
 
 WITH_CALLS = [name for name, fmt in TOOL_FORMATS.items() if fmt.grammar is not None]
@@ -99,7 +94,7 @@ def leak(tools: str) -> str:
 
 def route(fmt_name: str, tools: str, text: str, chunks: Sequence[str] | None = None,
           state: str | None = None) -> tuple[str, str]:
-    fmt = without_calls(get_format(fmt_name), get_tool_format(tools))
+    fmt = without_calls(get_channel_format(fmt_name), get_tool_format(tools))
     router = ChannelRouter(fmt, state=state)
     pieces: list[TextDelta] = []
     for chunk in chunks if chunks is not None else [text]:
@@ -179,12 +174,13 @@ def test_random_markup_and_splits_never_leak(tools: str, data: st.DataObject) ->
 
 
 def test_reasoning_keeps_its_text_and_other_formats_are_untouched() -> None:
-    think = get_format("think_tags")
+    think = get_channel_format("think_tags")
     text = leak("hermes")
     answer, reasoning = route("think_tags", "hermes", text + "</think>" + text, state="reasoning")
     assert reasoning.strip("\n") == text.strip("\n") and "</tool_call>" not in answer
     # Harmony's channel format already keeps `<|call|>` out of every answer state.
-    assert without_calls(get_format("harmony"), get_tool_format("harmony")) is get_format("harmony")
+    harmony = get_channel_format("harmony")
+    assert without_calls(harmony, get_tool_format("harmony")) is harmony
     suppressed = without_calls(think, get_tool_format("hermes"))
     assert without_calls(think, get_tool_format("hermes")) is suppressed  # cached
     assert suppressed.states["reasoning"] == think.states["reasoning"]

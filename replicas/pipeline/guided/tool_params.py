@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from replicas.pipeline.guided.schema_keywords import KNOWN_KEYWORDS
-from replicas.pipeline.tool_syntax import ParamLayout
+from replicas.families.tool_format import ParamLayout
 
 # What raw text enforces of a string schema.
 _ENFORCED: Final = frozenset({"type", "enum", "const", "minLength", "maxLength"})

@@ -1,12 +1,12 @@
 """Tool calls valid by construction: one llguidance grammar per request that offers tools.
 
 The grammar constrains the answer channel in the model's own call syntax: the `grammar`
-field of the format's entry in `pipeline/tool_formats.py`, where its parsing lives too, so
-a new format needs no edit here. Each tool is its own alternative, so a call's name and its
-arguments' schema are tied. `auto` lets free text run until the call section's trigger,
-then constrains from there (llguidance's lazy lexeme, or a special-token reference when the
-trigger is one special token of the model: the two forms `llguidance.StructTag` compiles
-to).
+(a `CallGrammar`) of the model family's tool format (`replicas/families/`), where its
+parsing knobs live too, so a new family needs no edit here. Each tool is its own
+alternative, so a call's name and its arguments' schema are tied. `auto` lets free text run
+until the call section's trigger, then constrains from there (llguidance's lazy lexeme, or
+a special-token reference when the trigger is one special token of the model: the two
+forms `llguidance.StructTag` compiles to).
 
 A keyword the grammar cannot enforce never refuses a request that is not `strict`: it is
 left out of the grammar and named in the result's warnings, which the response carries
@@ -24,11 +24,12 @@ from typing import Final
 
 from replicas.contract import ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
+from replicas.families.registry import TOOL_FORMATS
+from replicas.families.tool_format import CallGrammar, ToolFormat
 from replicas.pipeline.guided.compiler import checked_json_schema, grammar_warnings
 from replicas.pipeline.guided.schema_keywords import openai_strict_violations
 from replicas.pipeline.guided.tokenizer import GuidedTokenizer
 from replicas.pipeline.guided.tool_params import unenforced_string_keywords, xml_parameters
-from replicas.pipeline.tool_formats import TOOL_FORMATS, CallGrammar, ToolFormat
 
 
 TOOL_NAME: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")

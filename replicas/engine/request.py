@@ -1,0 +1,80 @@
+"""What the engine is handed for one request, and what it hands back.
+
+The engine sees token ids only (vLLM v1's engine core): an `EngineRequest` says what to
+decode and how to pick each token; a `RequestOutput` (the request pipeline's output
+processor) is called once per token on the engine thread and turns it into the contract's
+events. Nothing here knows about text, channels, stops or tools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, Sequence
+
+from replicas.contract import OutputEvent, SamplingParams
+from replicas.engine.delivery import EventSink
+from replicas.engine.logprobs import Picked
+from replicas.engine.sampling import LogitsProcessor
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as the batch runs it; built off the engine thread, pure Python."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]  # the user's; EOS ids come from the model
+    boundary: int = 0  # prompt tokens before the last message: their KV is kept once prefilled
+    # Run after the sampling parameters' own (penalties, bias), last: e.g. a grammar mask.
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    logprobs: int | None = None  # each token's logprob and this many alternatives
+    score_prompt: bool = False  # the prompt tokens' own logprobs, before any generation
+    # Tokens sampled for this request before (a resumed stream: they end `prompt_ids`); a
+    # seeded sampler continues its random stream after them.
+    sampled_before: int = 0
+
+
+# mlx-lm's word for why a row ended: "stop" is an EOS or stop token id (not text).
+EndedBy = Literal["stop", "length"] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """One sampled token of one request, as the engine hands it to the request's output."""
+
+    token: int
+    ended_by: EndedBy
+    logprob: Picked | None  # when the request asked for logprobs
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+
+class RequestOutput(Protocol):
+    """The request's output side, called on the engine thread only; `sink` is where its
+    events go (the engine hands them over, at most one wake-up per event loop per step).
+
+    A method that raises fails just this request."""
+
+    sink: EventSink
+
+    def started(self, prompt_logprobs: Sequence[Picked] | None) -> list[OutputEvent]:
+        """Events before the first token (completions' echo); `prompt_logprobs` when the
+        request asked to score its prompt."""
+        ...
+
+    def generated(self, step: Generated) -> tuple[list[OutputEvent], bool]:
+        """One token's events, and whether the request is done (its last event terminal)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request and its output side, as queued for the engine."""
+
+    request: EngineRequest
+    output: RequestOutput
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
