@@ -9,6 +9,7 @@ stage it is `feed()` plus `finish()`; non-streaming is the same calls.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from replicas.contract import (
     Channel,
@@ -87,7 +88,7 @@ class RequestDecoder:
     def feed(self, token_id: int) -> list[OutputEvent]:
         self.completion_tokens += 1
         routing = self._cursor.read(token_id)
-        events = self._route(list(routing.pieces))
+        events = self._route(routing.pieces)
         # A token that opens or closes reasoning, or sits inside it, is a reasoning token.
         if Channel.REASONING in (routing.before, routing.after):
             self.reasoning_tokens += 1
@@ -120,7 +121,7 @@ class RequestDecoder:
         events.append(Finished(reason, usage, stop))
         return _merge(events)
 
-    def _route(self, pieces: list[Routed]) -> list[OutputEvent]:
+    def _route(self, pieces: Sequence[Routed]) -> list[OutputEvent]:
         if not pieces or self._stops.matched is not None:
             return []
         if self._calls is None:  # no tool states: the router gives text pieces only
@@ -140,7 +141,7 @@ class RequestDecoder:
                 break  # nothing after a stop is ever emitted, in any channel
         return events
 
-    def _dispatch(self, pieces: list[Routed]) -> list[OutputEvent]:
+    def _dispatch(self, pieces: Sequence[Routed]) -> list[OutputEvent]:
         """Router output with tool parsing on: TOOL text and boundaries to the parser."""
         assert self._calls is not None
         events: list[OutputEvent] = []

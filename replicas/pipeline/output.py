@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, TokenIds, is_terminal
+from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, TokenIds
 from replicas.engine.delivery import EventSink
 from replicas.engine.logprobs import Picked
 from replicas.engine.request import Generated
@@ -58,9 +58,8 @@ class OutputProcessor:
         events, done = self._events(step)
         if self._trail is not None:
             events = self._trail.on_token(events, step)
-        if self._report:  # before the terminal event, which ends every batch
-            at = len(events) - 1 if events and is_terminal(events[-1]) else len(events)
-            events = [*events[:at], TokenIds((step.token,)), *events[at:]]
+        if self._report:  # `merge_deltas` gathers a batch's ids at its front
+            events = [TokenIds((step.token,)), *events]
         return events, done
 
     def _events(self, step: Generated) -> tuple[list[OutputEvent], bool]:

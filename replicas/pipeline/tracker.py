@@ -86,7 +86,10 @@ class Cursor:
         self.position = 0  # the next token this reader will read
 
     def read(self, token: int) -> Routing:
-        routing = self._tracker._at(self.position, token)
+        tracker = self._tracker
+        if len(tracker._cursors) == 1:  # the decoder alone (most requests): nothing to keep
+            return tracker._feed(token)
+        routing = tracker._at(self.position, token)
         self.position += 1
-        self._tracker._trim()
+        tracker._trim()
         return routing
