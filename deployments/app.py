@@ -28,10 +28,12 @@ def build_app(args: dict[str, Any]) -> Application:
     created = int(time.time())
     cards = [
         {"id": m.id, "aliases": tuple(m.aliases), "created": created,
-         "context_length": m.max_model_len} for m in config.models
+         "context_length": m.max_model_len, "capabilities": _capabilities(m)}
+        for m in config.models
     ]
     # Each deployment gets its effective placement, so a replica can check Metal itself.
-    settings = [m.with_placement(config.cluster.placement) for m in config.models]
+    settings = [m.with_placement(config.cluster.placement)
+                .with_memory_wait(config.ingress.request_timeout_s) for m in config.models]
     edge = EdgeArgs.from_config(config)
     if config.colocated:
         # Serve's own limit sits above the replica's admission, so a full replica answers
@@ -56,6 +58,21 @@ def build_app(args: dict[str, Any]) -> Application:
 _COLOCATED_HEADROOM = 16
 
 
+def _capabilities(model: ModelSettings) -> tuple[str, ...]:
+    """What `/v1/models` says the model does, from its config and its files on disk. A Hub
+    model not fetched yet shows what its config says; its replica reads the files it loads,
+    and serves embeddings if they say so."""
+    from replicas.embedding_files import SENTENCE_TRANSFORMERS_FILES, capabilities, \
+        embedding_support
+    from replicas.sources import model_files
+
+    if model.shards > 1:  # a sharded replica refuses embeddings (replicas/embedder.py)
+        return ("text",)
+    directory = model_files(model.source, SENTENCE_TRANSFORMERS_FILES, fetch=False)
+    support = embedding_support(directory, model.embeddings, model.embedding_dimensions)
+    return capabilities(support, opted_in=model.embeddings is not None)
+
+
 def _check_sharding(model: ModelSettings) -> None:
     """A `shards`/`sharding` the architecture cannot take fails the deploy, naming the
     field; a Hub model not on disk is checked by its replica, once fetched."""
@@ -66,7 +83,7 @@ def _check_sharding(model: ModelSettings) -> None:
     if config is None:
         return
     try:
-        sharding_mode(config, model.shards, model.sharding)
+        sharding_mode(config, model.shards, model.sharding, model.distributed.pipeline_layers)
     except ShardingError as exc:
         raise ValueError(f"model '{model.id}': {exc}") from exc
 
@@ -100,7 +117,9 @@ def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, 
         options["request_router_config"] = {
             "request_router_class": PrefixAffinityRouter,
             "request_router_kwargs": {"policy": policy, "max_keys": settings.routing.max_keys,
-                                      "max_imbalance": settings.routing.max_imbalance}}
+                                      "max_imbalance": settings.routing.max_imbalance},
+            # How fresh the KV memory the router weighs is (`record_routing_stats`).
+            "request_routing_stats_period_s": settings.routing.stats_period_s}
     if settings.num_replicas == "auto":
         options["num_replicas"] = "auto"
         options["autoscaling_config"] = {**_auto_defaults(settings),

@@ -8,7 +8,7 @@ import mlx, which the cluster CLI that reads these settings must not need).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import (
     BaseModel,
@@ -22,6 +22,7 @@ from pydantic import (
 from ray.serve.config import AutoscalingConfig
 
 from ingress.options import EdgeOptions
+from replicas.engine.config import Pooling
 from replicas.families.registry import CHANNEL_FORMATS, TOOL_FORMATS
 
 
@@ -79,17 +80,32 @@ class PromptCacheSettings(_Strict):
 
 
 class MemorySettings(_Strict):
-    """KV memory admission (`replicas.engine.memory`): requests join the batch while the KV they
-    may reach (prompt + max_tokens) fits; the rest wait, then get overloaded errors."""
+    """KV memory admission (`replicas.engine.memory`): a request joins the batch when its
+    prompt's KV fits and grows a cache step at a time; when memory runs out the youngest is
+    preempted and resumed later. What cannot join waits, then gets the overloaded error."""
 
     budget_bytes: int | None = Field(
-        None, ge=1, description="KV bytes per replica for running requests plus the prefix "
-        "cache (per Mac when sharded); unset: 75% of the machine's memory (a Mac's "
-        "recommended GPU working set) less the weights.")
+        None, ge=1, description="KV bytes per Mac for running requests plus the prefix "
+        "cache (each rank of a sharded replica holds its own); unset: the machine's memory "
+        "(a Mac's recommended GPU working set; elsewhere 75% of RAM) less the weights and a "
+        "5% activation reserve (docs/architecture.md, 'KV memory').")
     max_waiting: int = Field(default_factory=_engine_default("max_memory_waiting"), ge=0,
                              description="Requests that may wait for KV memory; past it, the "
                              "newest get the API's overloaded error.")
+    max_wait_s: float | None = Field(
+        None, gt=0, description="Seconds a request may wait for KV memory before it gets "
+        "the overloaded error (with Retry-After); unset: 90% of ingress.request_timeout_s, "
+        "so a client hears 'retry' rather than the deadline's 504.")
+    reservation: Literal["grow", "whole"] = Field(
+        default_factory=_engine_default("kv_reservation"), description="'grow': reserve the "
+        "prompt and grow a cache step at a time, preempting the youngest request when memory "
+        "runs out (more requests run together); 'whole': reserve prompt + max_tokens up "
+        "front and never preempt.")
 
+
+# Of the request deadline, what a request may spend waiting for KV memory: the rest is for
+# the overloaded error to reach the client before the deadline's 504 would.
+MEMORY_WAIT_SHARE = 0.9
 
 RoutingPolicy = Literal["auto", "prefix", "session", "none"]
 
@@ -107,6 +123,9 @@ class RoutingSettings(_Strict):
     max_imbalance: int = Field(8, ge=0, description="A request leaves its cache-holding "
                                "replica for the least-loaded one when the first has more "
                                "than this many ongoing requests over the second.")
+    stats_period_s: float = Field(1.0, gt=0, description="How often Serve asks each replica "
+                                  "for its KV memory (routing stats), which the router "
+                                  "weighs and sheds load by.")
 
 
 class PlacementSettings(_Strict):
@@ -152,6 +171,14 @@ class DistributedSettings(_Strict):
         10.0, gt=0, description="A shard that has not answered rank 0's heartbeat (every "
         "second or two, busy or idle) for this long is lost: a Mac that froze, slept or "
         "left. The replica fails at once, as for `collective_timeout_s`.")
+    pipeline_layers: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="`sharding: pipeline` only: layers per rank, rank 0 first (rank 0 "
+        "runs the last layers, mlx-lm's order), summing to the model's layers; unset: in "
+        "proportion to each node's memory (`node_memory_bytes`).")
+    node_memory_bytes: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="Memory each rank's node has for the model, rank 0 first, which "
+        "sizes pipeline stages; unset: what each rank's machine reports (a Mac's "
+        "recommended GPU working set, elsewhere its RAM).")
 
     @field_validator("port_range")
     @classmethod
@@ -187,6 +214,16 @@ class ModelSettings(_Strict):
     max_tokens_past_context: Literal["clamp", "reject"] = Field(
         "clamp", description="A max_tokens past what the context has left: `clamp` lowers "
                              "it to what is left, `reject` answers 400.")
+    embeddings: Pooling | None = Field(
+        None, description="Serve `/v1/embeddings` with this pooling of the hidden states "
+        "(`last_token`: the last token's; `mean`: the mean over the input's tokens), "
+        "normalized: opts a chat model in, or overrides an embedding checkpoint's own "
+        "sentence-transformers files. Unset: only a checkpoint whose files name a pooling "
+        "(Qwen3-Embedding's) serves embeddings; any other model answers 400.")
+    embedding_dimensions: bool = Field(
+        False, description="The model was trained Matryoshka-style (Qwen3-Embedding): a "
+        "request's `dimensions` keeps the first N values and re-normalizes. False: "
+        "`dimensions` is a 400.")
     load_timeout_s: float = Field(
         default_factory=_replica_default("load_timeout_s"), gt=0,
         description="Seconds a replica may take to fetch and load its model before it "
@@ -258,6 +295,15 @@ class ModelSettings(_Strict):
         scales = self.num_replicas != 1 or self.autoscaling_config is not None
         return "prefix" if scales else "none"
 
+    def with_memory_wait(self, request_timeout_s: float | None) -> "ModelSettings":
+        """These settings with `memory.max_wait_s` derived from the ingress's deadline
+        unless it is set."""
+        if self.memory.max_wait_s is not None or request_timeout_s is None:
+            return self
+        memory = self.memory.model_copy(
+            update={"max_wait_s": request_timeout_s * MEMORY_WAIT_SHARE})
+        return self.model_copy(update={"memory": memory})
+
     def with_placement(self, cluster: PlacementSettings) -> "ModelSettings":
         """These settings with the effective placement: the cluster's, overridden by ours."""
         own = self.placement.model_dump(exclude_unset=True) if self.placement else {}
@@ -272,6 +318,18 @@ class ModelSettings(_Strict):
                 raise ValueError(f"distributed.rdma_devices must be a {self.shards} x "
                                  f"{self.shards} matrix with backend jaccl (shards: "
                                  f"{self.shards})")
+        return self
+
+    @model_validator(mode="after")
+    def _one_per_rank(self) -> "ModelSettings":
+        for name in ("pipeline_layers", "node_memory_bytes"):
+            values = getattr(self.distributed, name)
+            if values is not None and len(values) != self.shards:
+                raise ValueError(f"distributed.{name} needs one value per rank: {self.shards} "
+                                 f"(shards), got {len(values)}")
+        if self.distributed.pipeline_layers is not None and self.sharding == "tensor":
+            raise ValueError("distributed.pipeline_layers needs sharding: pipeline (tensor "
+                             "parallel gives every rank an equal share)")
         return self
 
     @property

@@ -50,9 +50,13 @@ ENGINE_METRICS = (
 )
 # KV memory admission (`replicas.engine.memory`).
 MEMORY_METRICS = ("orchard_kv_budget_bytes", "orchard_kv_projected_bytes",
-                  "orchard_waiting_for_memory", "orchard_memory_refusals_total")
+                  "orchard_waiting_for_memory", "orchard_memory_refusals_total",
+                  "orchard_preemptions_total", "orchard_kv_token_bytes",
+                  "orchard_kv_sequence_bytes")
 # A replica's shard count (1 unless `shards`), and its per-step sync, only when sharded.
 SHARD_METRICS = ("orchard_replica_shards", "orchard_shard_sync_seconds")
+# `/v1/embeddings`: the inputs a replica embedded and their tokens.
+EMBEDDING_METRICS = ("orchard_embedding_inputs_total", "orchard_embedding_tokens_total")
 
 
 def _keys(*names: str) -> tuple[str]:
@@ -157,13 +161,26 @@ class EngineMetrics:
                                   COMPILE_BUCKETS, tag_keys=tags)
         self._budget = Gauge("orchard_kv_budget_bytes", "KV bytes the replica may use for "
                              "running requests plus the prefix cache.", tag_keys=tags)
-        self._projected = Gauge("orchard_kv_projected_bytes", "KV bytes the running requests "
-                                "may reach (prompt + max_tokens each).", tag_keys=tags)
+        self._projected = Gauge("orchard_kv_projected_bytes", "KV bytes the running requests' "
+                                "reservations hold (every row padded to the longest, as "
+                                "mlx-lm's batch cache is).", tag_keys=tags)
+        self._preempted = Counter("orchard_preemptions_total", "Requests preempted when KV "
+                                  "memory ran out (each resumes by prefill).", tag_keys=tags)
+        self._token_bytes = Gauge("orchard_kv_token_bytes", "KV bytes one token adds, measured "
+                                  "at load (full-attention and MLA layers, plus sliding-window "
+                                  "layers below their window).", tag_keys=tags)
+        self._sequence_bytes = Gauge("orchard_kv_sequence_bytes", "Fixed KV state per "
+                                     "sequence, measured at load (linear-attention and SSM "
+                                     "layers).", tag_keys=tags)
         self._memory_waiting = Gauge("orchard_waiting_for_memory", "Requests waiting for KV "
                                      "memory to join the batch.", tag_keys=tags)
         self._memory_refused = Counter("orchard_memory_refusals_total", "Requests refused as "
                                        "overloaded because too many waited for KV memory.",
                                        tag_keys=tags)
+        self._embedded = Counter("orchard_embedding_inputs_total", "Inputs embedded "
+                                 "(`/v1/embeddings`).", tag_keys=tags)
+        self._embedded_tokens = Counter("orchard_embedding_tokens_total", "Tokens of the "
+                                        "inputs embedded.", tag_keys=tags)
         self._last: EngineStats | None = None
 
     def record(self, stats: EngineStats, samples: TimingSamples) -> None:
@@ -175,20 +192,24 @@ class EngineMetrics:
         self._running.set(stats.active, tags)
         self._bytes.set(stats.cache_bytes, tags)
         last = self._last
-        for counter, now, before in (
-                (self._hits, stats.cache_hits, last.cache_hits if last else 0),
-                (self._misses, stats.cache_misses, last.cache_misses if last else 0),
-                (self._evictions, stats.cache_evictions, last.cache_evictions if last else 0)):
-            if now > before:  # Ray refuses inc(0); a restart's lower count adds nothing
-                counter.inc(now - before, tags)
+        counts = [(self._hits, stats.cache_hits, last.cache_hits if last else 0),
+                  (self._misses, stats.cache_misses, last.cache_misses if last else 0),
+                  (self._evictions, stats.cache_evictions, last.cache_evictions if last else 0)]
         memory, before_memory = stats.memory, last.memory if last else None
         if memory is not None:
             self._budget.set(memory.budget_bytes, tags)
             self._projected.set(memory.projected_bytes, tags)
             self._memory_waiting.set(memory.waiting, tags)
-            refused_before = before_memory.refused if before_memory else 0
-            if memory.refused > refused_before:
-                self._memory_refused.inc(memory.refused - refused_before, tags)
+            layout = memory.layout
+            self._token_bytes.set(layout.per_token + sum(b for _, b in layout.windows), tags)
+            self._sequence_bytes.set(layout.per_sequence, tags)
+            counts += [(self._memory_refused, memory.refused,
+                        before_memory.refused if before_memory else 0),
+                       (self._preempted, memory.preempted,
+                        before_memory.preempted if before_memory else 0)]
+        for counter, now, before in counts:
+            if now > before:  # Ray refuses inc(0); a restart's lower count adds nothing
+                counter.inc(now - before, tags)
         self._last = stats
         for seconds, batch in samples.steps:
             self._step.observe(seconds, tags)
@@ -197,6 +218,10 @@ class EngineMetrics:
             self._compile.observe(seconds, tags)
         for seconds in samples.sync_s:
             self._sync.observe(seconds, tags)
+        inputs = sum(n for n, _ in samples.embeddings)
+        if inputs:  # Ray refuses inc(0)
+            self._embedded.inc(inputs, tags)
+            self._embedded_tokens.inc(sum(t for _, t in samples.embeddings), tags)
 
 
 class EnginePoller:

@@ -24,8 +24,11 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deployments.config import IngressSettings
+from deployments.headroom import MemoryShed
 from ingress.client import ModelCard
 from replicas.contract import (
+    EmbeddingRequest,
+    EmbeddingResult,
     ErrorKind,
     Failed,
     GenerationRequest,
@@ -67,6 +70,7 @@ class LocalReplica(Protocol):
                        add_special_tokens: bool = True) -> tuple[int, ...] | Failed: ...
     async def detokenize(self, token_ids: tuple[int, ...]) -> str | Failed: ...
     def tokenizer_info(self) -> TokenizerInfo: ...
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | Failed: ...
 
 
 class LocalModelClient:
@@ -115,6 +119,15 @@ class LocalModelClient:
 
     async def tokenizer_info(self, model: str) -> TokenizerInfo:
         return self._replica.tokenizer_info()
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        if self._live >= self._max_ongoing:  # the same admission as a generation
+            raise OverloadedError(at_capacity(request.model))
+        self._live += 1
+        try:
+            return _answer(await self._replica.embed(request))
+        finally:
+            self._live -= 1
 
 
 class RayModelClient:
@@ -248,6 +261,31 @@ class RayModelClient:
         assert isinstance(info, TokenizerInfo)
         return info
 
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """One replica's vectors. Streamed like a generation, so the wait for a replica is
+        bounded on its "accepted" marker and not on the forwards that follow it."""
+        model = request.model
+        gen = cast(DeploymentResponseGenerator, self._streams[model].embed.remote(request))
+        done = False
+        try:
+            if not await self._accepted(gen, self._replica_wait_s):
+                raise OverloadedError(_unplaced(model, self._replica_wait_s))
+            result = await gen.__anext__()
+            done = True
+        except (BackPressureError, DeploymentUnavailableError) as exc:
+            done = True
+            raise OverloadedError(_overloaded(model, exc)) from exc
+        except RayError as exc:
+            done = True
+            _log_call_failure("embed", model, exc)
+            raise InternalError(f"the replica serving '{model}' failed") from exc
+        finally:
+            if not done:
+                gen.cancel()  # refused, or the client left: the replica stops its forwards
+        answer = _answer(result)
+        assert isinstance(answer, EmbeddingResult)
+        return answer
+
     async def _call(self, model: str, method: str, *args: Any) -> Any:
         """One call of a replica's `method` (no stream): its answer, Serve's and Ray's
         failures as the taxonomy's, a `Failed` answer as its error."""
@@ -260,9 +298,7 @@ class RayModelClient:
             response.cancel()
             raise OverloadedError(_unplaced(model, self._replica_wait_s)) from exc
         except RayError as exc:
-            # Ray's text carries the replica's traceback: DEBUG only, as `_log_failure`.
-            log.warning("%s on '%s' failed: %s", method, model, type(exc).__name__)
-            log.debug("%s on '%s' failure detail: %s", method, model, exc)
+            _log_call_failure(method, model, exc)
             raise InternalError(f"the replica serving '{model}' failed") from exc
         return _answer(result)
 
@@ -311,6 +347,8 @@ def at_capacity(model: str) -> str:
 
 
 def _overloaded(model: str, exc: Exception) -> str:
+    if isinstance(exc, MemoryShed):  # the router's: no replica has KV memory for it
+        return str(exc)
     if isinstance(exc, BackPressureError):
         return at_capacity(model)
     return f"the model '{model}' has no replica available right now; retry later"
@@ -319,6 +357,12 @@ def _overloaded(model: str, exc: Exception) -> str:
 def _unplaced(model: str, wait_s: float | None) -> str:
     return (f"no replica of the model '{model}' took the request within {wait_s:g} s (all "
             "busy, starting, or no node to run on); retry later")
+
+
+def _log_call_failure(method: str, model: str, exc: RayError) -> None:
+    # Ray's text carries the replica's traceback: DEBUG only, as `_log_failure`.
+    log.warning("%s on '%s' failed: %s", method, model, type(exc).__name__)
+    log.debug("%s on '%s' failure detail: %s", method, model, exc)
 
 
 def _log_failure(request: GenerationRequest, exc: RayError) -> None:

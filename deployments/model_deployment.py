@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from contextlib import aclosing
 from typing import Any, AsyncGenerator
 
@@ -16,9 +17,17 @@ from deployments.config import (
     ObservabilitySettings,
     replica_max_stops,
 )
+from deployments.headroom import ReplicaRoom
 from deployments.observability import engine_poller
 from deployments.shards import ShardGroup
-from replicas.contract import Failed, GenerationRequest, OutputEvent, TokenizerInfo
+from replicas.contract import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    Failed,
+    GenerationRequest,
+    OutputEvent,
+    TokenizerInfo,
+)
 from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
@@ -42,10 +51,14 @@ def replica_options(settings: ModelSettings,
         engine=EngineConfig(**settings.engine.model_dump(),
                             prompt_cache_bytes=settings.prompt_cache.max_bytes,
                             kv_budget_bytes=settings.memory.budget_bytes,
-                            max_memory_waiting=settings.memory.max_waiting),
+                            max_memory_waiting=settings.memory.max_waiting,
+                            max_memory_wait_s=settings.memory.max_wait_s,
+                            kv_reservation=settings.memory.reservation),
         load_timeout_s=settings.load_timeout_s,
         flush_interval_s=settings.stream_flush_ms / 1000,
         max_chunks_per_s=settings.stream_chunks_per_s,
+        embeddings=settings.embeddings,
+        embedding_dimensions=settings.embedding_dimensions,
     )
 
 
@@ -60,14 +73,16 @@ class ReplicaOwner:
         self._shards: ShardGroup | None = None
         if config.shards > 1:
             # Ranks 1..N-1 start first and wait for rank 0 (this replica) to join them.
-            from replicas.engine.sharding import sharding_mode
+            from replicas.engine.sharding import layer_count, sharding_mode
             from replicas.sources import model_config
 
             found = model_config(config.source)
             assert found is not None  # fetched when not on disk
-            mode = sharding_mode(found, config.shards, config.sharding)
+            mode = sharding_mode(found, config.shards, config.sharding,
+                                 config.distributed.pipeline_layers)
             self._shards = ShardGroup(config)
-            options = dataclasses.replace(options, shard=self._shards.start(mode, options.engine))
+            options = dataclasses.replace(options, shard=self._shards.start(
+                mode, options.engine, layer_count(found)))
         self._replica = ModelReplica(options, self._shards.wake if self._shards else None)
         if self._shards is not None:
             self._shards.watch(self._replica.abort, self._replica.stalled_for)
@@ -89,6 +104,7 @@ class ReplicaOwner:
         steps, sync_s = self._replica.sync_totals()
         return {"replica": name, "pid": os.getpid(), **dataclasses.asdict(self._replica.stats()),
                 "shards": self._shards.size if self._shards else 1,
+                "pipeline_layers": self._shards.layers if self._shards else None,
                 "sync_steps": steps, "sync_seconds": sync_s}
 
     def __del__(self) -> None:
@@ -125,3 +141,19 @@ class ModelDeployment(ReplicaOwner):
 
     def tokenizer_info(self) -> TokenizerInfo:
         return self._replica.tokenizer_info()
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """Serve asks every `routing.stats_period_s`; the request router weighs replicas by
+        it and sheds what none has KV room for (`deployments.headroom`)."""
+        memory = self._replica.stats().memory
+        if memory is None:
+            return {}
+        return ReplicaRoom.of(memory, self._replica.options.engine.max_memory_waiting,
+                              time.time_ns() // 1_000_000).stats()
+
+    async def embed(self, request: EmbeddingRequest
+                    ) -> AsyncGenerator[EmbeddingResult | Failed | None, None]:
+        """None first (accepted, as `stream` sends an empty batch: the client bounds its
+        wait for a replica on it, not on the forwards), then the vectors or why not."""
+        yield None
+        yield await self._replica.embed(request)

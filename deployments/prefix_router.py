@@ -1,6 +1,8 @@
 """Cache-aware routing: each request goes to the model replica most likely to hold its
 prompt prefix in its KV cache (`replicas.engine.prompt_cache`), unless that replica is busier than
-the least-loaded one by more than `routing.max_imbalance` requests.
+the least-loaded one by more than `routing.max_imbalance` requests, or has no KV room for it
+(`deployments.headroom`: then, as without a preference, the replicas with the most room go
+first); a request no replica has room for now is shed with the overloaded error.
 
 Orchard's own router rather than Ray's `ray.serve.llm.request_router.PrefixCacheAffinityRouter`,
 because that one cannot read our request: it looks for a `prompt` or `messages` attribute
@@ -34,6 +36,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments.headroom import Ledger, MemoryShed, Room, prompt_tokens
 from replicas.contract import ChatMessage, ChatPrompt, GenerationRequest, TextPrompt
 
 log = logging.getLogger(__name__)
@@ -129,25 +132,34 @@ class Affinity:
             return max(replicas, key=lambda r: _digest(keys.chain[0], r.encode()))
         return None
 
-    def rank(self, keys: RoutingKeys | None, loads: dict[str, int | None]) -> list[list[str]]:
+    def rank(self, keys: RoutingKeys | None, loads: dict[str, int | None],
+             room: Room | None = None) -> list[list[str]]:
         """Replica ids in preference ranks; [] leaves the choice to power-of-two.
 
         `loads` maps each candidate to its ongoing requests (None: unknown, taken as idle).
+        `room`: the request against the replicas' KV memory; the cache-holding replica
+        keeps its preference only where the request fits, and the others (or all, when
+        none holds the prefix) go by most room.
         """
-        if keys is None or not loads:
+        if not loads:
             return []
-        best = self.preferred(keys, list(loads))
+        best = self.preferred(keys, list(loads)) if keys is not None else None
         if best is None:
-            return []
+            return [] if room is None or room.even(list(loads)) else room.ranks(list(loads))
         load = {r: n or 0 for r, n in loads.items()}
         least = min(load.values())
         rest = sorted((r for r in load if r != best), key=lambda r: load[r])
+        ordered = ([rest] if rest else []) if room is None else room.ranks(rest)
         if load[best] - least > self.max_imbalance:
             # Uneven: losing the cache costs one prefill; waiting behind a queue costs more.
             log.debug("routing: %s is %d requests busier than the least loaded; not preferred",
                       best, load[best] - least)
-            return [rest, [best]]
-        return [[best], rest] if rest else [[best]]
+            return [*ordered, [best]]
+        if room is not None and not room.takes(best) and ordered:
+            # Its cache would save a prefill, but the request would wait there for memory.
+            log.debug("routing: %s has no KV room for the request; not preferred", best)
+            return [*ordered, [best]]
+        return [[best], *ordered]
 
     def record(self, keys: RoutingKeys, replica: str) -> None:
         for key in keys.record:
@@ -176,9 +188,9 @@ class PrefixAffinityRouter(RequestRouter):
             raise TypeError(f"unknown router settings: {', '.join(sorted(unknown))}")
         self._policy = policy
         self._affinity = Affinity(max_keys, max_imbalance)
+        self._ledger = Ledger()
 
-    def _keys(self, pending: PendingRequest | None) -> RoutingKeys | None:
-        request = _generation_request(pending)
+    def _keys(self, request: GenerationRequest | None) -> RoutingKeys | None:
         if request is None:
             return None
         try:
@@ -192,13 +204,35 @@ class PrefixAffinityRouter(RequestRouter):
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
-        keys = self._keys(pending_request)
-        if keys is not None and candidate_replicas:
-            by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-            ranks = self._affinity.rank(keys, await self._loads(candidate_replicas))
-            if ranks:
-                return [[by_id[r] for r in rank] for rank in ranks]
+        request = _generation_request(pending_request)
+        if request is None or not candidate_replicas:
+            return _two_choices(candidate_replicas)
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        self._ledger.forget(set(by_id))
+        room = Room({i: self._ledger.room(i, r.routing_stats) for i, r in by_id.items()},
+                    prompt_tokens(request))
+        if room.shed and pending_request is not None:
+            self._shed(pending_request, request, room)
+            return [candidate_replicas]  # its future is done: Serve stops routing it
+        keys = self._keys(request)
+        loads = await self._loads(candidate_replicas) if keys is not None \
+            else dict.fromkeys(by_id)
+        ranks = self._affinity.rank(keys, loads, room)
+        if ranks:
+            return [[by_id[r] for r in rank] for rank in ranks]
         return _two_choices(candidate_replicas)
+
+    def _shed(self, pending: PendingRequest, request: GenerationRequest, room: Room) -> None:
+        """Refuse before any replica has to: Serve's router has no refusal of its own, so
+        the request's future gets the error (as a cancelled one is dropped, it leaves
+        Serve's index of pending requests too)."""
+        log.info("routing: request %s (about %d prompt tokens) shed: no replica of %d has "
+                 "KV room for it now", request.request_id, room.tokens, len(room.rooms))
+        if not pending.future.done():
+            pending.future.set_exception(MemoryShed(
+                f"no replica of the model '{request.model}' has KV memory for this request "
+                "now; retry later"))
+        self._remove_pending_request_from_indices(pending)
 
     async def _loads(self, replicas: List[RunningReplica]) -> dict[str, int | None]:
         loads: dict[str, int | None] = {}
@@ -215,9 +249,13 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
-        keys = self._keys(pending_request)
+        request = _generation_request(pending_request)
+        replica = replica_id.to_full_id_str()
+        keys = self._keys(request)
         if keys is not None:
-            self._affinity.record(keys, replica_id.to_full_id_str())
+            self._affinity.record(keys, replica)
+        if request is not None:
+            self._ledger.sent(replica, prompt_tokens(request))
 
 
 def _two_choices(candidates: List[RunningReplica]) -> List[List[RunningReplica]]:

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.cluster import require_metal
 from deployments.config import DistributedSettings, ModelSettings
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
+from replicas.engine.stages import plan_stages
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,12 @@ def listen_address(settings: DistributedSettings) -> str:
     raise RuntimeError(f"no free port for a shard on {host} in {low}..{high}")
 
 
+def _machine_bytes() -> int:
+    from replicas.engine.memory import machine  # MLX: only where a rank runs
+
+    return machine().bytes
+
+
 class ShardWorker:
     """Rank r >= 1 of one sharded replica."""
 
@@ -62,8 +69,10 @@ class ShardWorker:
         self._work.wait()
         self._work.clear()
 
-    def address(self, settings: DistributedSettings) -> tuple[str, str]:
-        return listen_address(settings), ray.get_runtime_context().get_node_id()
+    def address(self, settings: DistributedSettings) -> tuple[str, str, int]:
+        """Where this rank will listen, its node, and its machine's memory (stage sizes)."""
+        return listen_address(settings), ray.get_runtime_context().get_node_id(), \
+            _machine_bytes()
 
     def run(self, source: str, plan: ShardPlan, engine: EngineConfig,
             metal_for: str | None = None) -> int:
@@ -79,6 +88,12 @@ class ShardWorker:
     def ping(self) -> int:
         return self._rank
 
+    def memory_limit(self) -> int:
+        """MLX's memory limit in this rank's process (each rank sets its own at load)."""
+        import mlx.core as mx  # only where a rank runs
+
+        return int(mx.get_memory_limit())
+
 
 class ShardGroup:
     """Rank 0's handle on ranks 1..N-1."""
@@ -90,13 +105,15 @@ class ShardGroup:
         self._lost: str | None = None
         self._stopping = False
         self.nodes: list[str] = []  # node id per rank, rank 0 first
+        self.layers: tuple[int, ...] | None = None  # pipeline layers per rank, when uneven
 
     @property
     def size(self) -> int:
         return self._settings.shards
 
-    def start(self, mode: Mode, engine: EngineConfig) -> ShardPlan:
-        """Start the other ranks (they wait for rank 0 to join) and return rank 0's plan."""
+    def start(self, mode: Mode, engine: EngineConfig, layers: int) -> ShardPlan:
+        """Start the other ranks (they wait for rank 0 to join) and return rank 0's plan.
+        `layers`: the model's, which a pipeline splits by each node's memory."""
         settings, dist = self._settings, self._settings.distributed
         group = get_current_placement_group()
         if group is None:
@@ -116,12 +133,16 @@ class ShardGroup:
             ).remote(rank)
             for rank in range(1, settings.shards)]
         found = ray.get([w.address.remote(dist) for w in self._workers])
-        addresses = (listen_address(dist), *(a for a, _ in found))
-        self.nodes = [ray.get_runtime_context().get_node_id(), *(n for _, n in found)]
+        addresses = (listen_address(dist), *(a for a, _, _ in found))
+        self.nodes = [ray.get_runtime_context().get_node_id(), *(n for _, n, _ in found)]
         devices = tuple(tuple(row) for row in dist.rdma_devices) if dist.rdma_devices else None
+        memories = dist.node_memory_bytes or [_machine_bytes(), *(m for _, _, m in found)]
+        split = plan_stages(mode, layers, memories, dist.pipeline_layers, settings.id)
+        self.layers = split
 
         def plan(rank: int) -> ShardPlan:
-            return ShardPlan(mode, rank, settings.shards, dist.backend, addresses, devices)
+            return ShardPlan(mode, rank, settings.shards, dist.backend, addresses, devices,
+                             split)
 
         metal = settings.id if settings.placement is not None \
             and settings.placement.metal_required else None

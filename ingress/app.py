@@ -3,7 +3,9 @@ error handler per failure type, each rendering in the protocol that owns the pat
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,7 +14,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import ApiKeyMiddleware, ApiKeys
-from ingress.client import ModelClient
+from ingress.client import ModelCard, ModelClient, require_model
 from ingress.errors import error_response, replica_error_response
 from ingress.guard import GuardMiddleware
 from ingress.limits import BodyLimitMiddleware, LimitedClient
@@ -24,6 +26,10 @@ from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
 
 _HTTP_KIND = {401: ErrorKind.UNAUTHORIZED, 404: ErrorKind.NOT_FOUND, 503: ErrorKind.OVERLOADED}
+# How long `/v1/models` waits for a replica to say what context it serves.
+_SERVED_LENGTH_WAIT_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
@@ -36,6 +42,7 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
     app = FastAPI(title="Orchard", version="0.1.0")
     limited = LimitedClient(client, options)
     app.state.client = limited if observer is None else ObservedClient(limited)
+    app.state.served_lengths = {}  # model id -> the context its replica serves
     # `is None`, not `or`: a store with `__len__` is falsy while empty, and `or` would
     # swap a fresh durable store for one in memory (issue 32).
     app.state.response_store = MemoryResponseStore() if response_store is None \
@@ -72,16 +79,49 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         client: ModelClient = request.app.state.client
-        data = []
-        for card in client.models():
-            for name in (card.id, *card.aliases):
-                data.append({"id": name, "object": "model", "created": card.created,
-                             "owned_by": card.owned_by, "root": card.id,
-                             "max_model_len": card.context_length})
+        cards = client.models()
+        lengths = await _served_lengths(request.app, cards)
+        data = [_model_entry(card, name, lengths[card.id]) for card in cards
+                for name in (card.id, *card.aliases)]
         return {"object": "list", "data": data}
+
+    # `:path`: Hub ids hold a slash (`mlx-community/Qwen3-4B`), which the OpenAI SDK sends
+    # percent-encoded and older clients raw; both arrive here decoded.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        card = require_model(request.app.state.client, model_id)  # unknown: the 404
+        lengths = await _served_lengths(request.app, [card])
+        return _model_entry(card, model_id, lengths[card.id])
 
     for protocol in PROTOCOLS:
         app.include_router(protocol.router)
+
+
+async def _served_lengths(app: FastAPI, cards: Sequence[ModelCard]) -> dict[str, int | None]:
+    """Each model's context as its replica serves it: the model's, under `max_model_len`,
+    under what KV memory holds for one sequence, which only the loaded replica knows. Asked
+    once per model and remembered; the configured value while no replica answers."""
+    known: dict[str, int] = app.state.served_lengths
+
+    async def ask(card: ModelCard) -> None:
+        try:
+            info = await asyncio.wait_for(app.state.client.tokenizer_info(card.id),
+                                          _SERVED_LENGTH_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - a listing must not fail for a loading model
+            log.debug("model %s did not say its served context: %r", card.id, exc)
+            return
+        known[card.id] = info.model_max_length
+
+    await asyncio.gather(*(ask(card) for card in cards if card.id not in known))
+    return {card.id: known.get(card.id, card.context_length) for card in cards}
+
+
+def _model_entry(card: ModelCard, name: str, context_length: int | None) -> dict[str, Any]:
+    """One model object in OpenAI's shape, for the card's id or one of its aliases (`root`
+    is the served id): what `GET /v1/models` lists and `GET /v1/models/{id}` returns."""
+    return {"id": name, "object": "model", "created": card.created, "owned_by": card.owned_by,
+            "root": card.id, "max_model_len": context_length,
+            "capabilities": list(card.capabilities)}
 
 
 def _install_error_handlers(app: FastAPI) -> None:

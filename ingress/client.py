@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence
 
-from replicas.contract import GenerationRequest, OutputEvent, TokenizerInfo
+from replicas.contract import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    GenerationRequest,
+    OutputEvent,
+    TokenizerInfo,
+)
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,8 @@ class ModelCard:
     created: int = 0
     context_length: int | None = None
     aliases: tuple[str, ...] = ()
+    # What `/v1/models` says the model does: `text` (chat, completions), `embeddings`.
+    capabilities: tuple[str, ...] = ("text",)
 
 
 class ModelClient(Protocol):
@@ -51,6 +59,11 @@ class ModelClient(Protocol):
     async def tokenizer_info(self, model: str) -> TokenizerInfo:
         ...
 
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """The inputs' vectors, in order; raises `replicas.errors.ReplicaError` on failure
+        (a model that serves no embeddings is a 400)."""
+        ...
+
 
 class WrappedClient:
     """A ModelClient around another that forwards everything; a layer at the edge (limits,
@@ -77,6 +90,9 @@ class WrappedClient:
 
     async def tokenizer_info(self, model: str) -> TokenizerInfo:
         return await self._inner.tokenizer_info(model)
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        return await self._inner.embed(request)
 
 
 def require_model(client: ModelClient, name: str) -> ModelCard:

@@ -22,6 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ingress.client import ModelCard, ModelClient, WrappedClient
 from ingress.registry import PROTOCOLS, route_path
 from replicas.contract import (
+    EmbeddingRequest,
+    EmbeddingResult,
     ErrorKind,
     Failed,
     Finished,
@@ -205,6 +207,20 @@ class ObservedClient(WrappedClient):
         if trace is not None:
             trace.request_id, trace.model = request.request_id, request.model
         return await self._inner.tokenize(request, add_special_tokens)
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        trace = _TRACE.get()
+        if trace is not None:
+            trace.request_id, trace.model = request.request_id, request.model
+        try:
+            result = await self._inner.embed(request)
+        except ReplicaError as exc:
+            if trace is not None:
+                trace.error = exc.kind
+            raise
+        if trace is not None:  # the tokens it read, as a prompt's
+            trace.usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=0)
+        return result
 
 
 async def _watched(events: AsyncIterator[list[OutputEvent]],

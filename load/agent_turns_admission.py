@@ -1,5 +1,6 @@
 """`bench_agent_turns.py --admission` and `--sessions-8k`: KV memory admission (issue 25) on
-one in-process replica (no Ray, no HTTP, nothing on the network).
+one in-process replica (no Ray, no HTTP, nothing on the network). `--preemption`
+(`load/agent_turns_preemption.py`) builds on the helpers here.
 
 `--admission`: the agent-turn workload (`load/agent_turns.py`) with `--memory-budget`
 bytes of KV and then with the default budget (75% of the machine less the weights, which
@@ -23,7 +24,8 @@ import random
 import statistics
 import time
 from collections import Counter
-from typing import Awaitable, TypeVar
+from dataclasses import replace
+from typing import Any, Awaitable, TypeVar
 
 from load.agent_turns import conversations
 from replicas.engine.config import EngineConfig
@@ -34,19 +36,24 @@ MIB = 2**20
 T = TypeVar("T")
 
 
-def _replica(args: argparse.Namespace, budget: int | None) -> ModelReplica:
-    engine = EngineConfig(kv_budget_bytes=budget, max_memory_waiting=args.max_waiting,
-                          prompt_cache_bytes=args.cache_bytes)
-    rep = ModelReplica(ReplicaOptions(model_id="bench", source=args.source, engine=engine))
+def _replica(args: argparse.Namespace, budget: int | None, **engine: Any) -> ModelReplica:
+    """A started replica of `args.source` with `budget` KV bytes (None: the default budget);
+    `engine` overrides other `EngineConfig` fields (`kv_reservation`, `prompt_cache_bytes`)."""
+    config = replace(EngineConfig(kv_budget_bytes=budget, max_memory_waiting=args.max_waiting,
+                                  prompt_cache_bytes=args.cache_bytes), **engine)
+    rep = ModelReplica(ReplicaOptions(model_id="bench", source=args.source, engine=config))
     rep.start()
     return rep
 
 
 async def _watch(rep: ModelReplica, peaks: Counter[str], stop: asyncio.Event) -> None:
-    """Peak running requests, waiting-for-memory requests and projected KV, every 5 ms."""
+    """Peak running requests, waiting-for-memory requests and projected KV, every 5 ms;
+    also the sum of running requests over the samples ("active_sum", "samples"), for a mean."""
     while not stop.is_set():
         stats = rep.stats()
         peaks["active"] = max(peaks["active"], stats.active)
+        peaks["active_sum"] += stats.active
+        peaks["samples"] += 1
         if stats.memory is not None:
             peaks["waiting"] = max(peaks["waiting"], stats.memory.waiting)
             peaks["projected"] = max(peaks["projected"], stats.memory.projected_bytes)
@@ -128,10 +135,10 @@ def sessions(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.time_limit_s
     held, first_failure = 0, None
     try:
-        per_token = rep._engine.kv_budget.bytes_per_token  # noqa: SLF001 - the bench reports it
+        layout = rep._engine.kv_budget.layout  # noqa: SLF001 - the bench reports it
         budget = rep._engine.kv_budget.budget_bytes  # noqa: SLF001
-        need = (args.session_tokens + args.session_output) * per_token
-        print(f"{args.source}: {per_token} KV bytes per token, budget {budget / MIB:.0f} MiB: "
+        need = layout.bytes_for(args.session_tokens + args.session_output)
+        print(f"{args.source}: {layout.describe()}; budget {budget / MIB:.0f} MiB: "
               f"{budget // need} sessions of {args.session_tokens}+{args.session_output} "
               f"tokens ({need / MIB:.1f} MiB each) fit at once, {args.max_waiting} may wait",
               flush=True)

@@ -5,6 +5,8 @@
                                      [--source builtin:bench] [--suite [--no-mlx]]
                                      [--memory [--memory-turns 200] [--margin-mib 384]]
                                      [--admission --memory-budget BYTES] [--sessions-8k]
+                                     [--preemption [--sessions 32] [--memory-budget BYTES]
+                                      [--turn-output 64 512] [--time-limit-s 900]]
 
 N conversations run at once, T turns each, as an agent loop does: every turn resends a
 long system prompt plus the whole conversation so far (each earlier reply and a new user
@@ -22,7 +24,12 @@ routing on and off, and `mlx_lm.server`. `--memory` runs many turns on one repli
 small `--cache-bytes` and checks its resident memory (`load/agent_turns_memory.py`).
 `--admission` compares agent-turn throughput with KV admission at `--memory-budget` and
 at the default budget; `--sessions-8k` ramps concurrent 8k-token sessions on one replica
-until the first failure (`load/agent_turns_admission.py`, issue 25).
+until the first failure (`load/agent_turns_admission.py`, issue 25). `--preemption` runs
+`--sessions` concurrent agent sessions (8192-token prompts, Claude Code's 32000
+`max_tokens`, each read for 64-512 tokens and then closed) on one replica with a fixed
+`--memory-budget`, reserving prompt + max_tokens up front ("whole") against growing and
+preempting ("grow"): sessions held, throughput, preemptions per minute, TTFT
+(`load/agent_turns_preemption.py`, issue 33).
 """
 
 from __future__ import annotations
@@ -67,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turn-words", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--source", default="builtin:bench")
+    parser.add_argument("--source", default=None,
+                        help="model (default: builtin:bench; builtin:tiny for --preemption)")
     parser.add_argument("--cache-bytes", type=int, default=EngineConfig().prompt_cache_bytes)
     parser.add_argument("--suite", action="store_true", help="over HTTP: Orchard cache off/on, "
                         "1 and 2 replicas, routing on/off, and mlx_lm.server (agent_turns_http)")
@@ -88,12 +96,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--session-output", type=int, default=128)
     parser.add_argument("--sessions-start", type=int, default=1)
     parser.add_argument("--max-sessions", type=int, default=256)
-    parser.add_argument("--time-limit-s", type=float, default=300.0)
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="bounds the whole run (default: 300 for --sessions-8k, 900 for "
+                        "--preemption)")
+    parser.add_argument("--preemption", action="store_true", help="concurrent agent sessions "
+                        "under a fixed --memory-budget (default 128 MiB), kv_reservation whole "
+                        "vs grow (agent_turns_preemption)")
+    parser.add_argument("--sessions", type=int, default=32,
+                        help="--preemption: sessions started at once")
+    parser.add_argument("--session-max-tokens", type=int, default=32000,
+                        help="--preemption: each session's max_tokens (Claude Code's 32000)")
+    parser.add_argument("--turn-output", type=int, nargs=2, default=(64, 512),
+                        metavar=("MIN", "MAX"), help="--preemption: a session stops reading "
+                        "after a length drawn uniformly from MIN..MAX (seeded)")
+    parser.add_argument("--preemption-cache-bytes", type=int, default=0,
+                        help="--preemption: prompt_cache_bytes (0: resumes recompute)")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
+    if args.source is None:
+        args.source = "builtin:tiny" if args.preemption else "builtin:bench"
+    if args.time_limit_s is None:
+        args.time_limit_s = 900.0 if args.preemption else 300.0
+    if args.preemption:
+        from load.agent_turns_preemption import preemption
+
+        sys.exit(preemption(args))
     if args.memory:
         from load.agent_turns_memory import memory
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,8 +204,10 @@ def start_server(source: str, model: str, flush_ms: float, layout: str = "defaul
 
 
 def run_config(config: dict[str, object], models: list[str],
-               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`serve run` of `config` on 127.0.0.1, returned once every model answers."""
+               env: dict[str, str] | None = None,
+               ready: Callable[[], bool] | None = None) -> subprocess.Popen[bytes]:
+    """`serve run` of `config` on 127.0.0.1, returned once every model answers a completion
+    (or `ready()` says the server serves)."""
     path = Path(tempfile.mkdtemp()) / "bench_config.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     serve = Path(sys.executable).with_name("serve")
@@ -217,9 +219,10 @@ def run_config(config: dict[str, object], models: list[str],
         if proc.poll() is not None:
             raise RuntimeError(f"serve run exited during startup (code {proc.returncode})")
         try:
-            if all(httpx.post(f"{BASE}/v1/completions", timeout=60, json={
-                    "model": m, "prompt": "hi", "max_tokens": 1}).status_code == 200
-                   for m in models):
+            if ready() if ready is not None else all(
+                    httpx.post(f"{BASE}/v1/completions", timeout=60, json={
+                        "model": m, "prompt": "hi", "max_tokens": 1}).status_code == 200
+                    for m in models):
                 return proc
         except httpx.HTTPError:
             pass

@@ -191,6 +191,26 @@ class TokenizerInfo:
     vocab_size: int
 
 
+# One input of `/v1/embeddings`: a text (tokenized by the replica) or token ids as sent.
+EmbeddingInput = Union[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    request_id: str
+    model: str
+    inputs: tuple[EmbeddingInput, ...]  # at least one, none empty (the ingress checks)
+    # Matryoshka truncation: the first N values, re-normalized; only where the model's
+    # config allows it (`embedding_dimensions`), else the replica answers 400.
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    vectors: tuple[tuple[float, ...], ...]  # one per input, in order; float32 values
+    prompt_tokens: int  # the inputs' tokens, special tokens the tokenizer added included
+
+
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replicas.engine.config import EngineConfig
-from replicas.engine.config import ShardPlan
+from replicas.engine.config import EngineConfig, Pooling, ShardPlan
 
 
 @dataclass(frozen=True)
@@ -37,3 +36,8 @@ class ReplicaOptions:
     max_chunks_per_s: float = 500.0
     # This process's part of a sharded replica (rank 0 here); None: the whole model.
     shard: ShardPlan | None = None
+    # `/v1/embeddings`: the pooling a chat model opts in with (or that overrides an
+    # embedding checkpoint's own files); None: what the files say (`replicas.embedding_files`).
+    embeddings: Pooling | None = None
+    # The model was trained Matryoshka-style: a request's `dimensions` truncates its vectors.
+    embedding_dimensions: bool = False

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import AsyncGenerator, Callable
 
 from replicas.engine.batch import Batch, LocalBatch
 from replicas.contract import (
+    EmbeddingRequest,
+    EmbeddingResult,
     ErrorKind,
     Failed,
     Finished,
@@ -23,11 +26,13 @@ from replicas.contract import (
     is_terminal,
     merge_deltas,
 )
+from replicas.embedder import Embedder
 from replicas.engine.core import Engine, EngineDead
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 from replicas.engine.loading import LoadedModel, load_model
 from replicas.engine.lockstep import LockstepBatch
+from replicas.engine.memory import RankMemory, plan_memory
 from replicas.options import ReplicaOptions
 from replicas.sources import resolve_source
 from replicas.families.channel_format import ChannelFormat
@@ -43,6 +48,8 @@ from replicas.pipeline.prepare import InputProcessor
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
 from replicas.timings import Timings, TimingSamples
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelReplica", "ReplicaOptions"]
 
@@ -60,19 +67,24 @@ class ModelReplica:
         self._format: ChannelFormat = get_channel_format("none")
         self._tool_format: ToolFormat = get_tool_format("none")
         self._inputs: InputProcessor | None = None
+        self._embedder: Embedder | None = None
         self._streams = 0  # streams open now, which share the replica's chunk rate
 
-    def _open(self) -> tuple[LoadedModel, Batch]:
-        """The model and its batch, on the engine thread: whole, or rank 0's shard."""
+    def _open(self) -> tuple[LoadedModel, Batch, tuple[RankMemory, ...]]:
+        """The model, its batch and each rank's memory, on the engine thread: whole, or
+        rank 0's shard."""
         plan = self.options.shard
+        budget = self.options.engine.kv_budget_bytes
         if plan is None:
             model = load_model(self.options.source, resolve_source(self.options.source))
-            return model, LocalBatch(model.model, self.options.engine)
+            memory = plan_memory(model.model, budget, self.options.model_id)
+            return model, LocalBatch(model.model, self.options.engine), (memory,)
         from replicas.engine.sharding import open_shard  # only sharded replicas join a group
 
-        model, local, group = open_shard(self.options.source, resolve_source(self.options.source),
-                                         plan, self.options.engine)
-        return model, LockstepBatch(local, group, self._wake_shards, on_sync=self._timings.sync)
+        model, local, group, ranks = open_shard(
+            self.options.source, resolve_source(self.options.source), plan, self.options.engine)
+        return model, LockstepBatch(local, group, self._wake_shards,
+                                    on_sync=self._timings.sync), ranks
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -86,9 +98,19 @@ class ModelReplica:
         self._format = get_channel_format(name)
         tool_name = self.options.tool_format or detect_tool_format(model.chat_template, vocab)
         self._tool_format = get_tool_format(tool_name)
+        kv_tokens = self._engine.kv_budget.max_tokens
+        if kv_tokens < self.context_length:
+            # Serving a capped context beats refusing every long prompt; say it loudly.
+            log.warning(
+                "%s: KV memory holds one sequence of at most %d tokens, less than the %d-token "
+                "context: requests are capped there (max_model_len). Raise memory.budget_bytes "
+                "if the machine has room, or set max_model_len to choose the cap yourself.",
+                self.options.model_id, kv_tokens, self.context_length)
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
                                       self._format, self._tool_format, self.context_length,
                                       self._timings, self._engine.kv_budget.max_tokens)
+        self._embedder = Embedder.open(self.options, model, self.context_length,
+                                       self._engine.call, self._timings)
 
     @property
     def tool_format(self) -> ToolFormat:
@@ -132,6 +154,12 @@ class ModelReplica:
         limit = self.options.max_model_len
         native = self.model.context_length
         return native if limit is None else min(native, limit)
+
+    @property
+    def served_context(self) -> int:
+        """The context requests really get: the model's, under `max_model_len`, under what
+        KV memory holds for one sequence (`GET /v1/models` reports it)."""
+        return min(self.context_length, self._engine.kv_budget.max_tokens)
 
     @property
     def channel_format(self) -> ChannelFormat:
@@ -209,7 +237,23 @@ class ModelReplica:
             return exc.as_event()
 
     def tokenizer_info(self) -> TokenizerInfo:
-        return describe_tokenizer(self.model, self.context_length)
+        return describe_tokenizer(self.model, self.served_context)
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            raise RuntimeError("the replica has not started")
+        return self._embedder
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | Failed:
+        """`/v1/embeddings`: the vectors, or why not (`replicas.embedder`)."""
+        try:
+            return await self.embedder.embed(request)
+        except ReplicaError as exc:
+            return exc.as_event()
+        except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
+            return Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}",
+                          replica_fault=True)
 
 
 def _with_warnings(event: OutputEvent, warnings: tuple[str, ...]) -> OutputEvent:

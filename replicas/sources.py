@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -21,15 +21,27 @@ def resolve_source(source: str) -> Path | str:
     return path if path.exists() else source
 
 
+def model_files(source: str, patterns: Sequence[str], fetch: bool = True) -> Path | None:
+    """The model's directory: local, built-in, or (with `fetch`) a Hub snapshot holding at
+    least the files matching `patterns`, as mlx-lm fetches them; None when it is not on
+    disk and `fetch` is off."""
+    resolved = resolve_source(source)
+    if isinstance(resolved, Path):
+        return resolved
+    if not fetch:
+        return None
+    from mlx_lm.utils import _download
+
+    return Path(_download(resolved, allow_patterns=list(patterns)))
+
+
 def model_config(source: str, fetch: bool = True) -> dict[str, Any] | None:
     """config.json of a model: local, built-in, or (with `fetch`) that file alone from the
     Hub, as mlx-lm fetches it; None when it is not on disk and `fetch` is off."""
-    resolved = resolve_source(source)
-    if not isinstance(resolved, Path) and fetch:
-        from mlx_lm.utils import _download
-
-        resolved = _download(resolved, allow_patterns=["config.json"])
-    path = Path(resolved) / "config.json"
+    directory = model_files(source, ["config.json"], fetch)
+    if directory is None:
+        return None
+    path = directory / "config.json"
     if not path.is_file():
         return None
     config = json.loads(path.read_text())

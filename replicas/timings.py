@@ -1,5 +1,6 @@
 """Engine timings for metrics: each decode step's duration and batch size (the engine's
-step callback), each grammar compile, and a sharded replica's sync per step. Recorded as
+step callback), each grammar compile, a sharded replica's sync per step, and each
+embeddings request's inputs and tokens. Recorded as
 plain samples on bounded deques (an append per step, no metric call on the engine thread);
 the deployment drains them on its metrics poll."""
 
@@ -20,6 +21,7 @@ class TimingSamples:
     # A sharded replica's wait at each step boundary: its batch record queues behind the
     # step mlx-lm still evaluates asynchronously (its collectives included), then crosses.
     sync_s: tuple[float, ...] = ()
+    embeddings: tuple[tuple[int, int], ...] = ()  # (inputs, tokens) per embeddings request
 
 
 class Timings:
@@ -27,6 +29,7 @@ class Timings:
         self._steps: deque[tuple[float, int]] = deque(maxlen=_KEEP)
         self._grammar: deque[float] = deque(maxlen=_KEEP)
         self._sync: deque[float] = deque(maxlen=_KEEP)
+        self._embeddings: deque[tuple[int, int]] = deque(maxlen=_KEEP)
         # Running totals of the sync, read by benchmarks without draining the samples.
         self.sync_steps = 0
         self.sync_seconds = 0.0
@@ -42,9 +45,13 @@ class Timings:
     def grammar_compiled(self, seconds: float) -> None:
         self._grammar.append(seconds)
 
+    def embedded(self, inputs: int, tokens: int) -> None:
+        self._embeddings.append((inputs, tokens))
+
     def drain(self) -> TimingSamples:
         # popleft is atomic: the engine thread may append meanwhile and nothing is lost.
-        return TimingSamples(_drain(self._steps), _drain(self._grammar), _drain(self._sync))
+        return TimingSamples(_drain(self._steps), _drain(self._grammar), _drain(self._sync),
+                             _drain(self._embeddings))
 
 
 def _drain(samples: deque[Any]) -> tuple[Any, ...]:

@@ -15,6 +15,8 @@ from ingress.errors import error_response
 from ingress.registry import protocol_for
 from replicas.contract import (
     Channel,
+    EmbeddingRequest,
+    EmbeddingResult,
     ErrorKind,
     FinishReason,
     Finished,
@@ -84,6 +86,7 @@ class FakeClient:
         cuts: Sequence[int] | None = None,
         delay_s: float = 0.0,
         input_tokens: int = 0,
+        embed_error: ReplicaError | None = None,
     ) -> None:
         self._script = script
         self._models = tuple(models)
@@ -91,6 +94,8 @@ class FakeClient:
         self._delay_s = delay_s
         self._input_tokens = input_tokens
         self.requests: list[GenerationRequest] = []
+        self.embedded: list[EmbeddingRequest] = []
+        self._embed_error = embed_error
         self.counted: list[GenerationRequest] = []
         self.closed_early = 0
 
@@ -131,6 +136,24 @@ class FakeClient:
 
     async def tokenizer_info(self, model: str) -> TokenizerInfo:
         return TokenizerInfo("FakeTokenizer", "<eos>", None, None, "{{ messages }}", 4096, 100)
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """`fake_vector(i)` per input (or `dimensions` of it); a text's tokens are its
+        characters, token ids count as themselves; `embed_error` is raised instead."""
+        self.embedded.append(request)
+        if self._embed_error is not None:
+            raise self._embed_error
+        width = request.dimensions or FAKE_WIDTH
+        return EmbeddingResult(tuple(fake_vector(i)[:width] for i in range(len(request.inputs))),
+                               sum(len(x) for x in request.inputs))
+
+
+# FakeClient's vectors: exact in float32 (base64 round-trips them bit for bit).
+FAKE_WIDTH = 4
+
+
+def fake_vector(index: int) -> tuple[float, ...]:
+    return (0.5, -0.5, 0.25 * (index + 1), -0.125)
 
 
 def _batches(steps: list[Step], cuts: Sequence[int] | None) -> list[list[Step]]:

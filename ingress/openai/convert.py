@@ -6,6 +6,7 @@ import json
 import uuid
 from dataclasses import replace
 
+from ingress.effort import effort_reasoning
 from ingress.media import OmittedMedia
 from ingress.openai.choices import MAX_PROMPTS
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -34,10 +35,14 @@ def chat_request(body: ChatCompletionRequest, model: str,
     choice = tool_choice(body, tools)
     kwargs = dict(body.chat_template_kwargs or {})
     enabled = kwargs.pop("enable_thinking", None)
+    # The effort means what it means on the Responses route; the explicit extensions
+    # (`enable_thinking`, `thinking_budget`) say more precisely, so they win.
+    effort = effort_reasoning(body.reasoning_effort)
     reasoning = ReasoningSpec(
-        enabled=bool(enabled) if enabled is not None else None,
-        budget_tokens=body.thinking_budget,
-        effort=body.reasoning_effort,
+        enabled=bool(enabled) if enabled is not None else effort.enabled,
+        budget_tokens=effort.budget_tokens if body.thinking_budget is None
+        else body.thinking_budget,
+        effort=effort.effort,
         template_kwargs=kwargs,
     )
     max_tokens = body.max_completion_tokens or body.max_tokens

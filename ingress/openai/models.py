@@ -6,6 +6,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ingress.effort import Effort
 from ingress.media import OmittedMedia
 
 
@@ -147,7 +148,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Effort | None = None  # mapped as the Responses API maps it
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget: int | None = Field(default=None, ge=1)
     tools: list[ToolDef] | None = None

@@ -1,4 +1,5 @@
-"""OpenAI routes: /v1/chat/completions and /v1/completions, streaming and not."""
+"""OpenAI routes: /v1/chat/completions and /v1/completions, streaming and not; with them
+/v1/embeddings (`embeddings.py`) and vLLM's tokenizer endpoints (`tokenize.py`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from fastapi.responses import Response
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS
 from ingress.media import OmittedMedia
-from ingress.openai import tokenize
+from ingress.openai import embeddings, tokenize
 from ingress.openai.choices import ChoicesRenderer, FanOut
 from ingress.openai.convert import chat_request, completion_prompts, completion_request
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest
@@ -19,10 +20,11 @@ from ingress.streaming import respond
 
 router = APIRouter()
 router.include_router(tokenize.router)  # vLLM's tokenizer endpoints, in OpenAI's error shape
+router.include_router(embeddings.router)
 
 OPENAI = WireProtocol(
     name="openai",
-    prefixes=("/v1/chat/completions", "/v1/completions", *tokenize.PATHS),
+    prefixes=("/v1/chat/completions", "/v1/completions", *tokenize.PATHS, *embeddings.PATHS),
     router=router,
     errors=OPENAI_ERRORS,
     done_frame=DONE_FRAME,

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 from pydantic import TypeAdapter
 
 from ingress.client import ModelCard
+from ingress.effort import effort_reasoning
 from ingress.media import OmittedMedia
 from ingress.responses.models import (
     FunctionCallItem,
@@ -33,18 +34,12 @@ from replicas.contract import (
     ChatPrompt,
     GenerationRequest,
     GuidedSpec,
-    ReasoningSpec,
     SamplingParams,
     ToolCall,
     ToolChoice,
     ToolSpec,
 )
 from replicas.errors import InvalidRequestError
-
-# `reasoning.effort` -> thinking budget in tokens. "none" and "minimal" turn thinking off;
-# "xhigh" (newer clients) is the largest budget and "high" for chat templates.
-EFFORT_BUDGET = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
-THINKING_OFF = ("none", "minimal")
 
 _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
@@ -92,7 +87,7 @@ def to_plan(body: ResponsesRequest, card: ModelCard,
             top_p=1.0 if body.top_p is None else body.top_p,
             logprobs=_logprobs(body),
         ),
-        reasoning=_reasoning(body),
+        reasoning=effort_reasoning(body.reasoning.effort if body.reasoning else None),
         guided=_guided(body),
         tools=tuple(_tool_spec(tool) for tool in functions),
         tool_choice=_tool_choice(body, functions),
@@ -173,16 +168,6 @@ def _text(content: Sequence[TextPart | OtherPart], where: str, omitted: OmittedM
                 "only text, input_image and input_file are", param=f"{where}.{position}.type")
         texts.append(text)
     return "".join(texts)
-
-
-def _reasoning(body: ResponsesRequest) -> ReasoningSpec:
-    effort = body.reasoning.effort if body.reasoning else None
-    if effort is None:
-        return ReasoningSpec()
-    if effort in THINKING_OFF:
-        return ReasoningSpec(enabled=False)
-    return ReasoningSpec(enabled=True, budget_tokens=EFFORT_BUDGET[effort],
-                         effort="high" if effort == "xhigh" else effort)
 
 
 def _guided(body: ResponsesRequest) -> GuidedSpec | None:

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from ingress.effort import Effort
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -155,9 +157,6 @@ class TextFormat(_Wire):
 class TextConfig(_Wire):
     format: TextFormat | None = None
     verbosity: str | None = None
-
-
-Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class ReasoningConfig(_Wire):

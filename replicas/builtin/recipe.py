@@ -15,10 +15,17 @@ _VERSIONED_PACKAGES = ("mlx", "mlx-lm", "tokenizers", "transformers")
 _PACKAGE_DIR = Path(__file__).parent
 
 
+# config.json's `architectures` for each model type a recipe may use.
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                  "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+
+
 @dataclass(frozen=True)
 class Architecture:
-    """The model shape written to config.json: qwen3, or qwen2 (which mlx-lm can also
-    split into pipeline stages; qwen3 only splits by tensor)."""
+    """The model shape written to config.json: qwen3, qwen2 (which mlx-lm can also split
+    into pipeline stages; qwen3 only splits by tensor), or another mlx-lm model type with
+    its own fields in `extra` (the cache-kind models below)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -31,11 +38,13 @@ class Architecture:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     model_type: str = "qwen3"
+    extra: tuple[tuple[str, Any], ...] = ()  # the model type's own config fields
 
     def config(
         self, vocab_size: int, eos_token_id: int, pad_token_id: int, dtype: str
     ) -> dict[str, Any]:
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        arch = _ARCHITECTURES[self.model_type]
+        shape = {k: v for k, v in asdict(self).items() if k != "extra"}
         return {
             "architectures": [arch],
             "vocab_size": vocab_size,
@@ -45,7 +54,8 @@ class Architecture:
             "eos_token_id": eos_token_id,
             "pad_token_id": pad_token_id,
             "torch_dtype": dtype,
-            **asdict(self),
+            **shape,
+            **dict(self.extra),
         }
 
 
@@ -177,7 +187,59 @@ CEILING = Recipe(
     seed=20240604,
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING)}
+
+def _cache_kind(name: str, seed: int, model_type: str, layers: int, **extra: Any) -> Recipe:
+    """A small random-weights model whose cache is of one kind, in mlx-lm's own class for
+    that architecture: KV memory accounting (`replicas.engine.kv_layout`) is checked on each."""
+    return Recipe(
+        name=name,
+        architecture=Architecture(hidden_size=128, num_hidden_layers=layers,
+                                  intermediate_size=256, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32,
+                                  max_position_embeddings=32768, tie_word_embeddings=False,
+                                  model_type=model_type, extra=tuple(sorted(extra.items()))),
+        weights=RandomInit(logit_std=5.0),
+        seed=seed,
+    )
+
+
+# MLA (DeepSeek V3, Kimi K2): one compressed latent per token and layer, plus MoE.
+ARCH_MLA = _cache_kind(
+    "arch-mla", 20240611, "deepseek_v3", 2, num_key_value_heads=4, kv_lora_rank=64,
+    q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    first_k_dense_replace=1, n_group=1, topk_group=1)
+# Sliding window (gpt-oss): full and 64-token-window layers alternate, MoE.
+ARCH_SLIDING = _cache_kind(
+    "arch-sliding", 20240612, "gpt_oss", 4, sliding_window=64, num_local_experts=4,
+    num_experts_per_tok=2, intermediate_size=128,
+    layer_types=["sliding_attention", "full_attention"] * 2)
+# Linear attention (Qwen3-Next): a fixed state per sequence in three of four layers.
+ARCH_LINEAR = _cache_kind(
+    "arch-linear", 20240613, "qwen3_next", 4, linear_num_value_heads=4,
+    linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+    shared_expert_intermediate_size=128, mlp_only_layers=[], moe_intermediate_size=64,
+    partial_rotary_factor=0.25, full_attention_interval=4)
+# SSM (Nemotron-H): Mamba-2 layers with a fixed state, one attention layer.
+ARCH_SSM = _cache_kind(
+    "arch-ssm", 20240614, "nemotron_h", 4, mamba_num_heads=8, mamba_head_dim=16,
+    mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False,
+    layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, attention_bias=False,
+    hybrid_override_pattern=["M", "*", "-", "M"])
+CACHE_KINDS = (ARCH_MLA, ARCH_SLIDING, ARCH_LINEAR, ARCH_SSM)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING, *CACHE_KINDS)}
+
+
+def recipe_fields(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as hashed into its cache key and its shipped weights' fingerprint; an
+    empty `extra` is left out, so recipes from before it keep their hashes (and tiny its
+    shipped weights)."""
+    fields = asdict(recipe)
+    if not recipe.architecture.extra:
+        del fields["architecture"]["extra"]
+    return fields
 
 
 def cache_key(recipe: Recipe, scripts_json: str) -> str:
@@ -190,7 +252,7 @@ def cache_key(recipe: Recipe, scripts_json: str) -> str:
         if p.suffix == ".py"
     }
     material = {
-        "recipe": asdict(recipe),
+        "recipe": recipe_fields(recipe),
         "weights_kind": type(recipe.weights).__name__,
         "scripts": scripts_json,
         "source": source,

@@ -17,13 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from .recipe import Recipe
+from .recipe import Recipe, recipe_fields
 from .train import Example
 
 SHIPPED_DIR = Path(__file__).parent / "shipped"
@@ -53,7 +53,7 @@ class ShippedMismatch(ValueError):
 def fingerprint(recipe: Recipe, vocab: Mapping[str, int], examples: Sequence[Example]) -> str:
     """A stable hash of what the weights are trained for (see the module docstring)."""
     material = {
-        "recipe": asdict(recipe),
+        "recipe": recipe_fields(recipe),
         "weights_kind": type(recipe.weights).__name__,
         "vocab": sorted(vocab.items()),
         "examples": [[e.script_id, list(e.prompt), list(e.completion)] for e in examples],

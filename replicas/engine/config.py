@@ -8,6 +8,8 @@ from typing import Literal
 
 Mode = Literal["tensor", "pipeline"]
 Backend = Literal["ring", "jaccl"]
+# How a vector is pooled from the hidden states (`replicas.engine.embedding`).
+Pooling = Literal["last_token", "mean"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,13 @@ class EngineConfig:
     # share of the machine's memory less the weights.
     kv_budget_bytes: int | None = None
     max_memory_waiting: int = 64  # requests waiting for KV memory before overload errors
+    # "grow": a request reserves its prompt and grows a cache step at a time, the youngest
+    # preempted when memory runs out; "whole": it reserves prompt + max_tokens at once and
+    # is never preempted (fewer requests run together).
+    kv_reservation: Literal["grow", "whole"] = "grow"
+    # A request waiting this long for KV memory gets the overloaded error (None: no bound);
+    # set below the ingress's request deadline, so the client hears "retry" rather than 504.
+    max_memory_wait_s: float | None = None
     # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
     # batch are not counted: this is what stays resident between requests.
     prompt_cache_bytes: int = 2 * 1024**3
@@ -38,6 +47,9 @@ class ShardPlan:
     # JACCL only: RDMA device from rank i to rank j (None on the diagonal), as `mlx.launch`
     # writes it.
     rdma_devices: tuple[tuple[str | None, ...], ...] | None = None
+    # Pipeline only: layers per rank, rank 0 first (rank 0 runs the last ones, mlx-lm's
+    # order); None: mlx-lm's even split (`replicas.engine.stages`).
+    layers: tuple[int, ...] | None = None
 
     @property
     def label(self) -> str:

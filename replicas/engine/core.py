@@ -4,9 +4,9 @@ It drives the batch (`replicas.engine.batch`: mlx-lm's BatchGenerator with conti
 batching, requests join and leave between steps, and the KV prefix cache), hands each
 generated token id to that request's `RequestOutput` (`replicas.engine.request`; the
 pipeline's output processor, which alone turns tokens into events), and hands the events
-back to asyncio through the sinks' event loops. Commands (submit, cancel) arrive on a
-thread-safe queue and are applied between steps, so a cancel frees its slot before the
-next decode step.
+back to asyncio through the sinks' event loops. Commands (submit, cancel, and `call`: any
+other work with the model, such as embeddings) arrive on a thread-safe queue and are
+applied between steps, so a cancel frees its slot before the next decode step.
 
 Faults stay as small as they can: a request whose own processing raises (its sampler, its
 logits processors, its output pipeline) fails alone while the batch runs on; a failed batch
@@ -16,6 +16,9 @@ at once and later submissions raise, so nothing waits on a thread that is gone.
 Prefix reuse: a request joins the batch with the KV of the longest cached prefix of its
 prompt (`replicas.engine.prompt_cache`) and prefills the rest, kept at its last message boundary;
 one that finishes normally leaves its prompt plus output behind for the next turn.
+
+Memory: a request joins when its prompt's KV fits, and a row whose KV cannot grow preempts
+the youngest, which rejoins later where it stopped (`replicas.engine.scheduling`).
 
 The engine does not know how many processes run the model: on a sharded replica the batch
 it is handed keeps the other ranks in lockstep (`replicas.engine.lockstep`).
@@ -28,35 +31,25 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from replicas.contract import ErrorKind, Failed, OutputEvent
 from replicas.engine.batch import Batch, Done, Row
+from replicas.engine.calls import Call
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import EventSink, deliver
 from replicas.engine.loading import LoadedModel
 from replicas.engine.logprobs import Asked, Picked, pick
-from replicas.engine.memory import KvBudget, open_budget
+from replicas.engine.memory import KvBudget, RankMemory, tightest
 from replicas.engine.request import EngineRequest, Generated, RequestOutput, Submitted
+from replicas.engine.scheduling import Active, Queued, Waiting
 from replicas.engine.sampling import GuardedProcessors, guarded_processors, make_request_sampler
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Active:
-    uid: int
-    sub: Submitted
-    guard: GuardedProcessors | None
-    reserved: int  # KV bytes admission set aside for it
-    cached: int  # prompt tokens the prefix cache served, for its usage
-
-    @property
-    def output(self) -> RequestOutput:
-        return self.sub.output
 
 
 @dataclass(frozen=True)
@@ -66,17 +59,21 @@ class _Cancel:
 
 
 # What the engine thread is told; None only wakes it (to see `_stopping`).
-_Command = Submitted | _Cancel | None
+_Command = Submitted | _Cancel | Call | None
 
 
 @dataclass
 class _Commands:
     submits: list[Submitted] = field(default_factory=list)
     cancels: dict[str, int] = field(default_factory=dict)  # request id -> step seen
+    calls: list[Call] = field(default_factory=list)
 
 
 class EngineDead(RuntimeError):
     pass
+
+
+_T = TypeVar("_T")
 
 
 class _BatchLost(RuntimeError):
@@ -91,12 +88,12 @@ def _lost(reason: str) -> Failed:
 
 # What a client is told when its request failed inside the engine; the log has the details.
 _REQUEST_FAILED = "generation failed for this request"
-_MEMORY_FULL = "this replica's KV memory is taken and too many requests wait for it; retry later"
 
 
 # Opens the model and the batch that runs it, on the engine thread: a `LocalBatch`, or on a
-# sharded replica's rank 0 a `LockstepBatch` that the other ranks follow.
-Opener = Callable[[], tuple[LoadedModel, Batch]]
+# sharded replica's rank 0 a `LockstepBatch` that the other ranks follow; with each rank's
+# memory (one for a whole model).
+Opener = Callable[[], tuple[LoadedModel, Batch, tuple[RankMemory, ...]]]
 # Called after every batch step with its duration and the rows that got a token (metrics).
 StepCallback = Callable[[float, int], None]
 
@@ -111,8 +108,8 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._loaded: LoadedModel | None = None
-        self._by_uid: dict[int, _Active] = {}
-        self._by_rid: dict[str, _Active] = {}
+        self._by_uid: dict[int, Active] = {}
+        self._by_rid: dict[str, Active] = {}
         self._steps = 0
         self._finished = 0
         self._submitted = 0
@@ -124,9 +121,8 @@ class Engine:
         self._heartbeat = time.monotonic()
         self._stopping = False
         self._batch: Batch | None = None
-        self._kv: KvBudget | None = None
-        # Admitted by Serve, waiting for KV memory (`replicas.engine.memory`).
-        self._waiting: deque[Submitted] = deque()
+        # Admitted by Serve, waiting for KV memory (`replicas.engine.scheduling`).
+        self._waiting: Waiting | None = None
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------
@@ -149,6 +145,16 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id, self._steps))
+
+    def call(self, fn: Callable[[], _T]) -> Future[_T]:
+        """Run `fn` on the engine thread between steps (the thread owns MLX); its result or
+        exception lands in the future. Raises `EngineDead` if the engine cannot run it; one
+        queued when the engine dies gets `EngineDead` in its future."""
+        future: Future[_T] = Future()
+        with self._lock:
+            self.check_health()
+            self._commands.put(Call(fn, future))
+        return future
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -177,7 +183,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         cache = self._batch.cache.stats() if self._batch and self._batch.cache else None
-        memory = self._kv.stats(len(self._waiting)) if self._kv is not None else None
+        waiting = self._waiting
+        memory = waiting.kv.stats(len(waiting)) if waiting is not None else None
         return EngineStats(
             active=len(self._by_uid),
             waiting=self._commands.qsize(),
@@ -193,10 +200,10 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._loaded, self._batch = self._opener()
-            self._kv = open_budget(self._loaded.model, self._loaded.config,
-                                   self._config.kv_budget_bytes,
-                                   self._config.max_memory_waiting)
+            self._loaded, self._batch, ranks = self._opener()
+            kv = KvBudget(tightest(ranks, self._loaded.context_length), ranks[0].layout,
+                          self._config.max_memory_waiting, ranks)
+            self._waiting = Waiting(kv, self._config)
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
             log.exception("model load failed")
             self._load_error = exc
@@ -206,8 +213,10 @@ class Engine:
         self._ready.set()
         try:
             while not self._stopping:
+                commands = self._take_commands(block=not self._by_uid and not self._waiting)
+                # After the wait for work, not before: time spent idle is no stuck step.
                 self._heartbeat = time.monotonic()
-                self._apply(self._take_commands(block=not self._by_uid and not self._waiting))
+                self._apply(commands)
                 if self._by_uid:
                     self._step()
         except _BatchLost as exc:  # no collective may follow: no close either
@@ -235,16 +244,19 @@ class Engine:
                     break
                 if isinstance(command, Submitted):
                     queued.append((command.output.sink, [_lost(reason)]))
-            waiting, self._waiting = list(self._waiting), deque()
-            queued += [(sub.output.sink, [_lost(reason)]) for sub in waiting]
+                elif isinstance(command, Call):
+                    command.refuse(EngineDead(reason))
+            if self._waiting is not None:
+                waiting, self._waiting.queue = list(self._waiting.queue), deque()
+                queued += [(q.sub.output.sink, [_lost(reason)]) for q in waiting]
             outbox = queued + self._fail_all_outbox(_lost(reason))
         deliver(outbox)
 
     @property
     def kv_budget(self) -> KvBudget:
         """The KV admission of the loaded model (after `wait_ready`)."""
-        assert self._kv is not None
-        return self._kv
+        assert self._waiting is not None
+        return self._waiting.kv
 
     def _take_commands(self, block: bool) -> _Commands:
         commands = _Commands()
@@ -255,6 +267,8 @@ class Engine:
                     commands.submits.append(item)
                 elif isinstance(item, _Cancel):
                     commands.cancels[item.request_id] = item.step
+                elif isinstance(item, Call):
+                    commands.calls.append(item)
                 item = self._commands.get_nowait()
         except queue.Empty:
             pass
@@ -262,11 +276,15 @@ class Engine:
 
     def _apply(self, commands: _Commands) -> None:
         assert self._batch is not None
+        for call in commands.calls:  # first: nothing below may strand their futures
+            call.run()
         # A request cancelled while still queued (or waiting for memory) never reaches the
         # batch; the rest join in order while their KV fits.
-        pending = [s for s in (*self._waiting, *commands.submits)
-                   if s.request_id not in commands.cancels]
-        admitted, self._waiting = self._admit(pending)
+        assert self._waiting is not None
+        cache = self._batch.cache
+        admitted = self._waiting.admit(commands.submits, commands.cancels.__contains__,
+                                       lambda: cache.nbytes if cache else 0,
+                                       self._batch.evict_cache_to)
         if admitted:
             self._insert(admitted)
         gone = [self._by_rid[r] for r in commands.cancels if r in self._by_rid]
@@ -276,50 +294,48 @@ class Engine:
                 self._forget(active)
                 self._cancel_latency.append(self._steps - commands.cancels[active.sub.request_id])
 
-    def _admit(self, pending: list[Submitted]
-               ) -> tuple[list[tuple[Submitted, int]], deque[Submitted]]:
-        """Those whose KV fits now, in order, with the bytes each reserved; the rest wait;
-        past the waiting bound the newest get the overloaded error."""
-        assert self._kv is not None and self._batch is not None
-        batch, cache = self._batch, self._batch.cache
-        admitted, waiting, refused = self._kv.take(
-            pending, lambda s: len(s.request.prompt_ids) + s.request.max_tokens,
-            lambda: cache.nbytes if cache else 0, batch.evict_cache_to)
-        deliver([(s.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
-                 for s in refused])
-        return admitted, waiting
-
-    def _insert(self, subs: list[tuple[Submitted, int]]) -> None:
+    def _insert(self, queued: list[Queued]) -> None:
         assert self._loaded is not None and self._batch is not None
         eos = self._loaded.eos_token_ids
-        ready: list[tuple[Submitted, int, Row, GuardedProcessors | None]] = []
+        ready: list[tuple[Queued, Row, GuardedProcessors | None]] = []
         failed: list[tuple[EventSink, list[OutputEvent]]] = []
-        for sub, reserved in subs:
-            request = sub.request
+        for q in queued:
+            sub, request = q.sub, q.sub.request
             try:  # a request whose sampling or output cannot start fails alone
-                first = sub.output.started(self._score(request))
-                if first:
-                    deliver([(sub.output.sink, first)])
+                if q.resumed is None:  # a preempted request has started already
+                    first = sub.output.started(self._score(request))
+                    if first:
+                        deliver([(sub.output.sink, first)])
                 guard = guarded_processors(request.sampling, list(request.logits_processors))
                 row = Row(request.prompt_ids, request.boundary, request.max_tokens,
                           eos | request.stop_token_ids,
                           make_request_sampler(request.sampling, request.sampled_before),
                           (guard,) if guard else ())
-                ready.append((sub, reserved, row, guard))
+                ready.append((q, row, guard))
             except Exception:  # noqa: BLE001 - reported to that request
                 log.exception("request %s: starting it failed", request.request_id)
                 failed.append((sub.output.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]))
-                if self._kv is not None:
-                    self._kv.release(reserved)
+                if self._waiting is not None:
+                    self._waiting.kv.release(request.request_id)
         deliver(failed)
         if not ready:
             return
-        placed = self._batch.insert([row for _, _, row, _ in ready])
-        for (uid, cached), (sub, reserved, _, guard) in zip(placed, ready):
-            active = _Active(uid, sub, guard, reserved, cached)
+        placed = self._batch.insert([row for _, row, _ in ready])
+        for (uid, cached), (q, _, guard) in zip(placed, ready):
+            if q.resumed is None:
+                self._submitted += 1  # also each request's `order`: when it first joined
+            active = Active(uid, q.sub, guard, q.resumed.cached if q.resumed else cached,
+                            q.resumed.order if q.resumed else self._submitted)
             self._by_uid[uid] = active
-            self._by_rid[sub.request_id] = active
-        self._submitted += len(ready)
+            self._by_rid[q.request_id] = active
+
+    def _preempt(self, active: Active) -> None:
+        """Take `active` out of the batch (`replicas.engine.scheduling` queues it again)."""
+        assert self._batch is not None
+        # Its KV goes to the prefix cache (evicted first if memory stays short); a row still
+        # prefilling has none worth keeping.
+        self._batch.finish([Done(active.uid, keep=bool(active.tokens))])
+        self._forget(active)
 
     def _score(self, request: EngineRequest) -> list[Picked] | None:
         """The prompt's token logprobs from one prefill, when the request asked for them."""
@@ -330,6 +346,12 @@ class Engine:
 
     def _step(self) -> None:
         assert self._batch is not None
+        assert self._waiting is not None
+        cache = self._batch.cache
+        self._waiting.grow(self._by_uid, lambda: cache.nbytes if cache else 0,
+                           self._batch.evict_cache_to, self._preempt)
+        if not self._by_uid:  # everything was preempted for a row that then left too
+            return
         started = time.perf_counter()
         try:
             responses = self._batch.step()
@@ -359,6 +381,7 @@ class Engine:
                 events, finished = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
             if events:
                 outbox.append((active.output.sink, events))
+            active.tokens.append(response.token)
             if finished:
                 self._forget(active)
                 self._finished += 1
@@ -366,11 +389,11 @@ class Engine:
                 done.append(Done(response.uid, keep=ok))
         if done:
             self._batch.finish(done)
-        if self._kv is not None and (cache := self._batch.cache) is not None:
-            self._kv.fit_cache(cache.nbytes, self._batch.evict_cache_to)
+        if self._waiting is not None and (cache := self._batch.cache) is not None:
+            self._waiting.kv.fit_cache(cache.nbytes, self._batch.evict_cache_to)
         deliver(outbox)
 
-    def _generated(self, active: _Active, response: Any,
+    def _generated(self, active: Active, response: Any,
                    picked: dict[int, Picked] | None) -> tuple[list[OutputEvent], bool]:
         """The request's events for its token, and whether it is done."""
         if active.guard is not None and active.guard.error is not None:
@@ -396,9 +419,9 @@ class Engine:
             log.exception("computing logprobs failed")
             return None
 
-    def _forget(self, active: _Active) -> None:
-        if self._by_uid.pop(active.uid, None) is not None and self._kv is not None:
-            self._kv.release(active.reserved)
+    def _forget(self, active: Active) -> None:
+        if self._by_uid.pop(active.uid, None) is not None and self._waiting is not None:
+            self._waiting.kv.release(active.sub.request_id)
         self._by_rid.pop(active.sub.request_id, None)
 
     def _fail_all(self, message: str) -> None:
@@ -407,9 +430,9 @@ class Engine:
     def _fail_all_outbox(self, failed: Failed) -> list[tuple[EventSink, list[OutputEvent]]]:
         outbox: list[tuple[EventSink, list[OutputEvent]]] = [
             (a.output.sink, [failed]) for a in list(self._by_uid.values())]
-        if self._kv is not None:
+        if self._waiting is not None:
             for active in list(self._by_uid.values()):
-                self._kv.release(active.reserved)
+                self._waiting.kv.release(active.sub.request_id)
         self._by_uid.clear()
         self._by_rid.clear()
         return outbox

@@ -1,89 +1,132 @@
-"""KV memory admission: a request joins the batch only when the KV it may reach fits.
+"""KV memory: each rank's budget, and admission by what the batch really holds.
 
 A Mac has no swap worth the name for a GPU working set: one long request, or many agent
-sessions growing together, can take the node down with every stream on it. So each replica
-knows its model's KV bytes per token and its budget, and admits by projection: a request
-may reach `prompt + max_tokens` tokens of KV, the running requests theirs, and the prefix
-cache holds what it holds (it is evicted first to make room). What does not fit waits,
-in order, for running requests to finish. MLX's own memory limit is set from the same
-numbers, so a wrong estimate slows allocation down rather than aborting the process.
+sessions growing together, can take the node down with every stream on it. So a replica
+knows what its model's cache costs (`replicas.engine.kv_layout`, measured at load on
+every rank) and its budget, and admits by what the batch holds:
 
-Engine thread only, except `kv_bytes_per_token` and `default_budget` (pure).
+- mlx-lm's batch cache pads every row to the longest and grows in steps of 256 tokens, so
+  a batch of `n` rows holds `n x bytes_for(longest, rounded up to a step)`;
+- a request reserves its prompt plus one step, not its whole `max_tokens`, and grows its
+  reservation a step at a time as it decodes. When growing would pass the budget, the
+  engine preempts the youngest request (vLLM's recompute preemption, `core.py`);
+- the prefix cache holds what it holds, and is evicted first to make room.
+
+MLX's own memory limit is set from the same numbers on every rank, so a wrong figure
+slows allocation down rather than aborting the process.
+
+Engine thread only, except the pure arithmetic (`default_budget`, `tightest`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from collections import deque
-from typing import Any, Callable, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from replicas.engine.kv_layout import CACHE_STEP, KvLayout, measure_kv
+
 log = logging.getLogger(__name__)
 
-# Share of the machine's memory (a Mac's recommended GPU working set; elsewhere RAM) that
-# weights plus KV may use by default: the rest is the OS, activations and the processes.
-DEFAULT_SHARE = 0.75
+# Where the machine's figure is plain RAM (not a Mac's GPU working set, which macOS has
+# already discounted), the share of it weights plus KV may use: the rest is the OS.
+HOST_SHARE = 0.75
+# Kept out of the KV budget for activations and temporaries (a prefill chunk's attention,
+# the logits): this share of the usable memory, and at least MIN_RESERVE.
+RESERVE_SHARE = 0.05
+MIN_RESERVE = 512 * 1024**2
+# MLX's limit allows this much over weights plus budget, and the activation reserve besides
+# (a prefill chunk's attention, the logits: never part of the KV budget), before
+# allocation waits.
+LIMIT_SLACK = 1.1
 
 
-def kv_bytes_per_token(model: Any, config: dict[str, Any]) -> int:
-    """K and V for one token over this process's layers (a pipeline stage holds only its
-    own; tensor parallel has divided each layer's `n_kv_heads`), in the model's dtype."""
-    text = config.get("text_config", config)
-    heads = int(text.get("num_attention_heads") or 1)
-    head_dim = int(text.get("head_dim") or int(text.get("hidden_size", 0)) // heads)
-    default_kv = int(text.get("num_key_value_heads") or heads)
-    kv_heads = sum(int(getattr(getattr(layer, "self_attn", None), "n_kv_heads", default_kv))
-                   for layer in getattr(model, "layers", []) if layer is not None)
-    return 2 * kv_heads * head_dim * _activation_bytes(model)
+class MemoryTooSmall(RuntimeError):
+    """The weights leave no room for even one token of KV."""
 
 
-def _arrays(model: Any) -> list[mx.array]:
-    flat = tree_flatten(model.parameters())
-    assert isinstance(flat, list)  # tree_flatten returns a dict only when asked to
-    return [v for _, v in flat if isinstance(v, mx.array)]
+@dataclass(frozen=True)
+class Machine:
+    bytes: int
+    gpu_working_set: bool  # a Mac's recommended working set (already a share of RAM)
 
 
-def _activation_bytes(model: Any) -> int:
-    floats = [v.dtype for v in _arrays(model) if v.dtype in (mx.float16, mx.bfloat16, mx.float32)]
-    # Quantized models keep scales in their compute dtype; an empty list cannot happen for a
-    # model that runs, but 2 bytes (half precision) is the common case if it did.
-    return floats[0].size if floats else 2
+def machine() -> Machine:
+    """A Mac's recommended GPU working set (what mlx-lm raises the wired limit to);
+    elsewhere physical RAM."""
+    recommended = mx.device_info().get("max_recommended_working_set_size")
+    if isinstance(recommended, int) and recommended > 0:
+        return Machine(recommended, True)
+    return Machine(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), False)
+
+
+def default_budget(host: Machine, weights: int) -> int:
+    """KV bytes for running requests plus the prefix cache: the machine discounted once
+    (a Mac's working set as macOS gives it, else `HOST_SHARE` of RAM), less the weights
+    and the activation reserve. docs/architecture.md works it through for 64 and 192 GB."""
+    usable = host.bytes if host.gpu_working_set else int(host.bytes * HOST_SHARE)
+    reserve = max(MIN_RESERVE, int(usable * RESERVE_SHARE))
+    return usable - weights - reserve
 
 
 def weights_bytes(model: Any) -> int:
-    return sum(v.nbytes for v in _arrays(model))
+    flat = tree_flatten(model.parameters())
+    assert isinstance(flat, list)  # tree_flatten returns a dict only when asked to
+    return sum(v.nbytes for _, v in flat if isinstance(v, mx.array))
 
 
-def machine_bytes() -> int:
-    """A Mac's recommended GPU working set; elsewhere physical RAM."""
-    info = mx.device_info()
-    recommended = info.get("max_recommended_working_set_size")
-    if isinstance(recommended, int) and recommended > 0:
-        return recommended
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+@dataclass(frozen=True)
+class RankMemory:
+    """One process's part of a replica: its KV budget, its cache's layout, its weights."""
+
+    budget: int
+    layout: KvLayout
+    weights: int
+
+    @property
+    def limit(self) -> int:
+        """MLX's memory limit on this rank: weights, the budget with slack over it, and the
+        least activation reserve."""
+        return int(self.weights + self.budget * LIMIT_SLACK) + MIN_RESERVE
 
 
-def default_budget(weights: int) -> int:
-    return max(0, int(machine_bytes() * DEFAULT_SHARE) - weights)
-
-
-def open_budget(model: Any, config: dict[str, Any], budget: int | None,
-                max_waiting: int) -> "KvBudget":
-    """The loaded model's KV admission; also sets MLX's memory limit from it (weights plus
-    1.1x the budget, a tenth for activations), so a wrong estimate makes allocation wait on
-    freed memory rather than overrun the machine."""
+def plan_memory(model: Any, configured: int | None, label: str = "replica") -> RankMemory:
+    """Measure this process's KV layout, fix its budget and set MLX's memory limit."""
     weights = weights_bytes(model)
-    if budget is None:
-        budget = default_budget(weights)
-    per_token = kv_bytes_per_token(model, config)
-    mx.set_memory_limit(int(weights + budget * 1.1))
-    log.info("KV memory: budget %d bytes, %d bytes per token (%d tokens), weights %d bytes",
-             budget, per_token, budget // max(1, per_token), weights)
-    return KvBudget(budget, per_token, max_waiting)
+    layout = measure_kv(model)
+    host = machine()
+    budget = configured if configured is not None else default_budget(host, weights)
+    if budget < layout.bytes_for(CACHE_STEP):
+        where = "the configured memory.budget_bytes" if configured is not None else (
+            f"{host.bytes} bytes of {'GPU working set' if host.gpu_working_set else 'RAM'} "
+            f"less {weights} bytes of weights and the activation reserve")
+        raise MemoryTooSmall(
+            f"{label}: no room for KV: {where} leave {budget} bytes, and one sequence of "
+            f"{CACHE_STEP} tokens takes {layout.bytes_for(CACHE_STEP)} ({layout.describe()})")
+    mine = RankMemory(budget, layout, weights)
+    mx.set_memory_limit(mine.limit)
+    log.info("%s KV memory: budget %d bytes, weights %d bytes, MLX limit %d bytes; the cache "
+             "holds %s", label, budget, weights, mine.limit, layout.describe())
+    return mine
+
+
+def tightest(ranks: Sequence[RankMemory], reference: int) -> int:
+    """Rank 0's budget, shrunk so that every rank stays within its own: a rank whose
+    budget holds fewer `reference`-token sequences than rank 0's bounds the replica.
+    Exact for tensor shards (equal layouts); for pipeline stages it compares each at
+    `reference` tokens."""
+    first = ranks[0].layout.bytes_for(reference)
+    return min(r.budget if r.layout.bytes_for(reference) == 0 else
+               r.budget * first // r.layout.bytes_for(reference) for r in ranks)
+
+
+def round_up(tokens: int) -> int:
+    return -(-tokens // CACHE_STEP) * CACHE_STEP
 
 
 Item = TypeVar("Item")
@@ -92,67 +135,89 @@ Item = TypeVar("Item")
 @dataclass(frozen=True)
 class MemoryStats:
     budget_bytes: int
-    projected_bytes: int  # what the running requests may reach
+    projected_bytes: int  # what the running requests' reservations hold
     waiting: int  # requests waiting for memory
     refused: int  # requests refused because too many waited for memory
+    preempted: int = 0  # requests preempted (and resumed) when memory ran out
+    layout: KvLayout = KvLayout(0)  # what one sequence's cache costs, measured at load
+    # Each rank's own budget and MLX memory limit, by rank (one entry for a whole model).
+    ranks: tuple[tuple[int, int], ...] = ()
 
 
 class KvBudget:
-    def __init__(self, budget_bytes: int, bytes_per_token: int, max_waiting: int) -> None:
+    """Reservations of the running requests, by key, in tokens (whole cache steps)."""
+
+    def __init__(self, budget_bytes: int, layout: KvLayout, max_waiting: int,
+                 ranks: tuple[RankMemory, ...] = ()) -> None:
         self.budget_bytes = budget_bytes
-        self.bytes_per_token = max(1, bytes_per_token)
+        self.ranks = ranks
+        self.layout = layout
         self.max_waiting = max_waiting
-        self._projected = 0
+        self._reserved: dict[Hashable, int] = {}
         self.refused = 0
+        self.preempted = 0
 
     @property
     def max_tokens(self) -> int:
         """The most tokens one request may reach: all of the budget, cache evicted."""
-        return self.budget_bytes // self.bytes_per_token
+        return self.layout.tokens_within(self.budget_bytes) // CACHE_STEP * CACHE_STEP
 
-    def need(self, tokens: int) -> int:
-        return tokens * self.bytes_per_token
+    def held(self, rows: int, longest: int) -> int:
+        return rows * self.layout.bytes_for(longest) if rows else 0
 
-    def admit(self, need: int, cache_bytes: int, evict_to: Callable[[int], None]) -> bool:
-        """Reserve `need` bytes if they fit, evicting the prefix cache (`evict_to`) as far
-        as that takes."""
-        room = self.budget_bytes - self._projected - need
+    @property
+    def projected(self) -> int:
+        return self.held(len(self._reserved), max(self._reserved.values(), default=0))
+
+    def reserve(self, key: Hashable, tokens: int, cache_bytes: int,
+                evict_to: Callable[[int], None]) -> bool:
+        """Hold `tokens` (rounded up to a step) for `key`, a new request or a growing one,
+        if the batch with it fits, evicting the prefix cache (`evict_to`) as far as that
+        takes."""
+        want = round_up(tokens)
+        others = [t for k, t in self._reserved.items() if k != key]
+        room = self.budget_bytes - self.held(len(others) + 1, max([want, *others]))
         if room < 0:
             return False
         if cache_bytes > room:
             evict_to(room)
-        self._projected += need
+        self._reserved[key] = want
         return True
 
-    def take(self, pending: Sequence[Item], tokens: Callable[[Item], int],
-             cache_bytes: Callable[[], int], evict_to: Callable[[int], None]
-             ) -> tuple[list[tuple[Item, int]], deque[Item], list[Item]]:
+    def reserved(self, key: Hashable) -> int:
+        return self._reserved.get(key, 0)
+
+    def release(self, key: Hashable) -> None:
+        self._reserved.pop(key, None)
+
+    def take(self, pending: Sequence[Item], key: Callable[[Item], Hashable],
+             tokens: Callable[[Item], int], cache_bytes: Callable[[], int],
+             evict_to: Callable[[int], None], keep: Callable[[Item], bool] = lambda _: False
+             ) -> tuple[list[Item], deque[Item], list[Item]]:
         """Admit `pending` in order while each fits (first come, first served: one that does
-        not fit holds back the ones behind it). Returns (admitted with the bytes reserved,
-        still waiting, refused: the newest past `max_waiting`)."""
-        admitted: list[tuple[Item, int]] = []
+        not fit holds back the ones behind it). Returns (admitted, still waiting, refused:
+        the newest past `max_waiting`, never one that `keep` holds)."""
+        admitted: list[Item] = []
         waiting: deque[Item] = deque()
         for item in pending:
-            need = self.need(tokens(item))
-            if not waiting and self.admit(need, cache_bytes(), evict_to):
-                admitted.append((item, need))
+            if not waiting and self.reserve(key(item), tokens(item), cache_bytes(), evict_to):
+                admitted.append(item)
             else:
                 waiting.append(item)
         refused: list[Item] = []
-        while len(waiting) > self.max_waiting:
+        while len(waiting) > self.max_waiting and not keep(waiting[-1]):
             refused.append(waiting.pop())
         self.refused += len(refused)
         return admitted, waiting, refused
 
-    def release(self, need: int) -> None:
-        self._projected -= need
-
     def fit_cache(self, cache_bytes: int, evict_to: Callable[[int], None]) -> None:
         """Keep the prefix cache inside what running requests leave of the budget: a save
         while they run (a message boundary's KV, a finished request's) may overshoot it."""
-        room = max(0, self.budget_bytes - self._projected)
+        room = max(0, self.budget_bytes - self.projected)
         if cache_bytes > room:
             evict_to(room)
 
     def stats(self, waiting: int) -> MemoryStats:
-        return MemoryStats(self.budget_bytes, self._projected, waiting, self.refused)
+        return MemoryStats(self.budget_bytes, self.projected, waiting, self.refused,
+                           self.preempted, self.layout,
+                           tuple((r.budget, r.limit) for r in self.ranks))

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.pipeline import PipelineMixin
 # Private helpers of the pinned mlx-lm: its own architecture lookup and Hub fetch, so a
 # config is judged exactly as `sharded_load` will load it.
@@ -28,7 +30,8 @@ from replicas.engine.batch import LocalBatch
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
 from replicas.engine.loading import LoadedModel, loaded_model
 from replicas.engine.lockstep import Follower
-from replicas.engine.memory import open_budget
+from replicas.engine.stages import held_layers, split_stages, stage_layers
+from replicas.engine.memory import RankMemory, plan_memory
 from replicas.startup import Progress
 
 
@@ -37,10 +40,12 @@ class ShardingError(ValueError):
     """A `shards`/`sharding` value this model cannot take; names the field."""
 
 
-def sharding_mode(config: dict[str, Any], shards: int, requested: str = "auto") -> Mode:
+def sharding_mode(config: dict[str, Any], shards: int, requested: str = "auto",
+                  pipeline_layers: Sequence[int] | None = None) -> Mode:
     """The split for `shards` ranks of a model with this config.json, or a ShardingError
     naming the field. `auto`: tensor where mlx-lm can shard the architecture, else
-    pipeline. Reads only the config and the model class: no weights."""
+    pipeline. `pipeline_layers`: a pinned split, which must sum to the model's layers.
+    Reads only the config and the model class: no weights."""
     if shards < 1:
         raise ShardingError(f"shards must be at least 1 (got {shards})")
     try:
@@ -67,7 +72,19 @@ def sharding_mode(config: dict[str, Any], shards: int, requested: str = "auto") 
         raise ShardingError(f"sharding must be auto, tensor or pipeline (got {requested!r})")
     if shards > 1:
         _check_divisible(config, shards, mode)
+    if pipeline_layers is not None:
+        if mode != "pipeline":
+            raise ShardingError("distributed.pipeline_layers: the model splits by tensor "
+                                "here; pinned layer counts need sharding: pipeline")
+        try:
+            stage_layers(layer_count(config), (), pipeline_layers)
+        except ValueError as exc:
+            raise ShardingError(str(exc)) from exc
     return mode
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    return int(config.get("text_config", config).get("num_hidden_layers", 0))
 
 
 def _check_divisible(config: dict[str, Any], shards: int, mode: Mode) -> None:
@@ -110,31 +127,65 @@ def _file(text: str) -> str:
     return f.name
 
 
-def open_shard(source: str, resolved: Path | str, plan: ShardPlan,
-               config: EngineConfig) -> tuple[LoadedModel, LocalBatch, mx.distributed.Group]:
+def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig
+               ) -> tuple[LoadedModel, LocalBatch, mx.distributed.Group, tuple[RankMemory, ...]]:
     """Join the group, load this rank's shard (mlx-lm's `sharded_load`: a pipeline stage
-    reads only its layers' files) and make its local batch."""
+    reads only its layers' files), make its local batch, and fix its memory: every rank
+    measures its own KV and sets its own limit, and each learns every rank's."""
     with Progress(f"joining {plan.label} of {source} over {plan.backend}"):
         group = join(plan)
     with Progress(f"loading model {source}, {plan.label}, from {resolved}"):
         tensor = group if plan.mode == "tensor" else None
         pipeline = group if plan.mode == "pipeline" else None
-        model, tokenizer, model_conf = sharded_load(str(resolved), pipeline, tensor,
-                                                    return_config=True)
+        with split_stages(plan.layers):
+            model, tokenizer, model_conf = sharded_load(str(resolved), pipeline, tensor,
+                                                        return_config=True)
+    if plan.layers is not None:
+        _check_stage(model, plan.layers, plan)
     loaded = loaded_model(source, resolved, model, tokenizer, model_conf)
-    return loaded, LocalBatch(model, config, _cache_scale(model, model_conf, plan)), group
+    batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan))
+    # Every rank runs the probe's forward pass (and its collectives) here, together.
+    mine = plan_memory(model, config.kv_budget_bytes, plan.label)
+    return loaded, batch, group, share_memory(group, mine, batch.stream)
+
+
+# Room for one rank's pickled RankMemory in the exchange below.
+_MEMORY_SLOT = 1024
+
+
+def share_memory(group: mx.distributed.Group, mine: RankMemory,
+                 stream: mx.Stream) -> tuple[RankMemory, ...]:
+    """Every rank's memory, by rank: each writes its pickled record into its own slot of
+    a zero buffer and one `all_sum` adds them up (as `lockstep.Channel` sends records)."""
+    data = pickle.dumps(mine)
+    if len(data) > _MEMORY_SLOT:
+        raise RuntimeError(f"a rank's memory record takes {len(data)} bytes")
+    slots = np.zeros((group.size(), _MEMORY_SLOT), dtype=np.uint8)
+    slots[group.rank(), :len(data)] = np.frombuffer(data, dtype=np.uint8)
+    total = mx.distributed.all_sum(mx.array(slots), group=group, stream=stream)
+    mx.eval(total)
+    # Pickle stops at its own end marker: the zeros after it are never read.
+    return tuple(pickle.loads(row.tobytes())  # noqa: S301 - this replica's own ranks
+                 for row in np.array(total))
 
 
 def follow(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig,
            wait_for_work: Callable[[], None]) -> int:
     """Ranks 1..N-1: load the shard, then replay rank 0's batch until it stops. Returns
     the steps run."""
-    loaded, batch, group = open_shard(source, resolved, plan, config)
-    # This rank's own memory limit, from its own weights and KV (rank 0 sets its own).
-    open_budget(loaded.model, loaded.config, config.kv_budget_bytes, config.max_memory_waiting)
+    _, batch, group, _ = open_shard(source, resolved, plan, config)
     follower = Follower(batch, group, wait_for_work)
     follower.run()
     return follower.steps
+
+
+def _check_stage(model: Any, layers: tuple[int, ...], plan: ShardPlan) -> None:
+    """This rank holds what the split gives it: rank r the run after ranks r+1..N-1's."""
+    start = sum(layers[plan.rank + 1:])
+    expected = (start, start + layers[plan.rank])
+    if held_layers(model) != expected:
+        raise RuntimeError(f"{plan.label} holds layers {held_layers(model)}, expected "
+                           f"{expected} of the split {list(layers)}")
 
 
 def _cache_scale(model: Any, config: dict[str, Any], plan: ShardPlan) -> tuple[int, int]:

@@ -15,7 +15,7 @@ request.
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import mlx.core as mx
 
@@ -75,7 +75,10 @@ class RequestController:
         self._first_step = True
         self._open_ids = reasoning_open_ids if initial is Channel.ANSWER else frozenset()
         self._eos_ids = tuple(sorted(eos_ids))
-        self._started = False
+        # History length already read: mlx-lm calls a processor with the whole history, and
+        # a request the engine preempted and re-queued is called again with a history it
+        # has seen (its last token was read while the batch computed one step ahead).
+        self._seen: int | None = None
         self.reasoning_tokens = 0
         self.forced = False
         self.error: str | None = None
@@ -88,9 +91,13 @@ class RequestController:
         if self.error is not None:
             return logits
         try:
-            if self._started:
-                self._on_token(_item_int(tokens[-1]))
-            self._started = True
+            size = tokens.size
+            if self._seen is not None and size > self._seen:
+                news = [_item_int(tokens[-1])] if size == self._seen + 1 else \
+                    cast(list[int], tokens[self._seen:].tolist())
+                for token in news:
+                    self._on_token(token)
+            self._seen = size
             return self._constrain(logits)
         except Exception as exc:  # noqa: BLE001 - isolate this request from the batch
             self.error = f"{type(exc).__name__}: {exc}"

@@ -106,9 +106,9 @@ class InputProcessor:
             grammar = self._matcher(compile_guided(request.guided))
         else:
             grammar = None
-        # A response_format grammar decides where the text ends; a tool grammar leaves the
-        # text before a call free, so stops still apply to it.
-        text_grammar = grammar is not None and tools.grammar is None
+        # A response_format grammar decides where the text ends, beside tools too; a tool
+        # grammar alone leaves the text before a call free, so stops still apply to it.
+        text_grammar = grammar is not None and (tools.grammar is None or tools.owns_answer)
         stop_ids = frozenset() if text_grammar else frozenset(request.stop.token_ids)
         # One detokenizer and router for the decoder and the controller.
         tracker = ChannelTracker(self._decode, fmt, initial, state)

@@ -8,6 +8,8 @@ the engine sees the request, so every bad combination is a 400 with no engine ti
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal
@@ -32,6 +34,9 @@ class ToolPlan:
     grammar_start: Literal["answer", "reasoning_end"] = "answer"
     forced_end: str | None = None  # what a spent thinking budget forces, if not the format's
     warnings: tuple[str, ...] = ()  # schema keywords the grammar leaves out, for the response
+    # The grammar holds the request's answer grammar too (response_format with tools): no
+    # free text is left, so the grammar, not a stop, ends the answer.
+    owns_answer: bool = False
 
 
 NO_TOOLS = ToolPlan()
@@ -58,21 +63,37 @@ def plan_tools(
         raise InvalidRequestError(
             "this model has no tool-call format the server knows; set `tool_format` for it "
             "in the serve config", param="tools")
-    if request.guided is not None:
-        # A grammar over the answer text and one over the calls cannot both own the answer.
-        raise InvalidRequestError("response_format cannot be combined with tools yet",
-                                  param="response_format")
-    from replicas.pipeline.guided import compile_tool_grammar
+    from replicas.pipeline.guided import compile_guided, compile_tool_grammar
 
+    # response_format with tools: a call, or an answer under it (OpenAI's rule). A forced
+    # call (`required`, a named tool) leaves no answer, so the answer grammar drops out;
+    # under `none` (above) it is the only grammar, as without tools.
+    forced = choice.mode == "required" or choice.name is not None
+    answer = None if forced else request.guided
+    if forced and request.guided is not None:
+        compile_guided(request.guided)  # unused, but a bad format is a 400 whatever the choice
     compiled = compile_tool_grammar(tool_format.name, request.tools, choice,
-                                    tokenizer=guided_tokenizer())
+                                    tokenizer=guided_tokenizer(), answer=answer)
     return ToolPlan(
-        parsing=ToolParsing.from_specs(tool_format, request.tools),
+        parsing=ToolParsing.from_specs(
+            tool_format if answer is None else marked_calls_only(tool_format), request.tools),
         grammar=compiled.grammar if compiled is not None else None,
         grammar_start=call_grammar.start,
         forced_end=call_grammar.forced_end,
         warnings=compiled.warnings if compiled is not None else (),
+        owns_answer=answer is not None,
     )
+
+
+@functools.cache
+def marked_calls_only(tool_format: ToolFormat) -> ToolFormat:
+    """The format read without its bare opener (Llama's `{"name"` at the answer's start):
+    beside an answer grammar, the tool grammar opens every call with its marker, so a JSON
+    answer whose first key is "name" is the answer, not a call. Renamed, since composed
+    channel formats are cached by name."""
+    if tool_format.bare_open is None:
+        return tool_format
+    return dataclasses.replace(tool_format, name=f"{tool_format.name}-marked", bare_open=None)
 
 
 def reserved_token_ids(tool_format: ToolFormat, encode: Callable[[str], Sequence[int]],

@@ -226,3 +226,17 @@ def test_an_empty_queue_bound_is_refused_before_ray_sees_it() -> None:
     with pytest.raises(ValidationError, match="max_queued_requests is -1"):
         ModelSettings.model_validate(model(max_queued_requests=0))
     assert ModelSettings.model_validate(model(max_queued_requests=1)).max_queued_requests == 1
+
+
+def test_memory_waits_less_than_the_request_deadline() -> None:
+    """Unless set, a request waits for KV memory 90% of ingress.request_timeout_s, so the
+    engine's overloaded error (with Retry-After) comes before the deadline's 504."""
+    config = AppArgs.model_validate({"models": [model()], "ingress": {"request_timeout_s": 100}})
+    derived = config.models[0].with_memory_wait(config.ingress.request_timeout_s)
+    assert derived.memory.max_wait_s == pytest.approx(90)
+    assert replica_options(derived).engine.max_memory_wait_s == pytest.approx(90)
+    pinned = ModelSettings.model_validate(model(memory={"max_wait_s": 5}))
+    assert pinned.with_memory_wait(100).memory.max_wait_s == 5
+    assert ModelSettings.model_validate(model()).with_memory_wait(None).memory.max_wait_s is None
+    whole = ModelSettings.model_validate(model(memory={"reservation": "whole"}))
+    assert replica_options(whole).engine.kv_reservation == "whole"

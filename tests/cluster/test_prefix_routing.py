@@ -1,6 +1,10 @@
 """Cache-aware routing over two replicas (`deployments.prefix_router`): with routing on,
 each of several multi-turn conversations stays on one replica and reuses its cached prefix
 from turn 2 on; with routing off (Ray's power-of-two choice) turns wander between replicas.
+Memory-aware routing (`deployments.headroom`, `orchard-headroom`: a small KV budget): a
+turn leaves the replica holding its prefix when that one has no KV room for it, and a
+request no replica has room for is shed with the overloaded error and Retry-After, through
+the openai SDK.
 
 A private local Ray cluster in this process (`ray.init(address="local")`, as the
 reliability suite does), so the test can ask each replica for its engine stats: which
@@ -9,20 +13,37 @@ replica's `submitted` count grew says where a request went.
 
 from __future__ import annotations
 
+import random
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import httpx
+import openai
 import pytest
 import ray
 from ray import serve
 
+from openai import Stream
+from openai.types import Completion
+
 from deployments.app import build_app
 from replicas.builtin import ensure_builtin
+from tests.reliability.wire import never_end_bias
 from tests.serve_process import free_port
 
 pytestmark = pytest.mark.cluster
-STICKY, SPREAD = "orchard-sticky", "orchard-spread"
+STICKY, SPREAD, HEADROOM = "orchard-sticky", "orchard-spread", "orchard-headroom"
+# orchard-headroom's KV budget in tokens of the tiny model (1024 bytes a token: 2 layers x
+# 2 KV heads x head_dim 32 x K and V x float32). It reserves a request's whole max_tokens
+# up front, so a blocker (a short prompt, a long output: quick to start, slow to end)
+# leaves 1024 tokens of room beside it; a probe's prompt needs more than that.
+TINY_KV_BYTES_PER_TOKEN = 1024
+BUDGET_TOKENS = 16384
+BLOCKER_PROMPT, BLOCKER_OUTPUT = 256, 15000  # reserves 15360 tokens (in 256-token steps)
+PROBE_PROMPT = 1536
+# A report (every 0.5 s here) taken after a blocker's admission reaches the ingress's
+# router through Serve's controller within this long.
+STATS_SETTLE_S = 3.0
 CONVERSATIONS, TURNS = 8, 4
 SYSTEM = "You are a careful assistant. Answer briefly and stay on topic. " * 12
 
@@ -37,6 +58,12 @@ def base_url() -> Iterator[str]:
         models = [{"id": model, "source": "builtin:tiny", "num_replicas": 2,
                    "max_model_len": 4096, "routing": {"policy": policy}}
                   for model, policy in ((STICKY, "auto"), (SPREAD, "none"))]
+        models.append({"id": HEADROOM, "source": "builtin:tiny", "num_replicas": 2,
+                       "routing": {"stats_period_s": 0.5},
+                       # No queue for memory: a replica without room would refuse at once,
+                       # so the router sheds instead.
+                       "memory": {"budget_bytes": BUDGET_TOKENS * TINY_KV_BYTES_PER_TOKEN,
+                                  "reservation": "whole", "max_waiting": 0}})
         serve.run(build_app({"models": models}), name="orchard", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -122,3 +149,97 @@ def test_a_session_key_keeps_unrelated_prompts_together(base_url: str) -> None:
             after = submitted(STICKY)
             replicas += [name for name in after if after[name] > before.get(name, 0)]
     assert len(replicas) == 6 and len(set(replicas)) == 1, replicas
+
+
+# ---- memory-aware routing --------------------------------------------------------------
+
+
+def token_prompt(seed: int, n: int) -> list[int]:
+    """`n` ordinary token ids of the tiny model (a token prompt: the router counts it exactly)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 700) for _ in range(n)]
+
+
+def start_blocker(client: openai.OpenAI, prompt: list[int]) -> Stream[Completion]:
+    """A stream that holds most of a replica's KV until closed."""
+    bias = {token: int(value) for token, value in never_end_bias().items()}
+    return cast(Stream[Completion], client.completions.create(
+        model=HEADROOM, prompt=prompt, max_tokens=BLOCKER_OUTPUT, temperature=0, stream=True,
+        logit_bias=bias))
+
+
+def decoding(blocker: Stream[Completion]) -> bool:
+    chunk = next(blocker)
+    return bool(chunk.choices) and chunk.choices[0].finish_reason is None
+
+
+def landed(before: dict[str, int], timeout_s: float = 120) -> str:
+    """The replica whose `submitted` count grew past `before`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        after = submitted(HEADROOM)
+        grew = [r for r in after if after[r] > before.get(r, 0)]
+        if grew:
+            assert len(grew) == 1, (before, after)
+            return grew[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no replica took the request: {before}")
+
+
+@pytest.fixture
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def test_a_turn_leaves_its_cache_holder_when_that_one_has_no_kv_room(
+        client: openai.OpenAI) -> None:
+    handle = serve.get_deployment_handle(f"model:{HEADROOM}", app_name="orchard")
+    stats = handle.record_routing_stats.remote().result(timeout_s=60)
+    assert stats["kv_budget_tokens"] == BUDGET_TOKENS  # the figure this test is built on
+    first = token_prompt(1, BLOCKER_PROMPT)
+    before = submitted(HEADROOM)
+    blocker = start_blocker(client, first)
+    try:
+        holder = landed(before)
+        time.sleep(STATS_SETTLE_S)
+        # The next request extends the blocker's prompt, so the router prefers its replica
+        # (one ongoing request more than the other: within max_imbalance); but the holder
+        # has no room for the longer prompt beside the running one.
+        before = submitted(HEADROOM)
+        probe = first + token_prompt(2, PROBE_PROMPT - BLOCKER_PROMPT)
+        answer = client.completions.create(model=HEADROOM, prompt=probe, max_tokens=4,
+                                           temperature=0)
+        assert answer.choices[0].finish_reason == "length"
+        after = submitted(HEADROOM)
+        assert after[holder] == before[holder], "the turn went to the replica without room"
+        assert sum(after.values()) == sum(before.values()) + 1
+        assert decoding(blocker)  # it held its replica's KV throughout
+    finally:
+        blocker.close()
+
+
+def test_a_request_no_replica_has_room_for_is_shed_as_overloaded(
+        client: openai.OpenAI) -> None:
+    blockers = []
+    try:
+        for seed in (3, 4):  # the second goes where the first left room: the other replica
+            before = submitted(HEADROOM)
+            blockers.append(start_blocker(client, token_prompt(seed, BLOCKER_PROMPT)))
+            landed(before)
+            time.sleep(STATS_SETTLE_S)
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=HEADROOM, prompt=token_prompt(5, PROBE_PROMPT),
+                                      max_tokens=4, temperature=0)
+        assert time.monotonic() - started < 30  # refused by the router, not after a wait
+        error = refused.value
+        assert error.status_code == 503 and error.response.headers["retry-after"] == "1"
+        body = error.body
+        assert isinstance(body, dict) and body["type"] == "overloaded_error", body
+        assert "has KV memory" in body["message"]
+        for blocker in blockers:
+            assert decoding(blocker)  # still running: neither replica had to refuse it
+    finally:
+        for blocker in blockers:
+            blocker.close()

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ingress.app import create_app
+from ingress.client import ModelCard
 from replicas.contract import (
     Channel,
     ErrorKind,
@@ -18,6 +19,7 @@ from replicas.contract import (
     FinishReason,
     GuidedSpec,
     OutputEvent,
+    ReasoningSpec,
     TextDelta,
     TextPrompt,
     Usage,
@@ -157,6 +159,31 @@ def test_reasoning_options_reach_the_request() -> None:
     assert reasoning.effort == "low" and dict(reasoning.template_kwargs) == {"x": 1}
 
 
+@pytest.mark.parametrize(("effort", "expected"), [
+    ("none", ReasoningSpec(enabled=False)),
+    ("minimal", ReasoningSpec(enabled=False)),
+    ("low", ReasoningSpec(enabled=True, budget_tokens=1024, effort="low")),
+    ("xhigh", ReasoningSpec(enabled=True, budget_tokens=32768, effort="high")),
+    (None, ReasoningSpec()),
+])
+def test_reasoning_effort_means_what_it_means_on_the_responses_route(
+        effort: str | None, expected: ReasoningSpec) -> None:
+    fake = FakeClient([Finished(FinishReason.EOS, USAGE)])
+    client, _ = sdk(fake)
+    chat(client, **({} if effort is None else {"reasoning_effort": effort}))
+    client.responses.create(model="orchard-tiny", input="hi", reasoning={"effort": effort})
+    chat_request, responses_request = fake.requests
+    assert chat_request.reasoning == responses_request.reasoning == expected
+
+
+def test_explicit_thinking_switches_beat_the_effort() -> None:
+    fake = FakeClient([Finished(FinishReason.EOS, USAGE)])
+    client, _ = sdk(fake)
+    chat(client, reasoning_effort="none",
+         extra_body={"chat_template_kwargs": {"enable_thinking": True}, "thinking_budget": 9})
+    assert fake.requests[0].reasoning == ReasoningSpec(enabled=True, budget_tokens=9)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -169,6 +196,8 @@ def test_reasoning_options_reach_the_request() -> None:
         ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a",
           "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"},
+         "reasoning_effort"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ],
 )
@@ -184,6 +213,46 @@ def test_invalid_requests_name_the_field(body: dict[str, Any], param: str) -> No
 def test_models_list_includes_aliases() -> None:
     client, _ = sdk(FakeClient())
     assert [m.id for m in client.models.list().data] == ["orchard-tiny", "tiny"]
+
+
+HUB_ID = "mlx-community/Qwen3-4B"  # a Hub id: its slash is part of the model id
+
+
+def test_models_retrieve_returns_the_listed_entry() -> None:
+    cards = (ModelCard("orchard-tiny", aliases=("tiny",), context_length=4096),
+             ModelCard(HUB_ID, owned_by="mlx-community", created=1700000000))
+    client, http = sdk(FakeClient(models=cards))
+    listed = {m.id: m for m in client.models.list().data}
+    assert list(listed) == ["orchard-tiny", "tiny", HUB_ID]
+    for name, entry in listed.items():
+        assert client.models.retrieve(name) == entry  # the SDK sends the slash as %2F
+    # An alias is its own entry, whose `root` is the served id.
+    assert client.models.retrieve("tiny").model_extra["root"] == "orchard-tiny"
+    # Clients that send the slash raw reach the same route.
+    raw = http.get(f"/v1/models/{HUB_ID}")
+    assert raw.status_code == 200
+    entry = raw.json()
+    assert entry == http.get("/v1/models").json()["data"][2]
+    assert {k: entry[k] for k in ("id", "object", "created", "owned_by", "root")} == {
+        "id": HUB_ID, "object": "model", "created": 1700000000, "owned_by": "mlx-community",
+        "root": HUB_ID}
+
+
+@pytest.mark.parametrize("name", ["nope", "mlx-community/nope", "orchard-tiny/extra"])
+def test_models_retrieve_of_an_unknown_id_is_a_404_in_openais_shape(name: str) -> None:
+    client, http = sdk(FakeClient())
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve(name)
+    r = http.get(f"/v1/models/{name}")
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error == {"message": error["message"], "type": "not_found_error", "param": "model",
+                     "code": "not_found"}
+    assert f"'{name}'" in error["message"]
+    # The same error as an unknown model on a generation route.
+    unknown = http.post("/v1/chat/completions", json={
+        "model": name, "messages": [{"role": "user", "content": "hi"}]})
+    assert unknown.status_code == 404 and unknown.json() == r.json()
 
 
 def test_a_replica_failure_event_keeps_the_offending_field() -> None:

@@ -189,6 +189,35 @@ def test_parse_with_a_pydantic_function_tool() -> None:
         city="Paris", unit="C")
 
 
+class Forecast(pydantic.BaseModel):
+    city: str
+    sunny: bool
+
+
+@pytest.mark.parametrize("branch", ["call", "answer"])
+def test_parse_with_a_function_tool_and_a_response_format(branch: str) -> None:
+    # Agent frameworks send both: the replica gets both (its grammar is a call or an
+    # answer in the schema), and the SDK parses whichever comes back.
+    script = ([*tool_call(0, "p", "Weather", '{"city": "Paris", "unit": "C"}'),
+               Finished(FinishReason.TOOL_CALLS, USAGE)] if branch == "call" else
+              [TextDelta(Channel.ANSWER, '{"city": "Paris", "sunny": true}'),
+               Finished(FinishReason.GRAMMAR_COMPLETE, USAGE)])
+    fake = FakeClient(script)
+    client, _ = sdk(fake)
+    message = client.chat.completions.parse(
+        model="orchard-tiny", messages=USER, tools=[openai.pydantic_function_tool(Weather)],
+        response_format=Forecast).choices[0].message
+    if branch == "call":
+        assert message.tool_calls[0].function.parsed_arguments == Weather(city="Paris", unit="C")
+        assert message.parsed is None
+    else:
+        assert message.parsed == Forecast(city="Paris", sunny=True) and not message.tool_calls
+    (request,) = fake.requests
+    assert [t.name for t in request.tools] == ["Weather"]
+    assert request.guided is not None and request.guided.kind == "json_schema"
+    assert json.loads(str(request.guided.value))["properties"].keys() == {"city", "sunny"}
+
+
 # --- the request the replica gets --------------------------------------------------------
 
 

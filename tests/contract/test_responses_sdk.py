@@ -232,6 +232,19 @@ def test_parse_with_a_pydantic_model() -> None:
     assert json.loads(str(guided.value))["properties"]["value"]["type"] == "integer"
 
 
+def test_parse_with_tools_reaches_the_replica_with_both() -> None:
+    # `text.format` beside tools: the replica's grammar is a call or an answer in it.
+    script = [TextDelta(Channel.ANSWER, '{"value": 4}'),
+              Finished(FinishReason.GRAMMAR_COMPLETE, USAGE)]
+    fake = FakeClient(script)
+    parsed = sdk(fake)[0].responses.parse(model=MODEL, input="2+2?", text_format=Answer,
+                                          tools=[WEATHER])
+    assert parsed.output_parsed == Answer(value=4)
+    (request,) = fake.requests
+    assert request.guided is not None and request.guided.kind == "json_schema"
+    assert [t.name for t in request.tools] == ["get_weather"]
+
+
 # --- streaming ----------------------------------------------------------------------
 
 

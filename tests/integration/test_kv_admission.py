@@ -1,7 +1,9 @@
 """KV memory admission on the real tiny model (`replicas.engine.memory`): requests join the batch
-only while the KV they may reach fits the budget, wait in order otherwise, are refused as
-overloaded past the waiting bound, and a request that cannot fit even alone is lowered or
-refused like one past the context. The prefix cache gives way first."""
+while what the batch holds (every row padded to the longest, in 256-token cache steps) fits
+the budget, wait in order otherwise, are refused as overloaded past the waiting bound, and a
+request that cannot fit even alone is lowered or refused like one past the context. The
+prefix cache gives way first. Requests that outgrow the budget while decoding are preempted
+and resumed (tests/integration/test_preemption.py)."""
 
 from __future__ import annotations
 
@@ -21,19 +23,22 @@ from replicas.contract import (
     TokenPrompt,
 )
 from replicas.engine.config import EngineConfig
+from replicas.engine.kv_layout import CACHE_STEP
 from replicas.engine.memory import weights_bytes
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect, stream_events
 
-PROMPT, OUTPUT = 10, 35  # one request may reach 45 tokens of KV
-BUDGET_TOKENS = 100  # two such requests fit at once, a third waits
+PROMPT, OUTPUT = 10, 35  # one request reaches 45 tokens: one cache step
+# Two one-step rows fit at once, a third waits; one request alone may reach two steps.
+BUDGET_TOKENS = 2 * CACHE_STEP + 100
+MAX_TOKENS = 2 * CACHE_STEP
 
 
 def _replica(max_waiting: int = 64, cache_bytes: int = 0,
              policy: str = "clamp") -> Iterator[ModelReplica]:
     probe = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny"))
     probe.start()
-    per_token = probe._engine.kv_budget.bytes_per_token  # noqa: SLF001 - the model's own
+    per_token = probe._engine.kv_budget.layout.per_token  # noqa: SLF001 - the model's own
     probe.shutdown()
     engine = EngineConfig(kv_budget_bytes=BUDGET_TOKENS * per_token,
                           max_memory_waiting=max_waiting, prompt_cache_bytes=cache_bytes)
@@ -85,7 +90,7 @@ def test_requests_wait_for_memory_and_all_finish_as_alone(replica: ModelReplica)
         replica, [_request(f"together-{i}", first=5 + i) for i in range(4)], samples))
     assert [_text(e) for e in together] == [_text(e) for e in alone]
     assert all(isinstance(e[-1], Finished) for e in together)
-    assert max(active for active, _ in samples) == 2  # 3 x 45 tokens would pass 100
+    assert max(active for active, _ in samples) == 2  # 3 steps of 256 would pass the budget
     assert max(waiting for _, waiting in samples) >= 1
     stats = replica.stats().memory
     assert stats is not None and stats.projected_bytes == 0 and stats.waiting == 0
@@ -106,21 +111,21 @@ def test_past_the_waiting_bound_is_overloaded() -> None:
 
 
 def test_what_cannot_fit_alone_is_lowered_or_refused(replica: ModelReplica) -> None:
-    finished = stream_events(replica, _request("big", max_tokens=500))[-1]
+    finished = stream_events(replica, _request("big", max_tokens=900))[-1]
     assert isinstance(finished, Finished)
-    assert finished.usage.completion_tokens <= BUDGET_TOKENS - PROMPT
+    assert finished.usage.completion_tokens <= MAX_TOKENS - PROMPT
     assert finished.warnings == (
-        f"max_tokens lowered from 500 to {BUDGET_TOKENS - PROMPT}: the prompt has {PROMPT} "
-        f"tokens and this replica's KV memory budget holds at most {BUDGET_TOKENS} tokens",)
+        f"max_tokens lowered from 900 to {MAX_TOKENS - PROMPT}: the prompt has {PROMPT} "
+        f"tokens and this replica's KV memory budget holds at most {MAX_TOKENS} tokens",)
     # The default max_tokens (what is left) is the budget's room, not the context's.
     unbounded = stream_events(replica, _request("default", max_tokens=None))[-1]
     assert isinstance(unbounded, Finished)
-    assert unbounded.usage.completion_tokens <= BUDGET_TOKENS - PROMPT
+    assert unbounded.usage.completion_tokens <= MAX_TOKENS - PROMPT
     for rep in _replica(policy="reject"):
-        failed = stream_events(rep, _request("too-big", max_tokens=500))[-1]
+        failed = stream_events(rep, _request("too-big", max_tokens=900))[-1]
         assert isinstance(failed, Failed) and failed.kind is ErrorKind.CONTEXT_LENGTH
-        assert f"holds at most {BUDGET_TOKENS} tokens" in failed.message
-    too_long = stream_events(replica, _request("long-prompt", prompt=BUDGET_TOKENS))[-1]
+        assert f"holds at most {MAX_TOKENS} tokens" in failed.message
+    too_long = stream_events(replica, _request("long-prompt", prompt=MAX_TOKENS))[-1]
     assert isinstance(too_long, Failed) and too_long.kind is ErrorKind.CONTEXT_LENGTH
 
 
@@ -129,12 +134,49 @@ def test_the_prefix_cache_gives_way_to_a_request(replica: ModelReplica) -> None:
         stream_events(rep, _request("fill", prompt=40, max_tokens=20))
         before = rep.stats()
         assert before.cache_bytes > 0
-        # 90 tokens: with the finished request's 60 cached, only eviction makes room.
-        done = stream_events(rep, _request("room", prompt=30, max_tokens=60, first=200))[-1]
+        # Two cache steps: with the finished request's step cached, only eviction makes room.
+        done = stream_events(rep, _request("room", prompt=300, max_tokens=60, first=200))[-1]
         assert isinstance(done, Finished)
         assert rep.stats().cache_evictions > before.cache_evictions
 
 
 def test_mlx_memory_limit_follows_the_budget(replica: ModelReplica) -> None:
     budget = replica._engine.kv_budget.budget_bytes  # noqa: SLF001
-    assert mx.get_memory_limit() == int(weights_bytes(replica.model.model) + budget * 1.1)
+    # Weights, the budget with a tenth of slack, and room for activations besides.
+    assert mx.get_memory_limit() == \
+        int(weights_bytes(replica.model.model) + budget * 1.1) + 512 * 1024**2
+    assert replica._engine.kv_budget.max_tokens == MAX_TOKENS  # noqa: SLF001
+
+
+def test_waiting_past_the_bound_is_overloaded_not_a_timeout() -> None:
+    """`max_memory_wait_s` (deployments set it under the ingress's deadline): a request still
+    waiting for KV memory then gets the overloaded error, which the APIs send with
+    Retry-After, instead of running into the deadline's 504."""
+    probe = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny"))
+    probe.start()
+    per_token = probe._engine.kv_budget.layout.per_token  # noqa: SLF001
+    never_end = {token: -100.0 for token in probe.model.eos_token_ids}
+    probe.shutdown()
+    # One row of one step fits; the second request waits behind the first.
+    engine = EngineConfig(kv_budget_bytes=(CACHE_STEP + 10) * per_token, prompt_cache_bytes=0,
+                          max_memory_wait_s=0.2)
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny", engine=engine))
+    rep.start()
+    try:
+        long = GenerationRequest(request_id="long", model="tiny",
+                                 prompt=TokenPrompt(tuple(range(5, 15))),
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=240,
+                                                         logit_bias=never_end))
+
+        async def both() -> list[list[object]]:
+            first = asyncio.ensure_future(collect(rep.stream(long)))
+            await asyncio.sleep(0.05)
+            second = await collect(rep.stream(_request("waits", first=40)))
+            return [await first, second]
+
+        first, second = asyncio.run(both())
+        assert isinstance(first[-1], Finished)
+        assert isinstance(second[-1], Failed) and second[-1].kind is ErrorKind.OVERLOADED
+        assert "stayed taken for 0.2s" in second[-1].message
+    finally:
+        rep.shutdown()

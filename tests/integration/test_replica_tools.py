@@ -19,6 +19,7 @@ from replicas.contract import (
     Failed,
     Finished,
     FinishReason,
+    GuidedSpec,
     OutputEvent,
     SamplingParams,
     StopSpec,
@@ -163,11 +164,23 @@ def test_bad_tool_input_is_a_400_before_the_engine(replica: ModelReplica, tools:
     assert replica.stats().submitted == submitted
 
 
-def test_tools_with_response_format_is_a_400(replica: ModelReplica) -> None:
-    from replicas.contract import GuidedSpec
-
-    events = stream_events(replica, script_request("tool-one", guided=GuidedSpec("json_object")))
-    assert isinstance(events[0], Failed) and events[0].param == "response_format"
+def test_tools_with_response_format_give_a_call_or_an_answer_in_the_schema(
+        replica: ModelReplica) -> None:
+    # The grammar is a call or an answer under the schema: tool-one's question gets its
+    # call, json-record's (offered the same tools) an answer the schema holds.
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "active": {"type": "boolean"}},
+              "required": ["name", "active"], "additionalProperties": False}
+    guided = GuidedSpec("json_schema", json.dumps(schema))
+    called = stream_events(replica, script_request("tool-one", guided=guided))
+    assert calls(called) == list(script("tool-one").expected_calls)
+    assert isinstance(called[-1], Finished) and called[-1].reason is FinishReason.TOOL_CALLS
+    answered = stream_events(replica, script_request(
+        "json-record", guided=guided, tools=script("tool-one").tools))
+    assert not calls(answered)
+    assert isinstance(answered[-1], Finished)
+    assert answered[-1].reason is FinishReason.GRAMMAR_COMPLETE
+    jsonschema.validate(json.loads(text(answered, Channel.ANSWER)), schema)
 
 
 def test_tool_calls_in_a_batch_match_solo_runs(replica: ModelReplica) -> None:

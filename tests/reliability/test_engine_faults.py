@@ -323,9 +323,9 @@ def test_a_failed_step_on_a_batch_that_cannot_start_over_stops_the_replica_at_on
     real_open = ModelReplica._open
 
     def opened(self: ModelReplica) -> Any:
-        model, batch = real_open(self)
+        model, batch, memory = real_open(self)
         batches.append(_Unrecoverable(batch))
-        return model, batches[-1]
+        return model, batches[-1], memory
 
     monkeypatch.setattr(ModelReplica, "_open", opened)
     rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny"))
@@ -349,3 +349,27 @@ def test_a_failed_step_on_a_batch_that_cannot_start_over_stops_the_replica_at_on
         assert batches[0].after_failure == []  # no reset, no close, no collective after it
     finally:
         rep.shutdown()
+
+
+def test_time_spent_idle_is_no_stuck_step(replica: ModelReplica) -> None:
+    """A replica idle past `stuck_after_s` (0.3 s here) is not "stuck" when work arrives:
+    the step clock starts when the engine takes the work, not when it began to wait for
+    it (else the health check, and every submission, failed during its first step)."""
+    time.sleep(1.0)
+    healthy_throughout: list[bool] = []
+
+    async def scenario() -> list[object]:
+        async def watch() -> None:
+            while True:
+                healthy_throughout.append(healthy(replica))
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            return await collect(replica.stream(request("cities", "after-idle", max_tokens=40)))
+        finally:
+            watcher.cancel()
+
+    events = asyncio.run(scenario())
+    assert isinstance(events[-1], Finished), events[-1]
+    assert healthy_throughout and all(healthy_throughout)

@@ -197,6 +197,17 @@ def test_running_kv_plus_prefix_cache_stays_in_budget(overload: Overload) -> Non
     assert worst <= BUDGET_BYTES, f"{worst} bytes of KV and prefix cache, budget {BUDGET_BYTES}"
 
 
+def test_the_context_kv_memory_holds_is_what_v1_models_reports(cluster: str) -> None:
+    """The model's native context is far longer than the budget holds: the replica serves
+    requests capped at what fits, and says so where clients look."""
+    with httpx.Client(base_url=cluster + MEMORY.prefix, headers=auth_headers(),
+                      timeout=60) as http:
+        listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+        assert listed[MEMORY.model]["max_model_len"] == MEMORY_BUDGET_TOKENS
+        one = http.get(f"/v1/models/{MEMORY.model}").json()
+        assert one["max_model_len"] == MEMORY_BUDGET_TOKENS
+
+
 def test_a_prompt_past_the_budget_is_a_400_naming_what_fits(cluster: str) -> None:
     with httpx.Client(base_url=cluster + MEMORY.prefix, headers=auth_headers(),
                       timeout=60) as http:

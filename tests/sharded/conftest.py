@@ -3,11 +3,13 @@ Apple Silicon resource, so a `shards: 2` replica puts one rank on each (STRICT_S
 the ranks talk over MLX's ring backend on loopback.
 
 One application serves the float32 built-in models whole (the reference) and sharded two
-ways (`tiny`: tensor; `pipe`: tensor and pipeline), whose greedy output must be identical,
-and `bench` (bfloat16) sharded by tensor. Tensor parallelism sums each layer's partial
-products in another order; in bfloat16 that moves a logit by a rounding step, which flips
-the random-weight bench model's near-ties within a few dozen tokens, so bench is checked for
-self-consistency and used where only a long stream matters (a lost shard).
+ways (`tiny`: tensor; `pipe`: tensor and pipeline, the latter twice: evenly, and over nodes
+configured with unequal memory, `pipe-u2`, whose stages hold 3 and 1 of its 4 layers),
+whose greedy output must be identical, and `bench` (bfloat16) sharded by tensor. Tensor
+parallelism sums each layer's partial products in another order; in bfloat16 that moves a
+logit by a rounding step, which flips the random-weight bench model's near-ties within a
+few dozen tokens, so bench is checked for self-consistency and used where only a long
+stream matters (a lost shard).
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from tests.cluster.conftest import LocalCluster
 
 # (reference id, sharded id, sharding): greedy text must match.
 PAIRS = [("tiny", "tiny-x2", "tensor"), ("pipe", "pipe-x2", "pipeline"),
-         ("pipe", "pipe-t2", "tensor")]
+         ("pipe", "pipe-t2", "tensor"), ("pipe", "pipe-u2", "pipeline")]
+# Both nodes are this machine: configured memory makes them differ (rank 0 first), so the
+# pipeline's stages are sized 3 and 1 layers (rank 0 runs the last three).
+NODE_MEMORY = {"pipe-u2": [3 << 30, 1 << 30]}
+# `tiny-m2` (tiny by tensor) has this KV budget on each Mac: 512 bytes a token per rank (one
+# of tiny's two KV heads), so one sequence may reach 512 tokens, and two run at once only
+# while both are under 256.
+SMALL_BUDGET_TOKENS = 600
+SMALL_BUDGET = SMALL_BUDGET_TOKENS * 512
 SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench"}
 HEARTBEAT_TIMEOUT_S = 5.0
 RESUME_WAIT_S = 300.0
@@ -35,11 +45,14 @@ def app_args() -> dict[str, Any]:
         return {"id": model_id, "source": source, "shards": 2, "sharding": how,
                 # Loopback: the ranks of this test never leave the machine.
                 "distributed": {"host": "127.0.0.1", "collective_timeout_s": 60,
-                                "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}}
+                                "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                                "node_memory_bytes": NODE_MEMORY.get(model_id)}}
 
     models = [{"id": w, "source": SOURCES[w], "placement": {"pin": False}} for w in ("tiny", "pipe")]
     models += [sharded(s, SOURCES[w], how) for w, s, how in PAIRS]
     models.append(sharded("bench-x2", SOURCES["bench"], "tensor"))
+    models.append({**sharded("tiny-m2", SOURCES["tiny"], "tensor"), "max_model_len": 4096,
+                   "memory": {"budget_bytes": SMALL_BUDGET}})
     # A lost shard's streams resume on the replacement, which loads in a minute or two here.
     return {"cluster": {"placement": {"pin": True, "require_metal": False}}, "models": models,
             "ingress": {"resume_wait_s": RESUME_WAIT_S}}
@@ -51,7 +64,7 @@ def sharded_cluster() -> Iterator[LocalCluster]:
         ensure_builtin(name)  # once here, not in every replica
     root = Path(tempfile.mkdtemp(prefix="orc-", dir="/tmp"))
     # Every sharded replica takes one unit on each node; a replaced one briefly needs two.
-    local = LocalCluster(root, head_slots=6)
+    local = LocalCluster(root, head_slots=8)
     try:
         local.start()
         local.deploy(app_args())

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,8 +23,9 @@ import openai
 import pytest
 
 from replicas.builtin import script
-from tests.cluster.conftest import BASE_URL, DASHBOARD, LocalCluster
-from tests.sharded.conftest import PAIRS
+from tests.cluster.conftest import BASE_URL, DASHBOARD, GCS_PORT, ROOT, LocalCluster
+from tests.reliability.wire import never_end_bias
+from tests.sharded.conftest import PAIRS, SMALL_BUDGET, SMALL_BUDGET_TOKENS
 
 pytestmark = pytest.mark.cluster
 
@@ -99,6 +102,87 @@ def test_shards_are_spread_one_per_node(sharded_cluster: LocalCluster) -> None:
         assert len(workers) == 1, workers
         # Rank 0 (the Serve replica) and rank 1 (its actor) on the two different nodes.
         assert {replica["node_id"], workers[0]["node_id"]} == nodes
+
+
+# A driver of its own, not this process (as tests/e2e/test_layouts.py): it prints the model
+# deployment's stats as JSON.
+STATS_DRIVER = """
+import json, sys
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+for model in sys.argv[2:]:
+    handle = serve.get_deployment_handle(f"model:{model}", app_name="orchard")
+    print(json.dumps({model: handle.stats.remote().result(timeout_s=60)}, default=str))
+"""
+
+
+def test_pipeline_stages_follow_the_nodes_memory(sharded_cluster: LocalCluster) -> None:
+    """`pipe-u2`'s nodes are configured with 3 and 1 GiB: its 4 layers split 3 (rank 0, the
+    last three) and 1, each rank checks it holds exactly its stage at load, and its greedy
+    text equals the whole model's (test_greedy_text_is_the_whole_models). `pipe-x2`'s
+    nodes are equal: mlx-lm's even split."""
+    done = subprocess.run(
+        [sys.executable, "-c", STATS_DRIVER, f"127.0.0.1:{GCS_PORT}", "pipe-u2", "pipe-x2"],
+        cwd=ROOT, env=sharded_cluster.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = {k: v for line in done.stdout.strip().splitlines() if line.startswith("{")
+             for k, v in json.loads(line).items()}
+    assert stats["pipe-u2"]["pipeline_layers"] == [3, 1]
+    assert stats["pipe-x2"]["pipeline_layers"] is None
+
+
+# Each rank's MLX memory limit, read in the rank's own process (a shard worker's method).
+LIMITS_DRIVER = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+found = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(True)
+               if a["name"].startswith(f"orchard-shard:{sys.argv[2]}:"))
+print(json.dumps([ray.get(ray.get_actor(n, namespace=ns).memory_limit.remote())
+                  for n, ns in found]))
+"""
+
+
+def _driver(cluster: LocalCluster, script: str, *args: str) -> Any:
+    """The last line a driver of its own printed, as JSON."""
+    done = subprocess.run([sys.executable, "-c", script, f"127.0.0.1:{GCS_PORT}", *args],
+                          cwd=ROOT, env=cluster.env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_rank_keeps_its_own_budget_and_preempts_in_lockstep(
+        client: openai.OpenAI, sharded_cluster: LocalCluster) -> None:
+    """`tiny-m2` (tiny by tensor, SMALL_BUDGET of KV on each Mac): each rank measured its
+    own KV and set its own MLX limit (rank 1's read in its own process), admission takes the
+    tightest, and four requests without max_tokens, which outgrow the budget together, are
+    preempted and resumed in lockstep and give the whole model's greedy text."""
+    bias = {token: int(value) for token, value in never_end_bias().items()}
+    prompts = [f"{p} Say more, number {i}." for i, p in enumerate(PROMPTS * 2)][:4]
+    patient = client.with_options(timeout=600)  # mostly one row at a time, every step synced
+
+    def run(model: str, prompt: str, max_tokens: int | None) -> tuple[str, int, int]:
+        answer = patient.chat.completions.create(
+            model=model, temperature=0, logit_bias=bias, max_tokens=max_tokens,
+            messages=[{"role": "user", "content": prompt}])
+        assert answer.choices[0].finish_reason == "length" and answer.usage is not None
+        return (answer.choices[0].message.content or "", answer.usage.prompt_tokens,
+                answer.usage.completion_tokens)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        sharded = list(pool.map(lambda p: run("tiny-m2", p, None), prompts))
+    memory = _driver(sharded_cluster, STATS_DRIVER, "tiny-m2")["tiny-m2"]["memory"]
+    assert [budget for budget, _ in memory["ranks"]] == [SMALL_BUDGET, SMALL_BUDGET]
+    assert memory["budget_bytes"] == SMALL_BUDGET  # equal ranks: the tightest is either
+    limits = _driver(sharded_cluster, LIMITS_DRIVER, "tiny-m2")
+    assert limits == [memory["ranks"][1][1]]  # rank 1 set the limit its own figures give
+    assert memory["preempted"] > 0 and memory["projected_bytes"] == 0
+    for prompt, (text, prompt_tokens, completion_tokens) in zip(prompts, sharded):
+        # Each ran to the 512 tokens one sequence may hold, as the whole model writes it.
+        assert prompt_tokens + completion_tokens == SMALL_BUDGET_TOKENS // 256 * 256
+        assert text == run("tiny", prompt, completion_tokens)[0], prompt
 
 
 def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI) -> None:

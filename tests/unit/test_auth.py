@@ -29,6 +29,7 @@ MESSAGE = {"model": "orchard-tiny", "max_tokens": 8,
 
 ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
     ("GET", "/v1/models", None),
+    ("GET", "/v1/models/orchard-tiny", None),
     ("POST", "/v1/chat/completions", CHAT),
     ("POST", "/v1/completions", {"model": "orchard-tiny", "prompt": PROMPT}),
     ("POST", "/v1/messages", MESSAGE),

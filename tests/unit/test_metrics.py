@@ -12,6 +12,7 @@ import deployments.metrics as metrics
 from ingress.observe import RequestRecord
 from replicas.contract import ErrorKind, FinishReason, Usage
 from replicas.engine.stats import EngineStats
+from replicas.engine.kv_layout import KvLayout
 from replicas.engine.memory import MemoryStats
 from replicas.timings import TimingSamples
 
@@ -57,7 +58,8 @@ def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
     metrics.RequestMetrics()
     metrics.EngineMetrics("m", shards=2)
     assert set(recorders) == {*metrics.REQUEST_METRICS, *metrics.ENGINE_METRICS,
-                              *metrics.MEMORY_METRICS, *metrics.SHARD_METRICS}
+                              *metrics.MEMORY_METRICS, *metrics.SHARD_METRICS,
+                              *metrics.EMBEDDING_METRICS}
 
 
 def test_a_finished_request_counts_once_with_its_labels(recorders: dict[str, _Recorder]) -> None:
@@ -109,10 +111,12 @@ def test_engine_counters_are_recorded_as_deltas(recorders: dict[str, _Recorder])
 
 def test_samples_and_memory_and_shards(recorders: dict[str, _Recorder]) -> None:
     engine = metrics.EngineMetrics("m", shards=2)
-    memory = MemoryStats(budget_bytes=1000, projected_bytes=400, waiting=2, refused=1)
+    memory = MemoryStats(budget_bytes=1000, projected_bytes=400, waiting=2, refused=1,
+                         preempted=2, layout=KvLayout(100, ((64, 10),), 5000))
     engine.record(_stats(memory=memory),
                   TimingSamples(((0.01, 3), (0.02, 4)), (0.5,), (0.001, 0.002)))
-    engine.record(_stats(memory=replace(memory, refused=4)), TimingSamples((), ()))
+    engine.record(_stats(memory=replace(memory, refused=4, preempted=2)),
+                  TimingSamples((), ()))
     tags = {"model": "m"}
     assert recorders["orchard_replica_shards"].calls == [("set", 2, tags)] * 2
     assert [c[1] for c in recorders["orchard_engine_step_seconds"].calls] == [0.01, 0.02]
@@ -123,3 +127,15 @@ def test_samples_and_memory_and_shards(recorders: dict[str, _Recorder]) -> None:
     assert recorders["orchard_kv_projected_bytes"].calls[-1] == ("set", 400, tags)
     assert recorders["orchard_waiting_for_memory"].calls[-1] == ("set", 2, tags)
     assert [c[1] for c in recorders["orchard_memory_refusals_total"].calls] == [1, 3]
+    assert recorders["orchard_preemptions_total"].calls == [("inc", 2, tags)]
+    assert recorders["orchard_kv_token_bytes"].calls[-1] == ("set", 110, tags)
+    assert recorders["orchard_kv_sequence_bytes"].calls[-1] == ("set", 5000, tags)
+
+
+def test_embeddings_are_counted_by_inputs_and_tokens(recorders: dict[str, _Recorder]) -> None:
+    engine = metrics.EngineMetrics("m")
+    engine.record(_stats(), TimingSamples((), (), (), ((1, 7), (16, 120))))
+    engine.record(_stats(), TimingSamples((), ()))  # none since: no inc(0)
+    tags = {"model": "m"}
+    assert recorders["orchard_embedding_inputs_total"].calls == [("inc", 17, tags)]
+    assert recorders["orchard_embedding_tokens_total"].calls == [("inc", 127, tags)]

@@ -20,6 +20,7 @@ from replicas.contract import (
     TextDelta,
     Usage,
 )
+from replicas.errors import InvalidRequestError
 from tests.fakes import FakeClient
 
 USAGE = Usage(prompt_tokens=7, completion_tokens=3, reasoning_tokens=1, cached_tokens=4)
@@ -121,3 +122,21 @@ def test_request_log_line_has_the_fields_and_no_text(
                      "output_tokens=3", "finish_reason=eos", "status=200"):
             assert part in line.split(" "), part
     assert line == format_line(record, json_lines)
+
+
+def test_an_embeddings_request_is_recorded_with_its_tokens() -> None:
+    http, seen = _app()
+    assert http.post("/v1/embeddings", json={"model": "tiny", "input": ["abc", SECRET]}
+                     ).status_code == 200
+    refused = FakeClient(embed_error=InvalidRequestError("no embeddings", param="model"))
+    observed = Collect()
+    assert TestClient(create_app(refused, observer=observed)).post(
+        "/v1/embeddings", json={"model": "tiny", "input": "x"}).status_code == 400
+    (record,) = seen.records
+    assert (record.protocol, record.endpoint, record.status) == ("openai", "/v1/embeddings", 200)
+    assert record.model == "orchard-tiny" and record.request_id is not None
+    assert record.request_id.startswith("emb-") and record.error is None
+    assert record.usage == Usage(prompt_tokens=3 + len(SECRET), completion_tokens=0)
+    assert not record.cancelled and record.finish_reason is None
+    (failed,) = observed.records
+    assert failed.status == 400 and failed.error is ErrorKind.INVALID_REQUEST

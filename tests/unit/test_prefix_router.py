@@ -5,10 +5,13 @@ least-loaded replica, the bounded key table, and what reaches Serve's ranks."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
+
 from deployments.config import ModelSettings
+from deployments.headroom import Ledger, MemoryShed, ReplicaRoom, Room, prompt_tokens
 from deployments.prefix_router import (
     TEXT_BLOCK_CHARS,
     Affinity,
@@ -158,17 +161,22 @@ class FakeId:
 class FakeReplica:
     replica_id: FakeId
     max_ongoing_requests: int = 64
+    routing_stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class FakeMetadata:
     call_method: str
+    internal_request_id: str = "internal-1"
 
 
-@dataclass(frozen=True)
+@dataclass
 class FakePending:
     args: list[Any]
     metadata: FakeMetadata
+    # Only the memory-aware router's shedding touches it (set_exception).
+    future: asyncio.Future[Any] = field(
+        default_factory=lambda: asyncio.Future(loop=asyncio.new_event_loop()))
 
 
 class FakeQueueLens:
@@ -179,10 +187,13 @@ class FakeQueueLens:
         return self.loads.get(replica_id.name)
 
 
-def router(loads: dict[str, int]) -> PrefixAffinityRouter:
+def router(loads: dict[str, int], replicas: list[FakeReplica] | None = None
+           ) -> PrefixAffinityRouter:
     r = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # Serve's constructor needs a loop
     r.initialize_state(policy="prefix", max_keys=100, max_imbalance=4)
     r._replica_queue_len_cache = FakeQueueLens(loads)  # type: ignore[assignment]
+    r._replicas = {x.replica_id: x for x in replicas or []}  # type: ignore[misc]
+    r._pending_requests_by_id = {}
     return r
 
 
@@ -199,7 +210,8 @@ def test_the_router_ranks_the_replica_that_served_the_conversation_first() -> No
     r.on_request_routed(turn1, FakeId("r1"), None)  # type: ignore[arg-type]
     turn2 = FakePending([chat("a1", "reply", "a2")], FakeMetadata("stream"))
     ranks = choose(r, replicas, turn2)
-    assert [[x.replica_id.name for x in rank] for rank in ranks] == [["r1"], ["r2", "r3"]]
+    # The others in one rank, in any order: Serve takes the less loaded of them.
+    assert [sorted(x.replica_id.name for x in rank) for rank in ranks] == [["r1"], ["r2", "r3"]]
     # Token counting neither follows nor records affinity; foreign arguments are tolerated.
     counted = choose(r, replicas, FakePending([chat("a1", "reply", "a2")],
                                               FakeMetadata("count_tokens")))
@@ -228,3 +240,125 @@ def test_each_api_carries_the_clients_session_key_into_the_request() -> None:
     responses = ResponsesRequest.model_validate(
         {"model": "m", "input": "hi", "prompt_cache_key": "k2"})
     assert to_plan(responses, ModelCard("m")).generation.session_key == "k2"
+
+
+# ---- memory-aware routing (deployments.headroom) ---------------------------------------
+
+
+def room(free: int, budget: int = 1000, waiting: int = 0, max_waiting: int = 4,
+         report: int = 0) -> ReplicaRoom:
+    return ReplicaRoom(free, budget, waiting, max_waiting, report)
+
+
+def test_the_cache_holder_keeps_the_turn_only_where_it_fits() -> None:
+    affinity = Affinity(max_keys=100, max_imbalance=8)
+    affinity.record(routing_keys(chat("a1"), "prefix"), "r1")  # type: ignore[arg-type]
+    turn2 = routing_keys(chat("a1", "reply", "a2"), "prefix")
+    loads: dict[str, int | None] = {"r1": 1, "r2": 0, "r3": 0}
+    roomy = Room({"r1": room(500), "r2": room(900), "r3": room(300)}, tokens=400)
+    assert affinity.rank(turn2, loads, roomy) == [["r1"], ["r2"], ["r3"]]
+    # r1 holds the prefix but not the request's KV: the roomiest that fits goes first, r1
+    # last, r3 (no room either) before it by room.
+    tight = Room({"r1": room(100), "r2": room(900), "r3": room(300)}, tokens=400)
+    assert affinity.rank(turn2, loads, tight) == [["r2"], ["r3"], ["r1"]]
+    # A full queue of requests waiting for memory refuses as surely as no room.
+    queued = Room({"r1": room(900, waiting=4), "r2": room(500), "r3": room(500)}, tokens=400)
+    assert affinity.rank(turn2, loads, queued)[-1] == ["r1"]
+
+
+def test_without_a_prefix_the_roomiest_replica_goes_first_unless_rooms_are_even() -> None:
+    affinity = Affinity(max_keys=100, max_imbalance=8)
+    fresh = routing_keys(chat("new"), "prefix")
+    loads: dict[str, int | None] = {"r1": 0, "r2": 0, "r3": 0}
+    uneven = Room({"r1": room(200), "r2": room(950), "r3": room(900)}, tokens=100)
+    ranks = affinity.rank(fresh, loads, uneven)
+    assert sorted(ranks[0]) == ["r2", "r3"] and ranks[1:] == [["r1"]]  # within 10%: a tie
+    even = Room({"r1": room(900), "r2": room(950), "r3": room(880)}, tokens=100)
+    assert affinity.rank(fresh, loads, even) == []  # power-of-two, by load
+    assert Room({r: None for r in loads}, tokens=100).even(list(loads))  # none reported
+    # One not reported yet (just started) is taken as the roomiest.
+    fresh_replica = Room({"r1": room(900), "r2": room(950), "r3": None}, tokens=100)
+    assert affinity.rank(fresh, loads, fresh_replica)[0] == ["r3"]
+    assert affinity.rank(None, loads, uneven)[1:] == [["r1"]]  # no keys at all: the same
+
+
+def test_shed_only_when_every_replica_reported_and_each_would_refuse() -> None:
+    full = {"waiting": 4}  # room(...)'s max_waiting is 4: the queue for memory is full
+    assert Room({"r1": room(100, **full), "r2": room(300, **full)}, tokens=400).shed
+    # A replica without room but with place in its queue takes it: it waits there.
+    assert not Room({"r1": room(100, **full), "r2": room(100)}, tokens=400).shed
+    assert not Room({"r1": room(100, **full), "r2": room(500, **full)}, tokens=400).shed
+    assert not Room({"r1": room(100, **full), "r2": None}, tokens=400).shed  # not reported
+    # Past every whole budget: the replica's 400 (prompt too long), not an overload.
+    assert not Room({"r1": room(100, **full), "r2": room(100, **full)}, tokens=4000).shed
+    # max_waiting 0: nothing waits, so only room decides.
+    assert Room({"r1": room(100, max_waiting=0)}, tokens=400).shed
+    assert not Room({"r1": room(900, max_waiting=0)}, tokens=400).shed
+
+
+def test_what_a_request_needs() -> None:
+    assert prompt_tokens(GenerationRequest("r", "m", TokenPrompt(tuple(range(300))))) == 300
+    assert prompt_tokens(GenerationRequest("r", "m", TextPrompt("x" * 400))) == 100
+    resumed = GenerationRequest("r", "m", TextPrompt("x" * 400), resume=(1, 2, 3))
+    assert prompt_tokens(resumed) == 103
+    tools = (ToolSpec("search", "find things", '{"type": "object"}'),)
+    assert prompt_tokens(chat("a" * 40, tools=tools)) > prompt_tokens(chat("a" * 40))
+
+
+def test_a_replica_reports_its_room_in_tokens() -> None:
+    from replicas.engine.kv_layout import KvLayout
+    from replicas.engine.memory import MemoryStats
+
+    memory = MemoryStats(budget_bytes=1024 * 1000, projected_bytes=1024 * 600, waiting=2,
+                         refused=0, layout=KvLayout(per_token=1024))
+    stats = ReplicaRoom.of(memory, max_waiting=4, report=7).stats()
+    assert ReplicaRoom.read(stats) == ReplicaRoom(400, 1000, 2, 4, 7)
+    assert ReplicaRoom.read({}) is None
+
+
+def test_the_ledger_counts_what_was_sent_until_a_report_can_have_counted_it() -> None:
+    now = [100.0]
+    ledger = Ledger(clock=lambda: now[0])
+    ledger.sent("r1", 300)
+    now[0] = 100.5
+    ledger.sent("r1", 200)
+    stale = room(900, report=100_200).stats()  # made 0.2 s after the first send: too soon
+    assert ledger.room("r1", stale) == room(400, report=100_200)
+    # A report ADMIT_LAG_S after the first send counts it; the second is still ours.
+    assert ledger.room("r1", room(600, report=101_100).stats()) == room(400, report=101_100)
+    assert ledger.room("r1", room(600, report=101_600).stats()) == room(600, report=101_600)
+    ledger.sent("r2", 50)
+    ledger.forget({"r1"})
+    assert ledger.room("r2", room(90, report=0).stats()) == room(90, report=0)
+
+
+def test_the_router_sheds_with_the_overload_error_and_prefers_room() -> None:
+    stats = {"r1": room(100, max_waiting=0).stats(), "r2": room(100, max_waiting=0).stats()}
+    replicas = [FakeReplica(FakeId(r), routing_stats=s) for r, s in stats.items()]
+    r = router({"r1": 0, "r2": 0}, replicas)
+
+    async def shed() -> BaseException | None:
+        pending = FakePending([GenerationRequest("big", "m", TokenPrompt(tuple(range(400))))],
+                              FakeMetadata("stream"))
+        index: dict[str, Any] = r._pending_requests_by_id  # Serve's index of pending requests
+        index[pending.metadata.internal_request_id] = pending
+        ranks = await r.choose_replicas(replicas, pending)  # type: ignore[arg-type]
+        assert ranks == [replicas]  # something, so Serve sees the future done and stops
+        assert not r._pending_requests_by_id  # dropped from Serve's index, as if cancelled
+        return pending.future.exception()
+
+    error = asyncio.run(shed())
+    assert isinstance(error, MemoryShed) and isinstance(error, BackPressureError)
+    assert "no replica of the model 'm' has KV memory" in str(error)
+    # A small request still fits: routed, to the roomier replica once r2 has room.
+    replicas[1] = FakeReplica(FakeId("r2"), routing_stats=room(900, max_waiting=0).stats())
+    small = FakePending([GenerationRequest("s", "m", TokenPrompt(tuple(range(50))))],
+                        FakeMetadata("stream"))
+    ranks = choose(r, replicas, small)
+    assert [[x.replica_id.name for x in rank] for rank in ranks] == [["r2"], ["r1"]]
+    # What the router sent r2 counts against it until a report of r2's can count it.
+    r.on_request_routed(small, FakeId("r2"), None)  # type: ignore[arg-type]
+    big = FakePending([GenerationRequest("b", "m", TokenPrompt(tuple(range(870))))],
+                      FakeMetadata("stream"))
+    ranks = choose(r, replicas, big)
+    assert big.future.exception() is not None  # 900 - 50 left on r2: not enough for 870

@@ -50,6 +50,20 @@ def compile_guided(spec: GuidedSpec) -> str:
     return validate(build(spec), what)
 
 
+def named_grammars(spec: GuidedSpec, name: str) -> list[dict[str, Any]]:
+    """`spec`'s grammar as entries of an llguidance grammar list, the first named `name`, so
+    another grammar can use it as `@name` (the answer beside a tool grammar's calls).
+
+    Raises InvalidRequestError as `compile_guided` does.
+    """
+    grammar = compile_guided(spec)
+    # llguidance's own rule: a grammar text opening with `{` is its JSON form, else Lark.
+    if not grammar.lstrip().startswith("{"):
+        return [{"name": name, "lark_grammar": grammar}]
+    first, *rest = json.loads(grammar)["grammars"]
+    return [{**first, "name": name}, *rest]
+
+
 def _json_object(spec: GuidedSpec) -> str:
     _expect(spec, type(None), "no value")
     return LLMatcher.grammar_from_json_schema(_ANY_OBJECT, overrides=_JSON_OPTIONS)

@@ -6,7 +6,9 @@ parsing knobs live too, so a new family needs no edit here. Each tool is its own
 alternative, so a call's name and its arguments' schema are tied. `auto` lets free text run
 until the call section's trigger, then constrains from there (llguidance's lazy lexeme, or
 a special-token reference when the trigger is one special token of the model: the two
-forms `llguidance.StructTag` compiles to).
+forms `llguidance.StructTag` compiles to). With the request's own answer grammar
+(`response_format`), `auto` is instead a choice between a call section and an answer
+under that grammar, never free text: OpenAI's "call a tool or answer in the schema".
 
 A keyword the grammar cannot enforce never refuses a request that is not `strict`: it is
 left out of the grammar and named in the result's warnings, which the response carries
@@ -22,11 +24,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from replicas.contract import ToolChoice, ToolSpec
+from replicas.contract import GuidedSpec, ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
 from replicas.families.registry import TOOL_FORMATS
 from replicas.families.tool_format import CallGrammar, ToolFormat
-from replicas.pipeline.guided.compiler import checked_json_schema, grammar_warnings
+from replicas.pipeline.guided.compiler import (
+    checked_json_schema,
+    grammar_warnings,
+    named_grammars,
+)
 from replicas.pipeline.guided.schema_keywords import openai_strict_violations
 from replicas.pipeline.guided.tokenizer import GuidedTokenizer
 from replicas.pipeline.guided.tool_params import unenforced_string_keywords, xml_parameters
@@ -34,6 +40,7 @@ from replicas.pipeline.guided.tool_params import unenforced_string_keywords, xml
 
 TOOL_NAME: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TEXT_RULE: Final = "TEXT: /(?s:.+)/"  # free text: any characters, never special tokens
+ANSWER: Final = "answer"  # the answer grammar's name in the grammar list, `@answer` in Lark
 
 
 @dataclass(frozen=True)
@@ -49,13 +56,16 @@ def compile_tool_grammar(
     choice: ToolChoice,
     *,
     tokenizer: GuidedTokenizer,
+    answer: GuidedSpec | None = None,
 ) -> ToolGrammar | None:
     """The llguidance grammar for the answer channel of a request that offers `tools`.
 
     None when nothing is constrained: `tool_choice: none` (`tool_plan.py` bans the
     format's reserved markers instead) or `auto` with no tools. `tokenizer` decides how the format's markers are
-    matched: as the model's special token where it has one, as text otherwise. Raises
-    InvalidRequestError (param `tools` or `tool_choice`) for bad input.
+    matched: as the model's special token where it has one, as text otherwise. `answer`
+    (`auto` only: a forced call has no answer) replaces the free text by an answer under
+    that grammar. Raises InvalidRequestError (param `tools` or `tool_choice`) for bad
+    input, and as `compile_guided` does for a bad `answer`.
     """
     fmt, syntax = _format(tool_format)
     _check_names(tools, choice)
@@ -66,9 +76,15 @@ def compile_tool_grammar(
         dropped.extend(unenforced)
     if choice.mode == "none" or not tools:
         return None
+    if answer is not None and (choice.mode == "required" or choice.name is not None):
+        raise ValueError("an answer grammar needs tool_choice auto: a forced call has no answer")
+    # Compiled alone first, so a bad schema fails with response_format's own message.
+    answer_grammars = named_grammars(answer, ANSWER) if answer is not None else []
     offered = [t.name for t in tools if choice.name is None or t.name == choice.name]
     marks = _Markers(syntax.markers, tokenizer)
-    lark = _lark(syntax, marks, offered, arguments, choice)
+    lark = _lark(syntax, marks, offered, arguments, choice, answer=bool(answer_grammars))
+    if answer_grammars:  # the answer is a grammar of its own that the Lark names `@answer`
+        lark = json.dumps({"grammars": [{"lark_grammar": lark}, *answer_grammars]})
     try:
         grammar, lenient = grammar_warnings(lark, "invalid tool grammar", tokenizer.ll)
     except InvalidRequestError as exc:
@@ -199,10 +215,11 @@ class _Markers:
 
 
 def _lark(syntax: CallGrammar, marks: _Markers, names: list[str],
-          arguments: dict[str, ArgumentRules], choice: ToolChoice) -> str:
+          arguments: dict[str, ArgumentRules], choice: ToolChoice, *, answer: bool) -> str:
     # A named choice forces a call to that tool, as OpenAI's does.
     required = choice.mode == "required" or choice.name is not None
-    triggered = not required and syntax.text_open is None
+    # With an answer grammar, nothing precedes a call: the section opens the completion.
+    triggered = not required and not answer and syntax.text_open is None
     # In `auto` the trigger has been matched by the time the first call's rules start.
     skip = len(syntax.trigger) if triggered else 0
     rules = ["%llguidance {}"]
@@ -233,6 +250,17 @@ def _lark(syntax: CallGrammar, marks: _Markers, names: list[str],
         pre = "preamble? "
     if required:
         rules.append(f"start: {pre}section")
+        if pre:
+            rules.append(TEXT_RULE)
+    elif answer:
+        # The answer where free text would be: after the header that announces text
+        # (harmony's final channel), between the wrappers free text may hold (Kimi K3's).
+        head = marks.lark(syntax.text_open) + " " if syntax.text_open is not None else ""
+        wrap = ""
+        if syntax.text_markers:
+            rules.append("text_marker: " + " | ".join(marks.lark(m) for m in syntax.text_markers))
+            wrap = "text_marker?"
+        rules.append(f"start: {pre}(section | {head}{wrap} @{ANSWER} {wrap})")
         if pre:
             rules.append(TEXT_RULE)
     elif syntax.text_open is not None:

@@ -28,8 +28,9 @@ CARD = ModelCard("orchard-tiny")
 CHATS = [s.id for s in load_scripts() if s.kind == "chat"]
 
 
-def openai_request(s: Script, kwargs: dict[str, Any] | None) -> GenerationRequest:
-    body = {"model": CARD.id, "messages": s.message_dicts, "chat_template_kwargs": kwargs}
+def openai_request(s: Script, switch: dict[str, Any] | None) -> GenerationRequest:
+    """`switch`: the body's thinking fields (`chat_template_kwargs`, `reasoning_effort`)."""
+    body = {"model": CARD.id, "messages": s.message_dicts, **(switch or {})}
     if s.tools:
         body["tools"] = s.tool_dicts
     return chat_request(ChatCompletionRequest.model_validate(body), CARD.id)
@@ -92,8 +93,11 @@ def responses_request(s: Script, reasoning: dict[str, Any] | None) -> Generation
 # (API, switch, thinking on?) for every thinking switch each API has.
 VARIANTS = [
     ("openai", None, True),  # the template default
-    ("openai", {"enable_thinking": True}, True),
-    ("openai", {"enable_thinking": False}, False),
+    ("openai", {"chat_template_kwargs": {"enable_thinking": True}}, True),
+    ("openai", {"chat_template_kwargs": {"enable_thinking": False}}, False),
+    ("openai", {"reasoning_effort": "none"}, False),
+    ("openai", {"reasoning_effort": "minimal"}, False),
+    ("openai", {"reasoning_effort": "low"}, True),
     ("anthropic", None, False),  # Anthropic does not think unless asked
     ("anthropic", {"type": "disabled"}, False),
     ("anthropic", {"type": "enabled", "budget_tokens": 100}, True),

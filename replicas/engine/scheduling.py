@@ -1,0 +1,144 @@
+"""Who joins the batch, and who leaves it when KV memory runs out (engine thread only).
+
+A request waits in `Waiting` until its prompt fits (`replicas.engine.memory`); in the batch
+its reservation grows a cache step at a time. When a reservation cannot grow, the youngest
+request is preempted, vLLM's recompute preemption: it leaves the batch and waits first in
+line as its prompt plus the tokens it generated, with fewer left to generate and its
+sampler's count moved on, so when it rejoins it goes on exactly where it stopped. The
+engine (`core.py`) does the batch operations; this module decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+from replicas.contract import ErrorKind, Failed
+from replicas.engine.config import EngineConfig
+from replicas.engine.delivery import deliver
+from replicas.engine.memory import KvBudget
+from replicas.engine.request import EngineRequest, RequestOutput, Submitted
+from replicas.engine.sampling import GuardedProcessors
+
+log = logging.getLogger(__name__)
+
+_MEMORY_FULL = "this replica's KV memory is taken and too many requests wait for it; retry later"
+_MEMORY_WAIT = ("this replica's KV memory stayed taken for {:g}s while the request waited; "
+                "retry later")
+# A row's KV grows by the token fed in the step and by the one mlx-lm computes ahead.
+_STEP_GROWTH = 2
+
+
+@dataclass
+class Active:
+    """A request in the batch."""
+
+    uid: int
+    sub: Submitted
+    guard: GuardedProcessors | None
+    cached: int  # prompt tokens the prefix cache served, for its usage
+    order: int  # when it first joined: the highest is the youngest, preempted first
+    # Tokens generated since it (re)joined: a preempted request's prompt grows by them.
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def output(self) -> RequestOutput:
+        return self.sub.output
+
+    @property
+    def request_id(self) -> str:
+        return self.sub.request_id
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A request waiting to join the batch: new (`resumed` None), or preempted."""
+
+    sub: Submitted
+    since: float  # monotonic time it started waiting
+    resumed: Active | None = None  # what it was when preempted
+
+    @property
+    def request_id(self) -> str:
+        return self.sub.request_id
+
+
+def reach(request: EngineRequest, length: int, whole: bool) -> int:
+    """The KV tokens a request of `length` tokens must hold through the next step (`whole`:
+    all it may ever reach, the reservation that never preempts), never more than all it
+    may reach, which admission's cap guarantees fits alone."""
+    total = len(request.prompt_ids) + request.max_tokens
+    return total if whole else min(length + _STEP_GROWTH, total)
+
+
+def preempted(active: Active) -> Queued:
+    """`active` as it waits to rejoin: its prompt grown by what it generated."""
+    request, done = active.sub.request, len(active.tokens)
+    resumed = replace(request, prompt_ids=request.prompt_ids + tuple(active.tokens),
+                      max_tokens=request.max_tokens - done,
+                      sampled_before=request.sampled_before + done, score_prompt=False)
+    return Queued(Submitted(resumed, active.sub.output), time.monotonic(),
+                  replace(active, tokens=[]))
+
+
+class Waiting:
+    """The queue for KV memory, and the admission and growth decisions over the budget."""
+
+    def __init__(self, kv: KvBudget, config: EngineConfig) -> None:
+        self.kv = kv
+        self._config = config
+        self._whole = config.kv_reservation == "whole"
+        self.queue: deque[Queued] = deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def admit(self, submits: Iterable[Submitted], cancelled: Callable[[str], bool],
+              cache_bytes: Callable[[], int], evict_to: Callable[[int], None]) -> list[Queued]:
+        """Those that join the batch now, in order: the preempted first, then the rest while
+        each fits. A cancelled one is dropped; past the waiting bound or the waiting time,
+        new ones get the overloaded error (a preempted one has streamed: it keeps its place)."""
+        now = time.monotonic()
+        pending = [q for q in (*self.queue, *(Queued(s, now) for s in submits))
+                   if not cancelled(q.request_id)]
+        pending = self._expire(pending, now)
+        admitted, self.queue, refused = self.kv.take(
+            pending, lambda q: q.request_id,
+            lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole),
+            cache_bytes, evict_to, keep=lambda q: q.resumed is not None)
+        deliver([(q.sub.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
+                 for q in refused])
+        return admitted
+
+    def _expire(self, pending: list[Queued], now: float) -> list[Queued]:
+        limit = self._config.max_memory_wait_s
+        if limit is None:
+            return pending
+        late = [q for q in pending if q.resumed is None and now - q.since > limit]
+        if not late:
+            return pending
+        deliver([(q.sub.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_WAIT.format(limit))])
+                 for q in late])
+        return [q for q in pending if q not in late]
+
+    def grow(self, active: dict[int, Active], cache_bytes: Callable[[], int],
+             evict_to: Callable[[int], None], preempt: Callable[[Active], None]) -> None:
+        """Before a step: every row's reservation covers the KV the step adds; where it
+        cannot, `preempt` the youngest row (the engine takes it out of the batch) and
+        queue it first, until it can."""
+        if self._whole:
+            return
+        for row in sorted(active.values(), key=lambda a: a.order):
+            need = reach(row.sub.request, len(row.sub.request.prompt_ids) + len(row.tokens),
+                         False)
+            while row.uid in active and need > self.kv.reserved(row.request_id) and \
+                    not self.kv.reserve(row.request_id, need, cache_bytes(), evict_to):
+                youngest = max(active.values(), key=lambda a: a.order)
+                preempt(youngest)
+                self.kv.preempted += 1
+                log.info("request %s preempted after %d tokens (KV memory): it resumes by "
+                         "prefill", youngest.request_id, len(youngest.tokens))
+                self.queue.appendleft(preempted(youngest))

@@ -1,0 +1,106 @@
+"""RayModelClient.embed over fake handles (no Ray instance): the deployment's "accepted"
+marker bounds the wait for a replica, not the forwards after it; a replica's refusal keeps
+its kind; Ray's failures become the taxonomy's. The real thing is
+`tests/e2e/test_embeddings_http.py`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from deployments.model_clients import RayModelClient
+from ingress.client import ModelCard
+from replicas.contract import EmbeddingRequest, EmbeddingResult, ErrorKind, Failed
+from replicas.errors import InternalError, InvalidRequestError, OverloadedError
+
+pytestmark = pytest.mark.cluster
+
+REQUEST = EmbeddingRequest("e1", "m", ("hi",))
+RESULT = EmbeddingResult(((0.6, 0.8),), 2)
+
+
+class Call:
+    """One `embed` call's answers: None (accepted) first, then each scripted item, a delay
+    (seconds, float) slept before the next, an exception raised where it stands."""
+
+    def __init__(self, script: list[Any]) -> None:
+        self._script = script
+        self.cancelled = False
+
+    def __aiter__(self) -> "Call":
+        return self
+
+    async def __anext__(self) -> Any:
+        while self._script and isinstance(self._script[0], float):
+            await asyncio.sleep(self._script.pop(0))
+        if not self._script:
+            raise StopAsyncIteration
+        item = self._script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Handle:
+    def __init__(self, script: list[Any]) -> None:
+        self.call = Call(script)
+        self.embed = self
+
+    def options(self, **_: Any) -> "Handle":
+        return self
+
+    def remote(self, request: EmbeddingRequest) -> Call:
+        return self.call
+
+
+def embed(script: list[Any], wait_s: float = 0.5) -> tuple[Any, Call]:
+    handle = Handle(script)
+    client = RayModelClient([ModelCard("m")], {"m": handle},  # type: ignore[dict-item]
+                            replica_wait_s=wait_s)
+
+    async def one() -> Any:
+        try:
+            return await client.embed(REQUEST)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            return exc
+
+    return asyncio.run(asyncio.wait_for(one(), 10)), handle.call
+
+
+def test_the_result_after_the_accepted_marker() -> None:
+    result, call = embed([None, RESULT])
+    assert result == RESULT and not call.cancelled
+
+
+def test_a_slow_forward_is_not_a_slow_replica() -> None:
+    # Accepted at once; the vectors take longer than the wait for a replica.
+    result, _ = embed([None, 1.0, RESULT], wait_s=0.2)
+    assert result == RESULT
+
+
+def test_no_replica_in_time_is_overloaded_and_cancelled() -> None:
+    result, call = embed([1.0, None, RESULT], wait_s=0.2)
+    assert isinstance(result, OverloadedError) and "within 0.2 s" in result.message
+    assert call.cancelled
+
+
+def test_the_replica_s_refusal_keeps_its_kind() -> None:
+    refused = Failed(ErrorKind.INVALID_REQUEST, "no embeddings here", param="model")
+    result, _ = embed([None, refused])
+    assert isinstance(result, InvalidRequestError) and result.param == "model"
+
+
+@pytest.mark.parametrize(("error", "kind"), [(BackPressureError(num_queued_requests=1,
+                                                                max_queued_requests=1),
+                                              OverloadedError),
+                                             (RayActorError(), InternalError)])
+def test_ray_failures_become_the_taxonomy_s(error: Exception, kind: type) -> None:
+    result, _ = embed([None, error])
+    assert isinstance(result, kind)

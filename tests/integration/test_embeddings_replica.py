@@ -1,0 +1,240 @@
+"""`/v1/embeddings` in a real `ModelReplica` without Ray: `builtin:embed` (an embedding
+checkpoint found by its sentence-transformers files) and the chat model `builtin:tiny`
+(refused, or opted in by config), the engine's `call` mechanism the forwards run through,
+and the colocated client over the replica, driven by the official `openai` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import mlx.core as mx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from deployments.model_clients import LocalModelClient
+from ingress.app import create_app
+from ingress.client import ModelCard
+from replicas.contract import (
+    EmbeddingRequest,
+    EmbeddingResult,
+    ErrorKind,
+    Failed,
+    Finished,
+    FinishReason,
+    SamplingParams,
+    TextDelta,
+    TextPrompt,
+    GenerationRequest,
+)
+from replicas.engine.core import EngineDead
+from replicas.replica import ModelReplica, ReplicaOptions
+from tests.streams import collect
+
+# Max abs difference between a vector embedded in a batch and the same input alone.
+TOLERANCE = 1e-4
+TEXTS = ("The weather in Paris is sunny.", "hi", "Tokyo, Delhi and Shanghai are large cities "
+         "with many people living in them, and this sentence is the longest of the lot.")
+WIDTH = 256  # builtin:embed's hidden size
+MAX_TOKENS = 2048  # its sentence_bert_config.json's max_seq_length
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def embed(replica: ModelReplica, *inputs: Any, dimensions: int | None = None
+          ) -> EmbeddingResult | Failed:
+    result: EmbeddingResult | Failed = run(replica.embed(
+        EmbeddingRequest("e1", "orchard-embed", tuple(inputs), dimensions)))
+    return result
+
+
+def vectors(replica: ModelReplica, *inputs: Any, dimensions: int | None = None
+            ) -> tuple[tuple[float, ...], ...]:
+    result = embed(replica, *inputs, dimensions=dimensions)
+    assert isinstance(result, EmbeddingResult), result
+    return result.vectors
+
+
+def max_diff(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Iterator[ModelReplica]:
+    rep = ModelReplica(ReplicaOptions(model_id="orchard-embed", source="builtin:embed",
+                                      embedding_dimensions=True))
+    rep.start()
+    yield rep
+    rep.shutdown()
+
+
+def test_vectors_are_the_reference_pooling(embedder: ModelReplica) -> None:
+    got = vectors(embedder, *TEXTS)
+    model = embedder.model
+    ids = [model.hf_tokenizer.encode(t, add_special_tokens=True) for t in TEXTS]
+    eos = model.hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert all(row[-1] == eos for row in ids)  # the tokenizer appends the pooled token
+
+    def reference() -> list[list[float]]:  # on the engine thread, which owns MLX
+        out = []
+        for row in ids:
+            last = model.model.model(mx.array([row]))[0, -1].astype(mx.float32)
+            out.append((last / mx.linalg.norm(last)).tolist())
+        return out
+
+    want = embedder._engine.call(reference).result(timeout=60)
+    for vector, expected in zip(got, want, strict=True):
+        assert len(vector) == WIDTH
+        assert max_diff(vector, tuple(expected)) <= TOLERANCE
+        assert math.isclose(math.fsum(x * x for x in vector), 1.0, rel_tol=1e-5)
+
+
+def test_the_same_text_alone_and_in_a_batch(embedder: ModelReplica) -> None:
+    batch = vectors(embedder, *TEXTS)
+    for text, batched in zip(TEXTS, batch):
+        (alone,) = vectors(embedder, text)
+        assert max_diff(alone, batched) <= TOLERANCE
+
+
+def test_token_ids_embed_as_the_text_they_encode(embedder: ModelReplica) -> None:
+    ids = tuple(embedder.model.hf_tokenizer.encode(TEXTS[0], add_special_tokens=True))
+    from_ids, from_text = vectors(embedder, ids, TEXTS[0])
+    assert max_diff(from_ids, from_text) <= TOLERANCE
+    result = embed(embedder, ids, TEXTS[0])
+    assert isinstance(result, EmbeddingResult) and result.prompt_tokens == 2 * len(ids)
+
+
+def test_dimensions_truncate_and_renormalize(embedder: ModelReplica) -> None:
+    (full,), (short,) = vectors(embedder, TEXTS[0]), vectors(embedder, TEXTS[0], dimensions=32)
+    assert len(short) == 32
+    norm = math.sqrt(math.fsum(x * x for x in full[:32]))
+    assert max_diff(short, tuple(x / norm for x in full[:32])) <= TOLERANCE
+
+
+@pytest.mark.parametrize(("inputs", "dimensions", "kind", "param", "says"), [
+    (((1,) * (MAX_TOKENS + 1),), None, ErrorKind.CONTEXT_LENGTH, "input",
+     f"at most {MAX_TOKENS}"),
+    (("ok", (3, 10**6)), None, ErrorKind.INVALID_REQUEST, "input", "input[1]: token id"),
+    (("ok",), WIDTH + 1, ErrorKind.INVALID_REQUEST, "dimensions", f"between 1 and {WIDTH}"),
+])
+def test_refusals(embedder: ModelReplica, inputs: tuple[Any, ...], dimensions: int | None,
+                  kind: ErrorKind, param: str, says: str) -> None:
+    result = embed(embedder, *inputs, dimensions=dimensions)
+    assert isinstance(result, Failed) and result.kind is kind and result.param == param
+    assert says in result.message and not result.replica_fault
+
+
+def test_embeddings_are_counted_for_metrics(embedder: ModelReplica) -> None:
+    embedder.drain_timings()
+    vectors(embedder, *TEXTS)
+    (counted,) = embedder.drain_timings().embeddings
+    assert counted[0] == len(TEXTS) and counted[1] > len(TEXTS)
+
+
+def test_embeddings_run_between_the_steps_of_a_generation(embedder: ModelReplica) -> None:
+    # builtin:embed has a head too (random), so it can generate: a long greedy completion
+    # with embeddings arriving meanwhile ends as it does alone, and every embedding too.
+    request = GenerationRequest("g1", "orchard-embed", TextPrompt("Once upon a time"),
+                                SamplingParams(max_tokens=96, temperature=0.0))
+
+    async def together() -> tuple[list[Any], list[EmbeddingResult | Failed]]:
+        stream = embedder.stream(request)
+        first = await anext(stream)  # the generation is in the batch now
+        results = [await embedder.embed(EmbeddingRequest(f"e{i}", "orchard-embed", TEXTS))
+                   for i in range(4)]
+        return first + await collect(stream), results
+
+    def answer(events: list[Any]) -> str:
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+    alone = run(collect(embedder.stream(request)))
+    events, results = run(together())
+    assert answer(events) == answer(alone) != ""
+    assert isinstance(events[-1], Finished) and events[-1].reason is FinishReason.LENGTH
+    batch = vectors(embedder, *TEXTS)
+    for result in results:
+        assert isinstance(result, EmbeddingResult)
+        assert all(max_diff(a, b) <= TOLERANCE for a, b in zip(result.vectors, batch))
+
+
+def test_the_call_mechanism_runs_on_the_engine_thread_and_fails_cleanly() -> None:
+    replica = ModelReplica(ReplicaOptions(model_id="orchard-embed", source="builtin:embed"))
+    replica.start()
+    engine = replica._engine
+    try:
+        assert engine.call(lambda: threading.current_thread().name).result(60) == \
+            "orchard-engine"
+        with pytest.raises(ZeroDivisionError):  # the caller's exception, the engine runs on
+            engine.call(lambda: 1 // 0).result(60)
+        assert engine.call(lambda: 2 + 2).result(60) == 4
+        # One call holds the engine thread; the next waits in the queue when it dies.
+        holding, release = threading.Event(), threading.Event()
+        first = engine.call(lambda: holding.set() or release.wait(60))
+        assert holding.wait(60)
+        queued: Future[int] = engine.call(lambda: 1)
+        replica.abort("a shard was lost")
+        with pytest.raises(EngineDead, match="a shard was lost"):
+            queued.result(60)
+        release.set()
+        assert first.result(60) is True  # the running one still finishes
+        with pytest.raises(EngineDead):
+            engine.call(lambda: 1)
+        failed = embed(replica, "hello")
+        assert isinstance(failed, Failed) and failed.replica_fault
+        assert failed.kind is ErrorKind.INTERNAL
+    finally:
+        release.set()
+        replica.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_mean() -> Iterator[ModelReplica]:
+    rep = ModelReplica(ReplicaOptions(model_id="orchard-tiny-mean", source="builtin:tiny",
+                                      embeddings="mean"))
+    rep.start()
+    yield rep
+    rep.shutdown()
+
+
+def test_a_chat_model_without_opt_in_answers_400(replica: ModelReplica) -> None:
+    result = run(replica.embed(EmbeddingRequest("e1", "orchard-tiny", ("hello",))))
+    assert isinstance(result, Failed) and result.kind is ErrorKind.INVALID_REQUEST
+    assert result.param == "model" and "does not serve embeddings" in result.message
+    assert "embeddings: last_token" in result.message
+
+
+def test_a_chat_model_opted_in_pools_the_mean(tiny_mean: ModelReplica) -> None:
+    (vector,) = vectors(tiny_mean, "hello there")
+    ids = tiny_mean.model.hf_tokenizer.encode("hello there", add_special_tokens=True)
+
+    def reference() -> list[float]:
+        mean = tiny_mean.model.model.model(mx.array([ids]))[0].astype(mx.float32).mean(axis=0)
+        return (mean / mx.linalg.norm(mean)).tolist()
+
+    want = tiny_mean._engine.call(reference).result(timeout=60)
+    assert len(vector) == 128 and max_diff(vector, tuple(want)) <= TOLERANCE
+    refused = embed(tiny_mean, "x", dimensions=8)  # no `embedding_dimensions` for it
+    assert isinstance(refused, Failed) and refused.param == "dimensions"
+
+
+def test_the_colocated_client_through_the_sdk(embedder: ModelReplica) -> None:
+    card = ModelCard("orchard-embed", capabilities=("embeddings",))
+    http = TestClient(create_app(LocalModelClient(embedder, card, max_ongoing=4)))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
+                           max_retries=0)
+    batch = vectors(embedder, *TEXTS)
+    for encoding in ("float", None):  # None: the SDK asks for base64 and decodes it
+        extra = {} if encoding is None else {"encoding_format": encoding}
+        result = client.embeddings.create(model="orchard-embed", input=list(TEXTS), **extra)
+        assert [d.index for d in result.data] == [0, 1, 2]
+        for item, want in zip(result.data, batch):
+            assert max_diff(tuple(item.embedding), want) <= TOLERANCE
+    with pytest.raises(openai.BadRequestError, match="at most 2048"):
+        client.embeddings.create(model="orchard-embed", input=[[1] * (MAX_TOKENS + 1)])
