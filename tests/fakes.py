@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from itertools import pairwise
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -188,3 +189,30 @@ def app_for(
         return error_response(ErrorKind.INVALID_REQUEST, validation_message(exc), protocol)
 
     return app
+
+
+class ScriptedCall:
+    """A Ray Serve streaming call as a model client sees it (`handle.method.remote(...)`):
+    its answers in order, a float slept before the next, an exception raised where it
+    stands; `cancel()` is recorded."""
+
+    def __init__(self, script: Sequence[object]) -> None:
+        self._script = list(script)
+        self.cancelled = False
+
+    def __aiter__(self) -> "ScriptedCall":
+        return self
+
+    async def __anext__(self) -> Any:
+        while self._script and isinstance(self._script[0], float):
+            await asyncio.sleep(self._script.pop(0))
+        if not self._script:
+            raise StopAsyncIteration
+        item = self._script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+

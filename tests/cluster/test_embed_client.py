@@ -16,6 +16,7 @@ from deployments.model_clients import RayModelClient
 from ingress.client import ModelCard
 from replicas.contract import EmbeddingRequest, EmbeddingResult, ErrorKind, Failed
 from replicas.errors import InternalError, InvalidRequestError, OverloadedError
+from tests.fakes import ScriptedCall
 
 pytestmark = pytest.mark.cluster
 
@@ -23,44 +24,19 @@ REQUEST = EmbeddingRequest("e1", "m", ("hi",))
 RESULT = EmbeddingResult(((0.6, 0.8),), 2)
 
 
-class Call:
-    """One `embed` call's answers: None (accepted) first, then each scripted item, a delay
-    (seconds, float) slept before the next, an exception raised where it stands."""
-
-    def __init__(self, script: list[Any]) -> None:
-        self._script = script
-        self.cancelled = False
-
-    def __aiter__(self) -> "Call":
-        return self
-
-    async def __anext__(self) -> Any:
-        while self._script and isinstance(self._script[0], float):
-            await asyncio.sleep(self._script.pop(0))
-        if not self._script:
-            raise StopAsyncIteration
-        item = self._script.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 class Handle:
     def __init__(self, script: list[Any]) -> None:
-        self.call = Call(script)
+        self.call = ScriptedCall(script)
         self.embed = self
 
     def options(self, **_: Any) -> "Handle":
         return self
 
-    def remote(self, request: EmbeddingRequest) -> Call:
+    def remote(self, request: EmbeddingRequest) -> ScriptedCall:
         return self.call
 
 
-def embed(script: list[Any], wait_s: float = 0.5) -> tuple[Any, Call]:
+def embed(script: list[Any], wait_s: float = 0.5) -> tuple[Any, ScriptedCall]:
     handle = Handle(script)
     client = RayModelClient([ModelCard("m")], {"m": handle},  # type: ignore[dict-item]
                             replica_wait_s=wait_s)

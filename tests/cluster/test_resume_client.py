@@ -25,6 +25,7 @@ from replicas.contract import (
     TokenIds,
     Usage,
 )
+from tests.fakes import ScriptedCall
 from tests.streams import collect
 
 pytestmark = pytest.mark.cluster
@@ -32,27 +33,6 @@ pytestmark = pytest.mark.cluster
 REQUEST = GenerationRequest(request_id="r1", model="m", prompt=TextPrompt("hi"))
 END = Finished(FinishReason.EOS, Usage(1, 3))
 Script = list[list[OutputEvent] | BaseException]
-
-
-class Replica:
-    """One attempt's stream: its batches in order; an exception where the replica fails."""
-
-    def __init__(self, script: Script) -> None:
-        self._script: Script = [[], *script]  # the "accepted" marker first
-
-    def __aiter__(self) -> "Replica":
-        return self
-
-    async def __anext__(self) -> list[OutputEvent]:
-        if not self._script:
-            raise StopAsyncIteration
-        item = self._script.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        pass
 
 
 class Handle:
@@ -66,9 +46,10 @@ class Handle:
     def options(self, **_: Any) -> "Handle":
         return self
 
-    def remote(self, request: GenerationRequest) -> Replica:
+    def remote(self, request: GenerationRequest) -> ScriptedCall:
         self.sent.append(request)
-        return Replica(self._replicas.pop(0))
+        # One attempt's stream: the "accepted" marker, then its script.
+        return ScriptedCall([[], *self._replicas.pop(0)])
 
 
 def run(handle: Handle, attempts: int = 4) -> tuple[list[OutputEvent], list[str]]:
