@@ -66,11 +66,24 @@ def _capabilities(model: ModelSettings) -> tuple[str, ...]:
         embedding_support
     from replicas.sources import model_files
 
-    if model.shards > 1:  # a sharded replica refuses embeddings (replicas/embedder.py)
+    if model.shards > 1:  # a sharded replica serves neither (embedder.py, vision.py)
         return ("text",)
     directory = model_files(model.source, SENTENCE_TRANSFORMERS_FILES, fetch=False)
     support = embedding_support(directory, model.embeddings, model.embedding_dimensions)
-    return capabilities(support, opted_in=model.embeddings is not None)
+    found = capabilities(support, opted_in=model.embeddings is not None)
+    return (*found, "vision") if _sees(model) and "text" in found else found
+
+
+def _sees(model: ModelSettings) -> bool:
+    """Whether the model takes images: its config.json, or (a Hub model not on disk yet)
+    `kind: vision`, which its replica then holds it to."""
+    from replicas.sources import model_config
+    from replicas.vision import sees
+
+    config = model_config(model.source, fetch=False)
+    if config is None:
+        return model.kind == "vision"
+    return sees(config, model.kind)
 
 
 def _check_sharding(model: ModelSettings) -> None:

@@ -68,6 +68,11 @@ class ModelSettings(_Strict):
         "normalized: opts a chat model in, or overrides an embedding checkpoint's own "
         "sentence-transformers files. Unset: only a checkpoint whose files name a pooling "
         "(Qwen3-Embedding's) serves embeddings; any other model answers 400.")
+    kind: Literal["auto", "text", "vision"] = Field(
+        "auto", description="`auto`: a vision-language checkpoint of a type Orchard serves "
+        "with images (replicas/vision.py) takes them, any other model reads text (images "
+        "become placeholders); `text`: always text; `vision`: must take images (the replica "
+        "fails to load otherwise).")
     embedding_dimensions: bool = Field(
         False, description="The model was trained Matryoshka-style (Qwen3-Embedding): a "
         "request's `dimensions` keeps the first N values and re-normalizes. False: "
@@ -178,6 +183,11 @@ class ModelSettings(_Strict):
         if self.distributed.pipeline_layers is not None and self.sharding == "tensor":
             raise ValueError("distributed.pipeline_layers needs sharding: pipeline (tensor "
                              "parallel gives every rank an equal share)")
+        if self.prompt_cache.disk_path is not None and self.shards > 1:
+            raise ValueError("prompt_cache.disk_path needs shards: 1 (a sharded replica's "
+                             "ranks keep their caches in lockstep, in memory only)")
+        if self.kind == "vision" and self.shards > 1:
+            raise ValueError("kind: vision needs shards: 1 (a sharded replica reads text only)")
         return self
 
     @property
@@ -200,6 +210,24 @@ class ModelSettings(_Strict):
 
 
 _EDGE = EdgeOptions()
+_IMAGES = _EDGE.images
+
+
+class ImageSettings(_Strict):
+    """`ingress.images`: what a request's images may be, for a model that sees; defaults
+    from `ingress.options.ImageLimits`. Past a limit: a 400 naming it."""
+
+    max_count: int = Field(_IMAGES.max_count, ge=0,
+                           description="Images in one request, history included.")
+    max_bytes: int = Field(_IMAGES.max_bytes, ge=1, description="One image's encoded size "
+                           "(decoded from base64, or as fetched), in bytes.")
+    max_pixels: int = Field(_IMAGES.max_pixels, ge=1, description="One image's width x "
+                            "height, read from its header before it is decoded.")
+    fetch_urls: bool = Field(_IMAGES.fetch_urls, description="Fetch http(s) image URLs "
+                             "(the server then requests any host a client names); false: "
+                             "only inline base64 images, a URL is a 400.")
+    fetch_timeout_s: float = Field(_IMAGES.fetch_timeout_s, gt=0,
+                                   description="One image fetch, connecting to the last byte.")
 
 
 class IngressSettings(_Strict):
@@ -222,6 +250,7 @@ class IngressSettings(_Strict):
                                 description="Longest stop string, in characters.")
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed to "
                                     "call from a browser (`*` for any); empty: CORS off.")
+    images: ImageSettings = Field(default_factory=ImageSettings)
     replica_wait_s: float | None = Field(
         15.0, gt=0, description="How long a request waits for a model replica to accept it "
         "(none running, all busy starting) before a 503/529. null: wait without limit.")

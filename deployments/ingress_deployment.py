@@ -18,7 +18,7 @@ from deployments.observability import request_observer
 from deployments.response_store import response_store
 from ingress.app import create_app
 from ingress.client import ModelCard
-from ingress.options import EdgeOptions
+from ingress.options import EdgeOptions, ImageLimits
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class EdgeArgs:
             request_timeout_s=settings.request_timeout_s,
             max_stops=settings.max_stops,
             max_stop_chars=settings.max_stop_chars,
+            images=ImageLimits(**settings.images.model_dump()),
         )
 
 

@@ -46,6 +46,7 @@ ENGINE_METRICS = (
     "orchard_queue_depth", "orchard_running_sequences", "orchard_batch_size",
     "orchard_engine_step_seconds", "orchard_prefix_cache_hits_total",
     "orchard_prefix_cache_misses_total", "orchard_prefix_cache_evictions_total",
+    "orchard_prefix_cache_disk_hits_total", "orchard_prefix_cache_disk_bytes",
     "orchard_prefix_cache_bytes", "orchard_grammar_compile_seconds",
 )
 # KV memory admission (`replicas.engine.memory`).
@@ -57,6 +58,8 @@ MEMORY_METRICS = ("orchard_kv_budget_bytes", "orchard_kv_projected_bytes",
 SHARD_METRICS = ("orchard_replica_shards", "orchard_shard_sync_seconds")
 # `/v1/embeddings`: the inputs a replica embedded and their tokens.
 EMBEDDING_METRICS = ("orchard_embedding_inputs_total", "orchard_embedding_tokens_total")
+# A vision model: the images its tower encoded, and the time per prompt.
+IMAGE_METRICS = ("orchard_images_total", "orchard_image_encode_seconds")
 
 
 def _keys(*names: str) -> tuple[str]:
@@ -156,6 +159,11 @@ class EngineMetrics:
                                   "entries dropped for room.", tag_keys=tags)
         self._bytes = Gauge("orchard_prefix_cache_bytes", "KV bytes the prefix cache holds.",
                             tag_keys=tags)
+        self._disk_hits = Counter("orchard_prefix_cache_disk_hits_total", "Prefix cache hits "
+                                  "the disk tier served (loaded instead of prefilled).",
+                                  tag_keys=tags)
+        self._disk_bytes = Gauge("orchard_prefix_cache_disk_bytes", "KV bytes the prefix "
+                                 "cache's disk tier holds.", tag_keys=tags)
         self._compile = Histogram("orchard_grammar_compile_seconds", "Compiling one "
                                   "request's grammar (response_format, tools).",
                                   COMPILE_BUCKETS, tag_keys=tags)
@@ -181,6 +189,12 @@ class EngineMetrics:
                                  "(`/v1/embeddings`).", tag_keys=tags)
         self._embedded_tokens = Counter("orchard_embedding_tokens_total", "Tokens of the "
                                         "inputs embedded.", tag_keys=tags)
+        self._images = Counter("orchard_images_total", "Images a vision model's tower "
+                               "encoded (prompts with images whose KV was not cached).",
+                               tag_keys=tags)
+        self._image_encode = Histogram("orchard_image_encode_seconds", "Encoding one prompt's "
+                                       "images (vision tower and projector), on the engine "
+                                       "thread.", COMPILE_BUCKETS, tag_keys=tags)
         self._last: EngineStats | None = None
 
     def record(self, stats: EngineStats, samples: TimingSamples) -> None:
@@ -191,10 +205,12 @@ class EngineMetrics:
         self._queue.set(stats.waiting, tags)
         self._running.set(stats.active, tags)
         self._bytes.set(stats.cache_bytes, tags)
+        self._disk_bytes.set(stats.disk_bytes, tags)
         last = self._last
         counts = [(self._hits, stats.cache_hits, last.cache_hits if last else 0),
                   (self._misses, stats.cache_misses, last.cache_misses if last else 0),
-                  (self._evictions, stats.cache_evictions, last.cache_evictions if last else 0)]
+                  (self._evictions, stats.cache_evictions, last.cache_evictions if last else 0),
+                  (self._disk_hits, stats.disk_hits, last.disk_hits if last else 0)]
         memory, before_memory = stats.memory, last.memory if last else None
         if memory is not None:
             self._budget.set(memory.budget_bytes, tags)
@@ -222,6 +238,9 @@ class EngineMetrics:
         if inputs:  # Ray refuses inc(0)
             self._embedded.inc(inputs, tags)
             self._embedded_tokens.inc(sum(t for _, t in samples.embeddings), tags)
+        for images, seconds in samples.images:
+            self._images.inc(images, tags)
+            self._image_encode.observe(seconds, tags)
 
 
 class EnginePoller:

@@ -50,6 +50,8 @@ def replica_options(settings: ModelSettings,
         max_model_len=settings.max_model_len,
         engine=EngineConfig(**settings.engine.model_dump(),
                             prompt_cache_bytes=settings.prompt_cache.max_bytes,
+                            disk_cache_dir=settings.prompt_cache.disk_dir(),
+                            disk_cache_bytes=settings.prompt_cache.disk_bytes,
                             kv_budget_bytes=settings.memory.budget_bytes,
                             max_memory_waiting=settings.memory.max_waiting,
                             max_memory_wait_s=settings.memory.max_wait_s,
@@ -59,6 +61,7 @@ def replica_options(settings: ModelSettings,
         max_chunks_per_s=settings.stream_chunks_per_s,
         embeddings=settings.embeddings,
         embedding_dimensions=settings.embedding_dimensions,
+        kind=settings.kind,
     )
 
 

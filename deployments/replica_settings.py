@@ -61,6 +61,20 @@ class PromptCacheSettings(_Strict):
     max_bytes: int = Field(default_factory=_engine_default("prompt_cache_bytes"), ge=0,
                            description="KV of earlier prompts kept for reuse, in bytes per "
                                        "replica (LRU); 0 turns the cache off.")
+    disk_path: str | None = Field(
+        None, description="A directory on local SSD for the cache's disk tier: entries the "
+        "memory tier evicts, and all of them at shutdown, go there, and a restart finds "
+        "them; `auto`: `kv/` under Orchard's cache directory. Unset: memory only.")
+    disk_bytes: int = Field(default_factory=_engine_default("disk_cache_bytes"), ge=1,
+                            description="Bound of the disk tier, bytes per model (LRU).")
+
+    def disk_dir(self) -> str | None:
+        """`disk_path` resolved (`auto`: Orchard's cache directory, read where it runs)."""
+        if self.disk_path != "auto":
+            return self.disk_path
+        from replicas.builtin.build import orchard_cache
+
+        return str(orchard_cache("kv"))
 
 
 class MemorySettings(_Strict):

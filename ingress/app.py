@@ -43,6 +43,7 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
     limited = LimitedClient(client, options)
     app.state.client = limited if observer is None else ObservedClient(limited)
     app.state.served_lengths = {}  # model id -> the context its replica serves
+    app.state.image_limits = options.images  # for the routes' `MediaParts.for_model`
     # `is None`, not `or`: a store with `__len__` is falsy while empty, and `or` would
     # swap a fresh durable store for one in memory (issue 32).
     app.state.response_store = MemoryResponseStore() if response_store is None \

@@ -25,8 +25,12 @@ class ModelCard:
     created: int = 0
     context_length: int | None = None
     aliases: tuple[str, ...] = ()
-    # What `/v1/models` says the model does: `text` (chat, completions), `embeddings`.
+    # What `/v1/models` says the model does: `text` (chat, completions), `embeddings`,
+    # `vision` (reads images in chat messages: ingress/media.py).
     capabilities: tuple[str, ...] = ("text",)
+
+
+VISION = "vision"  # the capability of a model that is sent images, not placeholders
 
 
 class ModelClient(Protocol):

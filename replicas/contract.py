@@ -49,9 +49,29 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class ImageData:
+    """An image as the client sent it (inline, or fetched by the ingress where config
+    allows), checked by the ingress against the configured limits: its encoded bytes."""
+
+    data: bytes
+    media_type: str  # "image/png" | "image/jpeg" | "image/webp" | "image/gif"
+
+
+@dataclass(frozen=True)
+class ImageAt:
+    """An image inside a message: it stands before character `offset` of the content."""
+
+    offset: int
+    image: ImageData
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    # Images among the text, in order, for a model that sees (`capabilities` has "vision");
+    # a text-only model gets placeholders in `content` instead (ingress/media.py).
+    images: tuple[ImageAt, ...] = ()
     reasoning: str | None = None  # prior assistant reasoning, for templates that keep it
     tool_calls: tuple[ToolCall, ...] = ()  # assistant turns: the calls it made
     tool_call_id: str | None = None  # tool turns: the call this is the result of

@@ -1,19 +1,22 @@
-"""`/v1/embeddings` in a replica: tokenize, check, plan the forwards, run each on the
+"""`/v1/embeddings` in a replica: tokenize, check, queue the inputs, run forwards on the
 engine thread, truncate where asked.
 
 Everything that can refuse a request runs before any engine time: a model that serves no
 embeddings, `dimensions` it does not allow, an empty input, one past the model's input
-length, a token id outside the vocabulary. The pooling itself is
-`replicas.engine.embedding`'s, one engine `call` per forward, awaited in turn, so the
-decode steps of running generations come between a large request's forwards.
+length, a token id outside the vocabulary. Accepted inputs join one queue for the replica,
+and each engine `call` runs one forward over what is queued then, whichever requests it
+came from (`plan_batches`: sorted by length, bounded by rows and padded bytes), so many
+small requests at once share forwards, and the decode steps of running generations come
+between the forwards of a large one. The pooling itself is `replicas.engine.embedding`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import threading
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from replicas.contract import EmbeddingInput, EmbeddingRequest, EmbeddingResult
@@ -35,10 +38,38 @@ log = logging.getLogger(__name__)
 EngineCall = Callable[[Callable[[], Any]], "Future[Any]"]
 
 
+@dataclass
+class _Job:
+    """One request's vectors, filled in as forwards finish (on the engine thread)."""
+
+    request_id: str
+    dimensions: int | None
+    vectors: list[list[float] | None]
+    done: "Future[list[list[float]]]" = field(default_factory=Future)
+
+    def place(self, index: int, vector: list[float]) -> None:
+        self.vectors[index] = vector
+        if all(v is not None for v in self.vectors) and not self.done.done():
+            self.done.set_result([v for v in self.vectors if v is not None])
+
+
+@dataclass(frozen=True)
+class _Queued:
+    job: _Job
+    index: int  # the input's place in its request
+    ids: tuple[int, ...]
+
+
 class Embedder:
     def __init__(self, model: LoadedModel, support: EmbeddingSpec | NotEmbedding,
                  context_length: int, call: EngineCall,
                  timings: Timings) -> None:
+        self._lock = threading.Lock()  # the queue: requests add, the engine thread takes
+        self._queue: list[_Queued] = []
+        self.forwards = 0  # forwards run so far (tests see requests share them)
+        # The model's pooling (unused where it serves no embeddings: `_spec` refuses first).
+        self._pooling = PoolingSpec(support.pooling, support.normalize) \
+            if isinstance(support, EmbeddingSpec) else PoolingSpec("last_token", True)
         self._model = model
         self._support = support
         self._call = call
@@ -57,26 +88,63 @@ class Embedder:
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         """The vectors, in input order; raises `ReplicaError` for what the request got
         wrong, and lets `EngineDead` through (the replica's fault, not the request's)."""
-        spec = self._spec(request)
+        self._spec(request)
         rows = await asyncio.to_thread(self._tokenize, request.inputs)
         self._check(rows)
-        pooling = PoolingSpec(spec.pooling, spec.normalize)
-        vectors: list[list[float]] = [[] for _ in rows]
-        for batch in plan_batches([len(r) for r in rows], self._bytes_per_token):
-            work = functools.partial(embed_rows, self._model.model, [rows[i] for i in batch],
-                                     pooling, request.dimensions)
-            try:
-                done = await asyncio.wrap_future(self._call(work))
-            except EngineDead:  # the replica's fault: it answers for it
-                raise
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                log.exception("request %s: embedding failed", request.request_id)
-                raise InternalError("embedding failed for this request") from exc
-            for index, vector in zip(batch, done):
-                vectors[index] = vector
+        job = _Job(request.request_id, request.dimensions, [None] * len(rows))
+        with self._lock:
+            self._queue.extend(_Queued(job, index, row) for index, row in enumerate(rows))
+        self._run_one()
+        vectors = await asyncio.wrap_future(job.done)
         tokens = sum(len(r) for r in rows)
         self._timings.embedded(len(rows), tokens)
         return EmbeddingResult(tuple(tuple(v) for v in vectors), tokens)
+
+    def _run_one(self) -> None:
+        """One forward over the queue's head, on the engine thread; the queue's requests
+        fail with the engine if it cannot run it."""
+        try:
+            self._call(self._forward).add_done_callback(self._engine_failed)
+        except EngineDead as exc:
+            self._fail_queued(exc)
+
+    def _engine_failed(self, call: "Future[Any]") -> None:
+        exc = call.exception()
+        if isinstance(exc, EngineDead):
+            self._fail_queued(exc)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        with self._lock:
+            queued, self._queue = self._queue, []
+        for job in {id(q.job): q.job for q in queued}.values():
+            if not job.done.done():
+                job.done.set_exception(exc)
+
+    def _forward(self) -> None:
+        """On the engine thread: a forward over the first planned batch of the queue, each
+        vector to its request; another call queued if inputs remain."""
+        with self._lock:
+            if not self._queue:
+                return  # an earlier call took these inputs
+            plan = plan_batches([len(q.ids) for q in self._queue], self._bytes_per_token)
+            taken = [self._queue[i] for i in plan[0]]
+            chosen = set(plan[0])
+            self._queue = [q for i, q in enumerate(self._queue) if i not in chosen]
+            more = bool(self._queue)
+        if more:
+            self._run_one()
+        self.forwards += 1
+        try:
+            vectors = embed_rows(self._model.model, [q.ids for q in taken], self._pooling,
+                                 [q.job.dimensions for q in taken])
+        except Exception as exc:  # noqa: BLE001 - these requests fail alone
+            for job in {id(q.job): q.job for q in taken}.values():
+                log.exception("request %s: embedding failed", job.request_id)
+                if not job.done.done():
+                    job.done.set_exception(InternalError("embedding failed for this request"))
+            return
+        for queued, vector in zip(taken, vectors):
+            queued.job.place(queued.index, vector)
 
     def _spec(self, request: EmbeddingRequest) -> EmbeddingSpec:
         support = self._support

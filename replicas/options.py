@@ -4,8 +4,11 @@ from the model's settings; `deployments.config` reads its defaults)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from replicas.engine.config import EngineConfig, Pooling, ShardPlan
+
+ModelKind = Literal["auto", "text", "vision"]
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,6 @@ class ReplicaOptions:
     embeddings: Pooling | None = None
     # The model was trained Matryoshka-style: a request's `dimensions` truncates its vectors.
     embedding_dimensions: bool = False
+    # "auto": a vision-language checkpoint Orchard can serve takes images (`replicas.vision`);
+    # "text": never; "vision": must (a load error otherwise).
+    kind: ModelKind = "auto"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from pathlib import Path
 from typing import AsyncGenerator, Callable
 
 from replicas.engine.batch import Batch, LocalBatch
@@ -28,6 +29,7 @@ from replicas.contract import (
 )
 from replicas.embedder import Embedder
 from replicas.engine.core import Engine, EngineDead
+from replicas.engine.disk_cache import DiskTier, model_fingerprint
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 from replicas.engine.loading import LoadedModel, load_model
@@ -48,6 +50,7 @@ from replicas.pipeline.prepare import InputProcessor
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
 from replicas.timings import Timings, TimingSamples
+from replicas.vision import VisionModel, VisionUnsupported, sees
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class ModelReplica:
         self._tool_format: ToolFormat = get_tool_format("none")
         self._inputs: InputProcessor | None = None
         self._embedder: Embedder | None = None
+        self._vision: VisionModel | None = None  # a model that sees: set by `_open`
         self._streams = 0  # streams open now, which share the replica's chunk rate
 
     def _open(self) -> tuple[LoadedModel, Batch, tuple[RankMemory, ...]]:
@@ -77,14 +81,28 @@ class ModelReplica:
         budget = self.options.engine.kv_budget_bytes
         if plan is None:
             model = load_model(self.options.source, resolve_source(self.options.source))
-            memory = plan_memory(model.model, budget, self.options.model_id)
-            return model, LocalBatch(model.model, self.options.engine), (memory,)
+            if sees(model.config, self.options.kind):
+                self._vision = VisionModel.load(model.path, model.model, self._timings)
+            memory = plan_memory(model.model, budget, self.options.model_id,
+                                 self._vision.nbytes if self._vision else 0)
+            return model, LocalBatch(model.model, self.options.engine,
+                                     disk=self._disk_tier(model)), (memory,)
+        if self.options.kind == "vision":
+            raise VisionUnsupported("a sharded replica reads text only: set shards: 1")
         from replicas.engine.sharding import open_shard  # only sharded replicas join a group
 
         model, local, group, ranks = open_shard(
             self.options.source, resolve_source(self.options.source), plan, self.options.engine)
         return model, LockstepBatch(local, group, self._wake_shards,
                                     on_sync=self._timings.sync), ranks
+
+    def _disk_tier(self, model: LoadedModel) -> DiskTier | None:
+        """The prefix cache's disk tier, under the model's fingerprint, where configured."""
+        engine = self.options.engine
+        if engine.disk_cache_dir is None or engine.prompt_cache_bytes == 0:
+            return None
+        return DiskTier(Path(engine.disk_cache_dir), engine.disk_cache_bytes,
+                        model_fingerprint(model.path, model.model))
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -106,11 +124,17 @@ class ModelReplica:
                 "context: requests are capped there (max_model_len). Raise memory.budget_bytes "
                 "if the machine has room, or set max_model_len to choose the cap yourself.",
                 self.options.model_id, kv_tokens, self.context_length)
-        self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
-                                      self._format, self._tool_format, self.context_length,
-                                      self._timings, self._engine.kv_budget.max_tokens)
         self._embedder = Embedder.open(self.options, model, self.context_length,
                                        self._engine.call, self._timings)
+        self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
+                                      self._format, self._tool_format, self.context_length,
+                                      self._timings, self._engine.kv_budget.max_tokens,
+                                      seer=self._vision)
+
+    @property
+    def sees(self) -> bool:
+        """Whether requests may carry images."""
+        return self._vision is not None
 
     @property
     def tool_format(self) -> ToolFormat:

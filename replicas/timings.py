@@ -1,6 +1,7 @@
 """Engine timings for metrics: each decode step's duration and batch size (the engine's
 step callback), each grammar compile, a sharded replica's sync per step, and each
-embeddings request's inputs and tokens. Recorded as
+embeddings request's inputs and tokens, and each prompt's images through a vision tower.
+Recorded as
 plain samples on bounded deques (an append per step, no metric call on the engine thread);
 the deployment drains them on its metrics poll."""
 
@@ -22,6 +23,7 @@ class TimingSamples:
     # step mlx-lm still evaluates asynchronously (its collectives included), then crosses.
     sync_s: tuple[float, ...] = ()
     embeddings: tuple[tuple[int, int], ...] = ()  # (inputs, tokens) per embeddings request
+    images: tuple[tuple[int, float], ...] = ()  # (images, seconds encoding them) per prompt
 
 
 class Timings:
@@ -30,6 +32,7 @@ class Timings:
         self._grammar: deque[float] = deque(maxlen=_KEEP)
         self._sync: deque[float] = deque(maxlen=_KEEP)
         self._embeddings: deque[tuple[int, int]] = deque(maxlen=_KEEP)
+        self._images: deque[tuple[int, float]] = deque(maxlen=_KEEP)
         # Running totals of the sync, read by benchmarks without draining the samples.
         self.sync_steps = 0
         self.sync_seconds = 0.0
@@ -48,10 +51,13 @@ class Timings:
     def embedded(self, inputs: int, tokens: int) -> None:
         self._embeddings.append((inputs, tokens))
 
+    def encoded(self, images: int, seconds: float) -> None:
+        self._images.append((images, seconds))
+
     def drain(self) -> TimingSamples:
         # popleft is atomic: the engine thread may append meanwhile and nothing is lost.
         return TimingSamples(_drain(self._steps), _drain(self._grammar), _drain(self._sync),
-                             _drain(self._embeddings))
+                             _drain(self._embeddings), _drain(self._images))
 
 
 def _drain(samples: deque[Any]) -> tuple[Any, ...]:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from ingress.client import ModelCard, ModelClient
 from ingress.errors import error_response
+from ingress.options import ImageLimits
 from ingress.registry import protocol_for
 from replicas.contract import (
     Channel,
@@ -176,6 +177,7 @@ def app_for(
     """
     app = FastAPI()
     app.state.client = client
+    app.state.image_limits = ImageLimits()  # what `create_app` sets from its options
     app.include_router(router)
 
     @app.exception_handler(ReplicaError)

@@ -24,7 +24,7 @@ from ingress.anthropic.models import (
 )
 from ingress.anthropic.tools import tool_call, tool_choice, tool_result, tool_specs
 from ingress.client import ModelCard
-from ingress.media import OmittedMedia
+from ingress.media import Content, MediaParts
 from replicas.contract import (
     ChatMessage,
     ChatPrompt,
@@ -56,8 +56,10 @@ def new_message_id() -> str:
 
 
 def to_generation_request(body: MessagesRequest, card: ModelCard,
-                          omitted: OmittedMedia | None = None) -> GenerationRequest:
-    """The request; image and document blocks left out of it are noted in `omitted`."""
+                          media: MediaParts | None = None) -> GenerationRequest:
+    """The request, its image and document blocks as `media` decides (none given:
+    placeholders); where `media` reads images, await `media.resolve` on it before it goes
+    anywhere."""
     thinking = body.thinking
     if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= body.max_tokens:
         raise InvalidRequestError(
@@ -67,7 +69,7 @@ def to_generation_request(body: MessagesRequest, card: ModelCard,
     return GenerationRequest(
         request_id=new_message_id(),
         model=card.id,
-        prompt=to_prompt(body, OmittedMedia() if omitted is None else omitted),
+        prompt=to_prompt(body, MediaParts() if media is None else media),
         sampling=SamplingParams(
             max_tokens=body.max_tokens,
             # Anthropic's defaults: temperature 1.0, nucleus and top-k sampling off.
@@ -89,7 +91,9 @@ def to_count_request(body: CountTokensRequest, card: ModelCard) -> GenerationReq
     return GenerationRequest(
         request_id=new_message_id(),
         model=card.id,
-        prompt=to_prompt(body, OmittedMedia()),  # counted with the placeholders it would run
+        # Media as placeholders, whatever the model: a count is no reason to fetch and
+        # decode images (a model that sees counts each as its placeholder's text).
+        prompt=to_prompt(body, MediaParts()),
         reasoning=_reasoning(body),
         tools=tools,
         tool_choice=tool_choice(body.tool_choice, tools),
@@ -120,7 +124,7 @@ def _reasoning(body: CountTokensRequest) -> ReasoningSpec:
 @dataclass
 class _Turn:
     role: str
-    texts: list[str] = field(default_factory=list)
+    contents: list[Content] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
     result: ChatMessage | None = None  # a tool turn: the message as is
@@ -129,26 +133,27 @@ class _Turn:
         if self.result is not None:
             return self.result
         reasoning = TURN_SEPARATOR.join(self.reasoning) or None
-        return ChatMessage(self.role, TURN_SEPARATOR.join(self.texts), reasoning=reasoning,
-                           tool_calls=tuple(self.calls))
+        content = Content.join(self.contents, TURN_SEPARATOR)
+        return ChatMessage(self.role, content.text, images=content.images,
+                           reasoning=reasoning, tool_calls=tuple(self.calls))
 
 
 @dataclass
 class _Parts:
     """What one message holds, by kind."""
 
-    text: str = ""
+    content: Content = Content()
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     results: list[ChatMessage] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.text or self.reasoning or self.calls or self.results)
+        return not (self.content or self.reasoning or self.calls or self.results)
 
 
-def to_prompt(body: CountTokensRequest, omitted: OmittedMedia) -> ChatPrompt:
+def to_prompt(body: CountTokensRequest, media: MediaParts) -> ChatPrompt:
     """System first, then one message per turn; each tool_result is a `tool` message.
-    Image and document blocks become placeholders, noted in `omitted`.
+    Image and document blocks are images or placeholders, as `media` decides.
 
     Leading `system` messages join the `system` prompt; later ones stay system turns. A final
     assistant message is a prefill: it stays the last message, and the replica continues that
@@ -162,17 +167,18 @@ def to_prompt(body: CountTokensRequest, omitted: OmittedMedia) -> ChatPrompt:
     last = len(body.messages) - 1
     turns: list[_Turn] = []
     for index, message in enumerate(body.messages):
-        parts = _message_parts(message, f"messages.{index}", called, omitted)
+        parts = _message_parts(message, f"messages.{index}", called, media)
         _check_content(parts, message.role, index, last)
         _add(turns, message.role, parts)
 
     messages = [turn.message() for turn in turns]
-    system = [_system_text(body.system)]
+    system = [Content(_system_text(body.system))]
     if leading:  # the leading system messages, merged into one turn
-        system.append(messages.pop(0).content)
-    system_text = TURN_SEPARATOR.join(text for text in system if text)
-    if system_text:
-        messages.insert(0, ChatMessage("system", system_text))
+        merged = messages.pop(0)
+        system.append(Content(merged.content, merged.images))
+    content = Content.join((part for part in system if part), TURN_SEPARATOR)
+    if content:
+        messages.insert(0, ChatMessage("system", content.text, images=content.images))
     return ChatPrompt(tuple(messages))
 
 
@@ -183,7 +189,7 @@ def _check_content(parts: _Parts, role: str, index: int, last: int) -> None:
             f"messages.{index}: all messages must have non-empty content except for the "
             "optional final assistant message"
         )
-    if prefill and not parts.calls and parts.text != parts.text.rstrip():
+    if prefill and not parts.calls and parts.content.text != parts.content.text.rstrip():
         raise InvalidRequestError(
             "messages: final assistant content cannot end with trailing whitespace"
         )
@@ -192,36 +198,36 @@ def _check_content(parts: _Parts, role: str, index: int, last: int) -> None:
 def _add(turns: list[_Turn], role: str, parts: _Parts) -> None:
     """Merges the message into the open turn of its role; tool results never merge."""
     turns.extend(_Turn("tool", result=result) for result in parts.results)
-    if not (parts.text or parts.reasoning or parts.calls):
+    if not (parts.content or parts.reasoning or parts.calls):
         return  # results only; or an empty final assistant message: no prefill to continue
     if not turns or turns[-1].role != role:
         turns.append(_Turn(role))
     turn = turns[-1]
-    if parts.text:
-        turn.texts.append(parts.text)
+    if parts.content:
+        turn.contents.append(parts.content)
     if parts.reasoning:
         turn.reasoning.append(parts.reasoning)
     turn.calls.extend(parts.calls)
 
 
 def _message_parts(message: Message, where: str, called: dict[str, str],
-                   omitted: OmittedMedia) -> _Parts:
+                   media: MediaParts) -> _Parts:
     parts = _Parts()
-    texts: list[str] = []
+    contents: list[Content] = []
     thoughts: list[str] = []
     for position, block in enumerate(message.content):
         at = f"{where}.content.{position}"
         _check_role(block, message.role, at)
         if isinstance(block, TextBlock):
-            texts.append(_non_empty(block, at))
+            contents.append(Content(_non_empty(block, at)))
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             parts.calls.append(tool_call(block))
         elif isinstance(block, ToolResultBlock):
-            parts.results.append(tool_result(block, at, called, omitted))
-        elif (text := omitted.replace(block.type, at)) is not None:
-            texts.append(text)
+            parts.results.append(tool_result(block, at, called, media))
+        elif (content := media.replace(block.type, at, block.image_source())) is not None:
+            contents.append(content)
         else:
             raise InvalidRequestError(
                 f"{at}: content blocks of type {block.type!r} are not supported by this server; "
@@ -229,7 +235,7 @@ def _message_parts(message: Message, where: str, called: dict[str, str],
                 "messages) are"
             )
     called.update((call.id, call.name) for call in parts.calls)
-    parts.text, parts.reasoning = "".join(texts), "".join(thoughts)
+    parts.content, parts.reasoning = Content.join(contents), "".join(thoughts)
     return parts
 
 

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from ingress.images import ImageSource
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -43,12 +45,33 @@ class ToolUseBlock(_Wire):
 class OtherBlock(_Wire):
     """Any other block type (image, document, server tool blocks, ...).
 
-    Parsed rather than rejected here: `convert.py` turns image and document blocks into
-    placeholders (`ingress/media.py`) and answers any other type with a 400 that names it,
-    instead of a union error listing every type this server does not support.
+    Parsed rather than rejected here: `convert.py` passes image blocks on to a model that
+    sees, turns other image and document blocks into placeholders (`ingress/media.py`) and
+    answers any other type with a 400 that names it, instead of a union error listing every
+    type this server does not support.
     """
 
     type: str
+    # Untyped: its shape differs by block type (a search_result's is a string), and a
+    # placeholder must not fail on it; `image_source` reads an image's.
+    source: Any = None
+
+    def image_source(self) -> ImageSource:
+        """An image block's `source` (base64, url or file) as the shared checker reads it."""
+        source = self.source if isinstance(self.source, dict) else {}
+
+        def field(name: str) -> str | None:
+            value = source.get(name)
+            return value if isinstance(value, str) else None
+
+        kind = source.get("type")
+        if kind == "base64":
+            return ImageSource(data=field("data"), media_type=field("media_type"))
+        if kind == "url":
+            return ImageSource(url=field("url"))
+        if kind == "file":
+            return ImageSource(file_id=field("file_id") or "")
+        return ImageSource()
 
 
 def _block_kind(value: Any) -> str:
@@ -60,7 +83,7 @@ def _result_kind(value: Any) -> str:
     return "text" if _block_kind(value) == "text" else "other"
 
 
-# What a tool_result may hold: text, or another type (an image becomes a placeholder;
+# What a tool_result may hold: text, or another type (an image, or its placeholder;
 # tools.py names any type that is not media in its 400).
 ResultBlock = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],

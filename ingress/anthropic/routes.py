@@ -24,7 +24,7 @@ from ingress.anthropic.models import (
 from ingress.anthropic.render import MessageRenderer
 from ingress.client import ModelClient, require_model
 from ingress.errors import ANTHROPIC_ERRORS
-from ingress.media import OmittedMedia
+from ingress.media import MediaParts
 from ingress.protocol import WireProtocol
 from ingress.sse import event_frame
 from ingress.streaming import respond
@@ -56,11 +56,11 @@ def _client(request: Request) -> ModelClient:
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     client = _client(request)
     card = require_model(client, body.model)
-    omitted = OmittedMedia()
-    generation = to_generation_request(body, card, omitted)
+    media = MediaParts.for_model(card, request.app.state.image_limits)
+    generation = await media.resolve(to_generation_request(body, card, media))
     renderer = MessageRenderer(generation.request_id, card.id, omit_thinking=omits_thinking(body))
     return await respond(client, generation, renderer, ANTHROPIC, body.stream,
-                         warnings=omitted.warnings())
+                         warnings=media.warnings())
 
 
 @router.post("/v1/messages/count_tokens")

@@ -18,7 +18,7 @@ from ingress.anthropic.models import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from ingress.media import OmittedMedia
+from ingress.media import Content, MediaParts
 from replicas.contract import ChatMessage, ToolCall, ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
 
@@ -75,24 +75,26 @@ def tool_call(block: ToolUseBlock) -> ToolCall:
 
 
 def tool_result(block: ToolResultBlock, at: str, called: dict[str, str],
-                omitted: OmittedMedia) -> ChatMessage:
+                media: MediaParts) -> ChatMessage:
     """The result as a `tool` message; `called` maps earlier tool_use ids to tool names.
-    An image or document in it becomes a placeholder, noted in `omitted`."""
+    An image or document in it is an image or a placeholder, as `media` decides."""
     if block.tool_use_id not in called:
         raise InvalidRequestError(
             f"{at}: tool_result block(s) provided with tool_use_id {block.tool_use_id!r}, "
             "which matches no tool_use block in an earlier assistant message")
-    texts = []
+    contents = []
     for position, part in enumerate(block.content):
         where = f"{at}.content.{position}"
-        text = part.text if isinstance(part, TextBlock) else omitted.replace(part.type, where)
-        if text is None:
+        content = Content(part.text) if isinstance(part, TextBlock) else media.replace(
+            part.type, where, part.image_source())
+        if content is None:
             raise InvalidRequestError(
                 f"{where}: content blocks of type {part.type!r} are not supported in "
                 "tool_result by this server; only text, image and document are")
-        texts.append(text)
-    text = "".join(texts)
+        contents.append(content)
+    result = Content.join(contents)
     if block.is_error:
-        text = ERROR_PREFIX + text if text else ERROR_PREFIX.rstrip(": ")
-    return ChatMessage("tool", text, tool_call_id=block.tool_use_id,
-                       name=called[block.tool_use_id])
+        result = Content.join([ERROR_PREFIX, result]) if result else Content(
+            ERROR_PREFIX.rstrip(": "))
+    return ChatMessage("tool", result.text, images=result.images,
+                       tool_call_id=block.tool_use_id, name=called[block.tool_use_id])

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import replace
 
 from ingress.effort import effort_reasoning
-from ingress.media import OmittedMedia
+from ingress.media import MediaParts
 from ingress.openai.choices import MAX_PROMPTS
 from ingress.openai.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from ingress.openai.tools import chat_messages, tool_choice, tool_specs
@@ -26,11 +26,12 @@ from replicas.errors import InvalidRequestError
 
 
 def chat_request(body: ChatCompletionRequest, model: str,
-                 omitted: OmittedMedia | None = None) -> GenerationRequest:
-    """The request; media parts left out of it are noted in `omitted`."""
+                 media: MediaParts | None = None) -> GenerationRequest:
+    """The request, its media parts as `media` decides (none given: placeholders); where
+    `media` reads images, await `media.resolve` on it before it goes anywhere."""
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    messages = chat_messages(body.messages, OmittedMedia() if omitted is None else omitted)
+    messages = chat_messages(body.messages, MediaParts() if media is None else media)
     tools = tool_specs(body)
     choice = tool_choice(body, tools)
     kwargs = dict(body.chat_template_kwargs or {})

@@ -7,7 +7,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ingress.effort import Effort
-from ingress.media import OmittedMedia
+from ingress.images import ImageSource
+from ingress.media import Content, MediaParts
 
 
 class _Wire(BaseModel):
@@ -20,11 +21,20 @@ class TextPart(_Wire):
     text: str
 
 
+class ImageUrl(_Wire):
+    url: str  # a base64 `data:` URL, or an http(s) one
+    detail: str | None = None  # OpenAI's resolution hint; the model's processor decides
+
+
 class MediaPart(_Wire):
-    """An image, audio or file part: the model reads text only, so `tools.py` leaves it
-    out with a placeholder (`ingress/media.py`)."""
+    """An image, audio or file part: an image for a model that sees, else a placeholder
+    (`ingress/media.py`)."""
 
     type: Literal["image_url", "input_audio", "file"]
+    image_url: ImageUrl | None = None
+
+    def source(self) -> ImageSource:
+        return ImageSource(url=self.image_url.url if self.image_url else None)
 
 
 class FunctionCallIn(_Wire):
@@ -48,15 +58,14 @@ class ChatMessageIn(_Wire):
     tool_call_id: str | None = None  # tool turns
     name: str | None = None
 
-    def text(self, omitted: OmittedMedia, where: str) -> str:
-        """The content as text; media parts become placeholders noted in `omitted`."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text if isinstance(part, TextPart)
-                       else omitted.replace(part.type, f"{where}.{position}") or ""
-                       for position, part in enumerate(self.content))
+    def content_of(self, media: MediaParts, where: str) -> Content:
+        """The content's text and images; what `media` cannot pass on is a placeholder."""
+        if self.content is None or isinstance(self.content, str):
+            return Content(self.content or "")
+        return Content.join(Content(part.text) if isinstance(part, TextPart)
+                            else media.replace(part.type, f"{where}.{position}", part.source())
+                            or Content()
+                            for position, part in enumerate(self.content))
 
 
 class FunctionDef(_Wire):

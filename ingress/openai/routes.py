@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS
-from ingress.media import OmittedMedia
+from ingress.media import MediaParts
 from ingress.openai import embeddings, tokenize
 from ingress.openai.choices import ChoicesRenderer, FanOut
 from ingress.openai.convert import chat_request, completion_prompts, completion_request
@@ -35,11 +35,11 @@ OPENAI = WireProtocol(
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     client: ModelClient = request.app.state.client
     card = require_model(client, body.model)
-    omitted = OmittedMedia()
-    gen = chat_request(body, card.id, omitted)
+    media = MediaParts.for_model(card, request.app.state.image_limits)
+    gen = await media.resolve(chat_request(body, card.id, media))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     meta = ResponseMeta.new(gen.request_id, body.model, "chat")
-    warnings = omitted.warnings()
+    warnings = media.warnings()
     if body.n > 1:
         return await respond(FanOut(client, body.n, warnings), gen,
                              ChoicesRenderer(meta, body.n, include_usage,

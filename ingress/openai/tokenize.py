@@ -68,6 +68,8 @@ def _request(body: TokenizeRequest, card: ModelCard) -> GenerationRequest:
                                      chat_template_kwargs=body.chat_template_kwargs)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
+    # Media as placeholders, whatever the model: a count, not a generation, is no reason
+    # to fetch and decode images (a model that sees counts each as its placeholder's text).
     return chat_request(chat, card.id)
 
 

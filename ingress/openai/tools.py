@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ingress.media import OmittedMedia
+from ingress.media import Content, MediaParts
 from ingress.openai.models import ChatCompletionRequest, ChatMessageIn, NamedToolChoice
 from replicas.contract import ChatMessage, ToolCall, ToolChoice, ToolSpec
 from replicas.errors import InvalidRequestError
@@ -59,21 +59,22 @@ def tool_choice(body: ChatCompletionRequest, specs: tuple[ToolSpec, ...]) -> Too
 
 
 def chat_messages(messages: list[ChatMessageIn],
-                  omitted: OmittedMedia) -> tuple[ChatMessage, ...]:
+                  media: MediaParts) -> tuple[ChatMessage, ...]:
     """History as contract messages; a tool result learns its tool's name from its call.
-    Media parts become placeholders, noted in `omitted`."""
+    Media parts are images or placeholders, as `media` decides."""
     called: dict[str, str] = {}  # call id -> tool name, from earlier assistant turns
     out: list[ChatMessage] = []
     for index, message in enumerate(messages):
-        text = message.text(omitted, f"messages.{index}.content")
+        content = message.content_of(media, f"messages.{index}.content")
         if message.role == "tool":
-            out.append(_tool_result(message, text, index, called))
+            out.append(_tool_result(message, content, index, called))
             continue
         calls = _calls(message, index) if message.role == "assistant" else ()
         called.update((call.id, call.name) for call in calls)
         out.append(ChatMessage(
             role="system" if message.role == "developer" else message.role,
-            content=text,
+            content=content.text,
+            images=content.images,
             reasoning=message.reasoning_content,
             tool_calls=calls,
         ))
@@ -94,7 +95,7 @@ def _calls(message: ChatMessageIn, index: int) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def _tool_result(message: ChatMessageIn, text: str, index: int,
+def _tool_result(message: ChatMessageIn, content: Content, index: int,
                  called: dict[str, str]) -> ChatMessage:
     where = f"messages.{index}.tool_call_id"
     call_id = message.tool_call_id
@@ -104,4 +105,5 @@ def _tool_result(message: ChatMessageIn, text: str, index: int,
         raise InvalidRequestError(
             f"{where}: {call_id!r} matches no tool call of an earlier assistant message",
             param=where)
-    return ChatMessage("tool", text, tool_call_id=call_id, name=called[call_id])
+    return ChatMessage("tool", content.text, images=content.images, tool_call_id=call_id,
+                       name=called[call_id])

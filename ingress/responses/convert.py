@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from ingress.client import ModelCard
 from ingress.effort import effort_reasoning
-from ingress.media import OmittedMedia
+from ingress.media import Content, MediaParts
 from ingress.responses.models import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -59,16 +59,18 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def to_plan(body: ResponsesRequest, card: ModelCard,
-            history: Sequence[dict[str, Any]] = ()) -> Plan:
+def to_plan(body: ResponsesRequest, card: ModelCard, history: Sequence[dict[str, Any]] = (),
+            media: MediaParts | None = None) -> Plan:
+    """The plan, its media parts as `media` decides (none given: placeholders); where
+    `media` reads images, await `media.resolve` on its generation before it goes anywhere."""
     if body.background:
         raise InvalidRequestError("background responses are not supported", param="background")
     current = list(body.input)
     if not current and not history:
         raise InvalidRequestError("'input' is required", param="input")
     earlier = _ITEMS.validate_python(list(history))
-    omitted = OmittedMedia()
-    messages = to_messages(body.instructions, [*earlier, *current], omitted,
+    media = MediaParts() if media is None else media
+    messages = to_messages(body.instructions, [*earlier, *current], media,
                            offset=len(earlier))
     functions = [tool for tool in body.tools if isinstance(tool, FunctionTool)]
     if len({tool.name for tool in functions}) < len(functions):
@@ -76,7 +78,7 @@ def to_plan(body: ResponsesRequest, card: ModelCard,
     hosted = sorted({tool.type for tool in body.tools if not isinstance(tool, FunctionTool)})
     hosted_warnings = (f"hosted tools are not available on this server and were left out: "
                        f"{', '.join(hosted)}",) if hosted else ()
-    warnings = hosted_warnings + omitted.warnings()
+    warnings = hosted_warnings + media.warnings()
     generation = GenerationRequest(
         request_id=new_response_id(),
         model=card.id,
@@ -98,10 +100,10 @@ def to_plan(body: ResponsesRequest, card: ModelCard,
     return Plan(generation, items, _echo(body, functions), warnings, summary)
 
 
-def to_messages(instructions: str | None, items: Sequence[Any], omitted: OmittedMedia,
+def to_messages(instructions: str | None, items: Sequence[Any], media: MediaParts,
                 offset: int = 0) -> list[ChatMessage]:
     """Chat messages for the input items; `offset` items are history (not the client's).
-    Image and file parts become placeholders, noted in `omitted`."""
+    Image and file parts are images or placeholders, as `media` decides."""
     messages: list[ChatMessage] = []
     if instructions:
         messages.append(ChatMessage("system", instructions))
@@ -115,10 +117,11 @@ def to_messages(instructions: str | None, items: Sequence[Any], omitted: Omitted
             extendable = False
         elif isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            text = _text(item.content, f"{where}.content", omitted)
+            content = _content(item.content, f"{where}.content", media)
             extendable = role == "assistant"
             thought = ("".join(reasoning) or None) if extendable else None
-            messages.append(ChatMessage(role, text, reasoning=thought))
+            messages.append(ChatMessage(role, content.text, images=content.images,
+                                        reasoning=thought))
             reasoning = [] if extendable else reasoning
         elif isinstance(item, FunctionCallItem):
             _check_arguments(item.arguments, f"{where}.arguments")
@@ -136,7 +139,8 @@ def to_messages(instructions: str | None, items: Sequence[Any], omitted: Omitted
                 raise InvalidRequestError(
                     f"no function_call with call_id '{item.call_id}' precedes this output",
                     param=f"{where}.call_id")
-            messages.append(ChatMessage("tool", _text(item.output, f"{where}.output", omitted),
+            output = _content(item.output, f"{where}.output", media)
+            messages.append(ChatMessage("tool", output.text, images=output.images,
                                         tool_call_id=item.call_id, name=names[item.call_id]))
             extendable = False
         else:
@@ -157,17 +161,17 @@ def _check_arguments(arguments: str, where: str) -> None:
                                   param=where)
 
 
-def _text(content: Sequence[TextPart | OtherPart], where: str, omitted: OmittedMedia) -> str:
-    texts = []
-    for position, part in enumerate(content):
-        text = part.text if isinstance(part, TextPart) else omitted.replace(
-            part.type, f"{where}.{position}")
-        if text is None:  # a refusal, or a type this server does not know
+def _content(parts: Sequence[TextPart | OtherPart], where: str, media: MediaParts) -> Content:
+    contents = []
+    for position, part in enumerate(parts):
+        content = Content(part.text) if isinstance(part, TextPart) else media.replace(
+            part.type, f"{where}.{position}", part.source())
+        if content is None:  # a refusal, or a type this server does not know
             raise InvalidRequestError(
                 f"content parts of type '{part.type}' are not supported by this server; "
                 "only text, input_image and input_file are", param=f"{where}.{position}.type")
-        texts.append(text)
-    return "".join(texts)
+        contents.append(content)
+    return Content.join(contents)
 
 
 def _guided(body: ResponsesRequest) -> GuidedSpec | None:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from ingress.effort import Effort
+from ingress.images import ImageSource
 
 
 class _Wire(BaseModel):
@@ -27,10 +28,18 @@ class TextPart(_Wire):
 
 
 class OtherPart(_Wire):
-    """Images and files (placeholders, `ingress/media.py`), refusals...: convert.py
-    answers any type that is not media with a 400 naming it."""
+    """Images (for a model that sees) and files (placeholders, `ingress/media.py`),
+    refusals...: convert.py answers any type that is not media with a 400 naming it."""
 
     type: str
+    # An input_image's (and input_file's `file_id`). Kept as fields, not ignored, so a
+    # stored response's input carries its images into the next turn's history.
+    image_url: str | None = None  # a base64 `data:` URL, or an http(s) one
+    file_id: str | None = None
+    detail: str | None = None  # OpenAI's resolution hint; the model's processor decides
+
+    def source(self) -> ImageSource:
+        return ImageSource(url=self.image_url, file_id=self.file_id)
 
 
 def _part_kind(value: Any) -> str:

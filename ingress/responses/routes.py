@@ -6,6 +6,7 @@ Errors leave as exceptions and render in OpenAI's shape (the `RESPONSES` protoco
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +14,7 @@ from fastapi.responses import Response
 
 from ingress.client import ModelClient, require_model
 from ingress.errors import OPENAI_ERRORS, CodedError
+from ingress.media import MediaParts
 from ingress.protocol import WARNING_HEADER, WireProtocol
 from ingress.responses.convert import to_plan
 from ingress.responses.models import ResponsesRequest
@@ -63,7 +65,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                              f"previous response '{body.previous_response_id}' not found",
                              code="previous_response_not_found", param="previous_response_id")
         history = previous.conversation()
-    plan = to_plan(body, card, history)
+    media = MediaParts.for_model(card, request.app.state.image_limits)
+    plan = to_plan(body, card, history, media)
+    plan = dataclasses.replace(plan, generation=await media.resolve(plan.generation))
     renderer = ResponseRenderer(plan.generation.request_id, body.model, plan.echo,
                                 reasoning_summary=plan.reasoning_summary, warnings=plan.warnings)
     headers = {WARNING_HEADER: "; ".join(plan.warnings)} if plan.warnings else {}

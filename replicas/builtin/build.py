@@ -193,7 +193,7 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str,
     if weights is None:  # random or freshly trained: save, then check as production loads
         model.set_dtype(getattr(mx, recipe.dtype))
         weights = dict(tree_flatten(model.parameters()))
-        _save_by_layer(out_dir, weights)
+        save_by_layer(out_dir, weights)
         verify_model_dir(out_dir, examples)
     info["parameters"] = sum(w.size for w in weights.values())
     info["verified_scripts"] = [e.script_id for e in examples]
@@ -214,7 +214,7 @@ def _verified_shipped(choice: Choice, model: nn.Module, recipe: Recipe, out_dir:
     shapes = {name: tuple(value.shape) for name, value in params.items()}
     try:
         weights = load_weights(choice.use, shapes, getattr(mx, recipe.dtype))
-        _save_by_layer(out_dir, weights)
+        save_by_layer(out_dir, weights)
         verify_model_dir(out_dir, examples)
     except (ShippedMismatch, BuildError) as err:
         # Training rewrites the same per-layer files, so nothing of these is left behind.
@@ -222,7 +222,7 @@ def _verified_shipped(choice: Choice, model: nn.Module, recipe: Recipe, out_dir:
     return weights, choice.reason
 
 
-def _save_by_layer(out_dir: Path, weights: dict[str, mx.array]) -> None:
+def save_by_layer(out_dir: Path, weights: dict[str, mx.array]) -> None:
     """One safetensors file per decoder layer plus one for the rest, and the index a
     sharded checkpoint has: a pipeline stage then reads only its own layers' files."""
     files: dict[str, dict[str, mx.array]] = {}

@@ -28,16 +28,32 @@ def _jinja_string(text: str) -> str:
     return f"'{escaped}'"
 
 
-CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
+def _render_content(image_token: str | None) -> str:
+    # Content as a string, or as parts: text parts' text, and (a vision model) the image
+    # token where each image part stands, which the processor expands into the image grid.
+    if image_token is None:
+        parts = "{%- for part in content if part.type == 'text' -%}\n" \
+                "            {{- part.text -}}\n"
+    else:
+        parts = "{%- for part in content -%}\n" \
+                "            {{- part.text if part.type == 'text' else (" \
+                + _jinja_string(image_token) + " if part.type == 'image' else '') -}}\n"
+    return r"""{%- macro render_content(content) -%}
     {%- if content is string -%}
         {{- content -}}
     {%- elif content is not none -%}
-        {%- for part in content if part.type == 'text' -%}
-            {{- part.text -}}
-        {%- endfor -%}
+        """ + parts + r"""        {%- endfor -%}
     {%- endif -%}
 {%- endmacro -%}
-{%- set system_first = messages and messages[0].role == 'system' -%}
+"""
+
+
+def chat_template(image_token: str | None = None) -> str:
+    """The template; with `image_token`, image parts render as that token."""
+    return _render_content(image_token) + _BODY
+
+
+_BODY = r"""{%- set system_first = messages and messages[0].role == 'system' -%}
 {%- if tools -%}
     {#- The tool list extends the system turn, or is one when there is none. -#}
     {{- '<|im_start|>system\n' -}}
@@ -91,3 +107,6 @@ CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
     {%- endif -%}
 {%- endif -%}
 """
+
+
+CHAT_TEMPLATE = chat_template()

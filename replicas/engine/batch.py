@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.config import EngineConfig
+from replicas.engine.disk_cache import DiskTier
 from replicas.engine.logprobs import Picked
-from replicas.engine.prompt_cache import PromptCache, segments
+from replicas.engine.prompt_cache import CacheHit, PromptCache, prefix_view, segments
+from replicas.engine.request import PromptEmbeddings
 from replicas.engine.scoring import score_prompt
 from replicas.engine.sampling import LogitsProcessor, Sampler
 
@@ -36,6 +39,15 @@ class Row:
     stop_ids: frozenset[int]  # token ids that end the row (EOS included)
     sampler: Sampler
     processors: tuple[LogitsProcessor, ...] = ()
+    embeddings: PromptEmbeddings | None = None  # the prompt's start, as embeddings
+
+    @property
+    def key(self) -> list[int]:
+        """The prompt as the prefix cache knows it (images by their content)."""
+        if self.embeddings is None:
+            return list(self.prompt_ids)
+        start = self.embeddings.key
+        return [*start, *self.prompt_ids[len(start):]]
 
 
 @dataclass(frozen=True)
@@ -66,16 +78,18 @@ class LocalBatch:
     """The batch of one process. Not thread-safe: the engine thread alone calls it."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
-                 = (1, 1)) -> None:
+                 = (1, 1), disk: DiskTier | None = None) -> None:
         self._model = model
         self._config = config
-        self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale) \
-            if config.prompt_cache_bytes > 0 else None
+        self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
+                                  disk=disk) if config.prompt_cache_bytes > 0 else None
         self.stream = mx.new_stream(mx.default_device())  # the batch's work, in order
         self._gen = self._new_generator()
         # Rows mlx-lm ended in the last step, with their KV (it drops them from the batch).
         self._ended: dict[int, tuple[list[int], list[Any]]] = {}
         self._rows: set[int] = set()  # uids in the batch
+        # Rows whose prompt starts with embeddings: the prefix cache's key for that start.
+        self._keys: dict[int, tuple[int, ...]] = {}
 
     @property
     def empty(self) -> bool:
@@ -98,7 +112,11 @@ class LocalBatch:
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         """Add rows; each reuses the KV of its longest cached prompt prefix. Returns each
         row's (uid, prompt tokens served from the cache)."""
-        hits = [self._cache.fetch(list(r.prompt_ids)) if self._cache else None for r in rows]
+        hits = [self._cache.fetch(r.key) if self._cache else None for r in rows]
+        served = [h.length if h else 0 for h in hits]
+        for i, row in enumerate(rows):
+            if row.embeddings is not None and served[i] < len(row.embeddings.key):
+                hits[i], served[i] = self._prefill_embeddings(row), 0
         uids = self._gen.insert_segments(
             [segments(list(r.prompt_ids), h.length if h else 0, r.boundary)
              for r, h in zip(rows, hits)],
@@ -113,17 +131,39 @@ class LocalBatch:
             stop_sequences=[StopSequences([[t] for t in sorted(r.stop_ids)]) for r in rows],
         )
         self._rows.update(uids)
-        return [(uid, h.length if h else 0) for uid, h in zip(uids, hits)]
+        self._keys.update((uid, r.embeddings.key) for uid, r in zip(uids, rows)
+                          if r.embeddings is not None)
+        return list(zip(uids, served))
+
+    def _prefill_embeddings(self, row: Row) -> CacheHit:
+        """The KV of a prompt's start from its embeddings (one row, in prefill-sized
+        chunks), kept in the prefix cache under its content key."""
+        assert row.embeddings is not None
+        key = row.embeddings.key
+        with mx.stream(self.stream):
+            embeddings = row.embeddings.compute()
+            cache = make_prompt_cache(self._model)
+            ids = mx.array([row.prompt_ids[:len(key)]])
+            step = self._config.prefill_step_size
+            for start in range(0, len(key), step):
+                self._model(ids[:, start:start + step], cache=cache,
+                            input_embeddings=embeddings[None, start:start + step])
+                mx.eval([c.state for c in cache])
+        if self._cache is not None:
+            self._cache.save(list(key), cache)
+            cache = prefix_view(cache, 0)  # the batch owns a view; the entry stays whole
+        return CacheHit(cache, len(key))
 
     def step(self) -> list[Any]:
         """One batch step (prefill and/or decode): mlx-lm's responses, one per row that got
         a token. Rows mlx-lm ended itself (stop id, length) have left the batch."""
         prefilled, responses = self._gen.next()
         if self._cache is not None:
-            self._cache.save_boundaries(self._gen, prefilled)
-        self._ended = {r.uid: (r.all_tokens, r.prompt_cache) for r in responses
+            self._cache.save_boundaries(self._gen, prefilled, self._key)
+        self._ended = {r.uid: (self._key(r.uid, r.all_tokens), r.prompt_cache)
+                       for r in responses
                        if r.finish_reason is not None and r.prompt_cache is not None}
-        self._rows.difference_update(r.uid for r in responses if r.finish_reason is not None)
+        self._forget(r.uid for r in responses if r.finish_reason is not None)
         return list(responses)
 
     def finish(self, done: Sequence[Done]) -> None:
@@ -135,13 +175,24 @@ class LocalBatch:
                        [u for u in keep if u not in self._ended])
         if batched:
             self._gen.remove(batched)
-        self._rows.difference_update(d.uid for d in done)
+        self._forget(d.uid for d in done)
+
+    def _key(self, uid: int, tokens: Sequence[int]) -> list[int]:
+        """Row `uid`'s tokens as the prefix cache keys them (its images by content)."""
+        start = self._keys.get(uid, ())
+        return [*start, *tokens[len(start):]]
+
+    def _forget(self, uids: Iterable[int]) -> None:
+        for uid in list(uids):
+            self._rows.discard(uid)
+            self._keys.pop(uid, None)
 
     def _save(self, ended: list[tuple[list[int], list[Any]]], batched: list[int]) -> None:
         assert self._cache is not None
         try:  # a failure costs reuse only: the cache is an optimisation
             if batched:
-                ended += [(t, c) for c, t in self._gen.extract_cache(batched).values()]
+                ended += [(self._key(uid, t), c)
+                          for uid, (c, t) in self._gen.extract_cache(batched).items()]
             for tokens, cache in ended:
                 self._cache.save(list(tokens), cache)
         except Exception:  # noqa: BLE001
@@ -161,6 +212,7 @@ class LocalBatch:
         self._gen = self._new_generator()
         self._ended = {}
         self._rows = set()
+        self._keys = {}
         return True
 
     def evict_cache_to(self, nbytes: int) -> None:
@@ -169,4 +221,7 @@ class LocalBatch:
             self._cache.evict_to(nbytes)
 
     def close(self) -> None:
-        """Nothing to release in one process; a lockstep batch tells the other ranks."""
+        """The prefix cache to its disk tier, if any (a lockstep batch also tells the other
+        ranks)."""
+        if self._cache is not None:
+            self._cache.close()

@@ -32,6 +32,10 @@ class EngineConfig:
     # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
     # batch are not counted: this is what stays resident between requests.
     prompt_cache_bytes: int = 2 * 1024**3
+    # The prefix cache's disk tier (`replicas.engine.disk_cache`): a directory for the KV
+    # memory evicts and all of it at shutdown, bounded by bytes; None: memory only.
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 16 * 1024**3
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,7 @@ class Engine:
                 row = Row(request.prompt_ids, request.boundary, request.max_tokens,
                           eos | request.stop_token_ids,
                           make_request_sampler(request.sampling, request.sampled_before),
-                          (guard,) if guard else ())
+                          (guard,) if guard else (), request.embeddings)
                 ready.append((q, row, guard))
             except Exception:  # noqa: BLE001 - reported to that request
                 log.exception("request %s: starting it failed", request.request_id)

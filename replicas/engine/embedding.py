@@ -14,6 +14,8 @@ for generation.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Sequence, get_args
 
@@ -80,10 +82,14 @@ def bytes_per_token(width: int) -> int:
 
 
 def embed_rows(model: nn.Module, rows: Sequence[Sequence[int]], spec: PoolingSpec,
-               dimensions: int | None = None) -> list[list[float]]:
+               dimensions: int | Sequence[int | None] | None = None) -> list[list[float]]:
     """One vector per row of token ids (each non-empty), from one forward.
 
-    `dimensions`: Matryoshka truncation, the first N values then re-normalized."""
+    `dimensions`: Matryoshka truncation, the first N values then re-normalized; one for
+    all rows, or one per row (rows of several requests share a forward)."""
+    if dimensions is not None and not isinstance(dimensions, int):
+        whole = embed_rows(model, rows, spec)
+        return [v if d is None else _truncated(v, d) for v, d in zip(whole, dimensions)]
     body = getattr(model, "model", None)
     if not callable(body):
         raise NoHiddenStates(f"{type(model).__name__} exposes no transformer body (`model.model`)")
@@ -107,6 +113,14 @@ def pool(hidden: mx.array, lengths: mx.array, pooling: Pooling) -> mx.array:
         return hidden[mx.arange(hidden.shape[0]), lengths - 1]
     real = mx.arange(hidden.shape[1])[None, :] < lengths[:, None]
     return (hidden * real[..., None]).sum(axis=1) / lengths[:, None].astype(mx.float32)
+
+
+def _truncated(vector: list[float], dimensions: int) -> list[float]:
+    """The first `dimensions` values, re-normalized (as `embed_rows` does with one `dimensions`
+    for all rows: normalizing before is a scale, which the re-normalizing undoes)."""
+    head = vector[:dimensions]
+    norm = max(math.sqrt(math.fsum(x * x for x in head)), _NORM_EPS)
+    return [x / norm for x in head]
 
 
 def l2_normalize(vectors: mx.array) -> mx.array:

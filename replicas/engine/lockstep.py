@@ -181,6 +181,8 @@ class LockstepBatch:
         return wrapped
 
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
+        if any(r.embeddings is not None for r in rows):  # never prepared: sees() is off
+            raise InternalError("a sharded replica does not take prompt embeddings")
         if self._local.empty:
             self._wake()  # the others sleep since the batch emptied; the next step needs them
         wrapped = [self._wrap(r.sampler) for r in rows]

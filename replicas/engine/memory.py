@@ -95,9 +95,11 @@ class RankMemory:
         return int(self.weights + self.budget * LIMIT_SLACK) + MIN_RESERVE
 
 
-def plan_memory(model: Any, configured: int | None, label: str = "replica") -> RankMemory:
-    """Measure this process's KV layout, fix its budget and set MLX's memory limit."""
-    weights = weights_bytes(model)
+def plan_memory(model: Any, configured: int | None, label: str = "replica",
+                other_weights: int = 0) -> RankMemory:
+    """Measure this process's KV layout, fix its budget and set MLX's memory limit;
+    `other_weights`: bytes of weights beside the language model's (a vision tower)."""
+    weights = weights_bytes(model) + other_weights
     layout = measure_kv(model)
     host = machine()
     budget = configured if configured is not None else default_budget(host, weights)

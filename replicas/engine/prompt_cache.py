@@ -15,15 +15,18 @@ import copy
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
+
+from replicas.engine.disk_cache import DiskTier
 
 log = logging.getLogger(__name__)
 
 _MODEL = "replica"  # PromptTrie keys entries by model; a replica serves one
 _SUMMARY_EVERY = 100  # lookups between INFO summaries
+DISK_MIN_TOKENS = 32  # the fewest prompt tokens a disk hit must save over memory's
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,17 @@ class PromptCacheStats:
     bytes: int
     entries: int
     cached_tokens: int  # prompt tokens served from the cache, all requests together
+    disk_hits: int = 0  # hits the disk tier served (counted in `hits` too)
+    disk_bytes: int = 0
+    disk_entries: int = 0
 
     def engine_fields(self) -> dict[str, int]:
         """These stats under `replicas.engine.EngineStats`' names."""
         return dict(cache_hits=self.hits, cache_misses=self.misses,
                     cache_evictions=self.evictions, cache_bytes=self.bytes,
-                    cache_entries=self.entries, cached_tokens=self.cached_tokens)
+                    cache_entries=self.entries, cached_tokens=self.cached_tokens,
+                    disk_hits=self.disk_hits, disk_bytes=self.disk_bytes,
+                    disk_entries=self.disk_entries)
 
 
 @dataclass
@@ -55,13 +63,16 @@ class _Entry:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int, cost_scale: tuple[int, int] = (1, 1)) -> None:
+    def __init__(self, max_bytes: int, cost_scale: tuple[int, int] = (1, 1),
+                 disk: DiskTier | None = None) -> None:
         """`cost_scale` (num, den): an entry counts `nbytes * num // den` against
         `max_bytes`. A pipeline stage holding `l` of a model's `L` layers on `n` ranks uses
         (L, l * n): every stage then counts the same bytes for the same tokens, so all
         ranks of a sharded replica keep and evict the same entries (`replicas.engine.lockstep`)."""
         self.max_bytes = max_bytes
         self._scale = cost_scale
+        # Where evicted entries go, and every entry at shutdown; looked up after memory.
+        self._disk = disk
         self._trie = PromptTrie()
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
@@ -76,13 +87,18 @@ class PromptCache:
         return self._bytes
 
     def stats(self) -> PromptCacheStats:
+        disk = self._disk
         return PromptCacheStats(self._hits, self._misses, self._evictions, self._bytes,
-                                len(self._lru), self._cached_tokens)
+                                len(self._lru), self._cached_tokens,
+                                disk.hits if disk else 0, disk.nbytes if disk else 0,
+                                len(disk) if disk else 0)
 
     def fetch(self, tokens: list[int]) -> CacheHit | None:
         """The longest usable cached prefix of `tokens`, as a cache the caller may own, or
         None. At least the last token is always left out: its logits start generation."""
         hit = self._lookup(tokens[:-1]) if len(tokens) > 1 else None
+        if self._disk is not None:
+            hit = self._from_disk(tokens, hit)
         if hit is None:
             self._misses += 1
         else:
@@ -112,33 +128,67 @@ class PromptCache:
             return self._hit(tuple(found.shorter), shorter)
         return None
 
+    def _from_disk(self, tokens: list[int], hit: CacheHit | None) -> CacheHit | None:
+        """`hit`, or the disk tier's longer one, loaded into memory (a file that fails its
+        check is dropped there, and memory's hit stands)."""
+        assert self._disk is not None
+        found = self._disk.lookup(tokens)
+        # Reading a file costs its whole size: worth it when it saves a real prefill and
+        # most of what is read is used (not a shared system prompt of a long entry).
+        if found is None or found.length - (hit.length if hit else 0) < DISK_MIN_TOKENS \
+                or found.length * 4 < len(found.key):
+            return hit
+        cache = self._disk.load(found)
+        if cache is None:
+            return hit
+        self.save(list(found.key), cache, spill=False)
+        if found.key in self._lru:
+            return self._hit(found.key, found.length)
+        # Larger than the memory bound: served once, straight from the file.
+        return CacheHit(prefix_view(cache, len(found.key) - found.length), found.length)
+
+    def close(self) -> None:
+        """Every entry to the disk tier (a restart finds them there), written before this
+        returns; nothing without a disk tier."""
+        if self._disk is None:
+            return
+        for key, entry in self._lru.items():
+            self._disk.put(key, entry.cache)
+        if not self._disk.flush():
+            log.warning("disk KV cache: writes still pending at shutdown")
+
     def _hit(self, key: tuple[int, ...], length: int) -> CacheHit:
         entry = self._lru[key]
         self._lru.move_to_end(key)
-        return CacheHit(_prefix_copy(entry.cache, len(key) - length), length)
+        return CacheHit(prefix_view(entry.cache, len(key) - length), length)
 
-    def save_boundaries(self, gen: Any, prefilled: list[Any]) -> None:
+    def save_boundaries(self, gen: Any, prefilled: list[Any],
+                        key: Callable[[int, list[int]], list[int]]) -> None:
         """Keep the KV of prompts whose first segment (`segments`) the batch step just
         prefilled, as mlx-lm's server does: a retry, an edit of the last message or a
         request arriving meanwhile reuses it even before (or without) a finished save.
-        `gen` is the `BatchGenerator`, `prefilled` its step's prompt responses."""
+        `gen` is the `BatchGenerator`, `prefilled` its step's prompt responses, `key` a
+        row's tokens as this cache keys them (`LocalBatch._key`)."""
         done = [r.uid for r in prefilled if r.end_of_segment and not r.end_of_prompt]
         if not done:
             return
         try:
-            for cache, tokens in gen.extract_cache(done).values():
-                self.save(list(tokens), cache)
+            for uid, (cache, tokens) in gen.extract_cache(done).items():
+                self.save(key(uid, list(tokens)), cache)
         except Exception:  # noqa: BLE001 - the cache is an optimisation
             log.exception("saving a prompt cache entry at a message boundary failed")
 
-    def save(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keep `cache`, the KV of exactly `tokens`, then evict to the byte bound."""
+    def save(self, tokens: list[int], cache: list[Any], spill: bool = True) -> None:
+        """Keep `cache`, the KV of exactly `tokens`, then evict to the byte bound; what is
+        evicted goes to the disk tier (`spill`: also when `cache` itself is too big)."""
         if not tokens or not cache:
             return
         mx.eval([c.state for c in cache])  # a lazy slice would pin the whole batch's KV
         nbytes = sum(c.nbytes for c in cache) * self._scale[0] // self._scale[1]
         if nbytes > self.max_bytes:
             log.debug("prompt cache: %d tokens (%d bytes) exceed the bound", len(tokens), nbytes)
+            if self._disk is not None and spill:
+                self._disk.put(tokens, cache)
             return
         key = tuple(tokens)
         previous = self._trie.add(_MODEL, list(key), key)
@@ -160,6 +210,8 @@ class PromptCache:
             self._trie.pop(_MODEL, list(old_key))
             self._bytes -= old.nbytes
             self._evictions += 1
+            if self._disk is not None:
+                self._disk.put(old_key, old.cache)
             log.debug("prompt cache eviction: %d tokens, %d bytes (now %d of %d bytes)",
                       len(old_key), old.nbytes, self._bytes, limit)
 
@@ -173,7 +225,7 @@ def segments(prompt: list[int], cached: int, boundary: int) -> list[list[int]]:
     return [prompt[cached:]]
 
 
-def _prefix_copy(cache: list[Any], drop: int) -> list[Any]:
+def prefix_view(cache: list[Any], drop: int) -> list[Any]:
     """A cache the batch may own, holding all but the last `drop` tokens of `cache`.
 
     The batch's merge only reads a plain KVCache's arrays, so a new KVCache over the same

@@ -9,12 +9,25 @@ events. Nothing here knows about text, channels, stops or tools.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 from replicas.contract import OutputEvent, SamplingParams
 from replicas.engine.delivery import EventSink
 from replicas.engine.logprobs import Picked
 from replicas.engine.sampling import LogitsProcessor
+
+
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """Input embeddings for the start of a prompt, prefilled instead of its tokens' own (a
+    vision model's image features merged in: `replicas.vision`). The rest of the prompt is
+    prefilled as tokens, batched as any other."""
+
+    # The prefix cache's key for the positions they cover: the token ids, with each image
+    # token replaced by an id from its image's content.
+    key: tuple[int, ...]
+    # On the engine thread: the (len(key), hidden) embeddings.
+    compute: Callable[[], Any]
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,7 @@ class EngineRequest:
     # Tokens sampled for this request before (a resumed stream: they end `prompt_ids`); a
     # seeded sampler continues its random stream after them.
     sampled_before: int = 0
+    embeddings: PromptEmbeddings | None = None
 
 
 # mlx-lm's word for why a row ended: "stop" is an EOS or stop token id (not text).

@@ -22,4 +22,7 @@ class EngineStats:
     cache_bytes: int = 0
     cache_entries: int = 0
     cached_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
+    disk_hits: int = 0  # cache hits the disk tier served
+    disk_bytes: int = 0
+    disk_entries: int = 0
     memory: MemoryStats | None = None  # KV admission (None until the model has loaded)

@@ -35,7 +35,7 @@ from replicas.pipeline.tracker import ChannelTracker
 from replicas.pipeline.detokenizer import Decode
 from replicas.pipeline.stops import merge_stops
 from replicas.pipeline.compose import with_tools, without_calls
-from replicas.pipeline.prompt import RenderedPrompt, last_message_boundary, render_prompt
+from replicas.pipeline.prompt import RenderedPrompt, Seer, last_message_boundary, render_prompt
 from replicas.engine.sampling import validate as validate_sampling
 from replicas.timings import Timings
 from replicas.pipeline.tool_plan import ToolPlan, plan_tools
@@ -59,8 +59,10 @@ class InputProcessor:
 
     def __init__(self, options: ReplicaOptions, model: LoadedModel, decode: Decode,
                  channels: ChannelFormat, tools: ToolFormat, context_length: int,
-                 timings: Timings, kv_max_tokens: int | None = None) -> None:
+                 timings: Timings, kv_max_tokens: int | None = None,
+                 seer: Seer | None = None) -> None:
         self._options = options
+        self._seer = seer  # a model that sees: prompts with images go through it
         self.model = model
         self._decode = decode
         self._channels = channels
@@ -75,7 +77,7 @@ class InputProcessor:
     def render(self, request: GenerationRequest) -> RenderedPrompt:
         model = self.model
         return render_prompt(model.hf_tokenizer, request.prompt, request.reasoning, model.vocab_size,
-                             tools=request.tools)
+                             tools=request.tools, seer=self._seer)
 
     def prepare(self, request: GenerationRequest, sink: EventSink) -> Prepared:
         """The request as the engine runs it, its output side, and warnings for its
@@ -154,12 +156,14 @@ class InputProcessor:
             sampled_before=len(resume),
             sampling=_unsigned_seed(request.sampling),
             stop_token_ids=stop_ids,
+            # With images the ids are the processor's, which a text render cannot match.
             boundary=last_message_boundary(model.hf_tokenizer, request.prompt, request.reasoning,
                                            rendered.token_ids, request.tools)
-            if self._options.engine.prompt_cache_bytes else 0,
+            if self._options.engine.prompt_cache_bytes and rendered.embeddings is None else 0,
             logits_processors=(controller,) if controller is not None else (),
             logprobs=top,
             score_prompt=echo is not None and top is not None and request.resume is None,
+            embeddings=rendered.embeddings,
         )
         output = OutputProcessor(
             sink, decoder, controller, prompt_ids=rendered.token_ids,

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 from replicas.contract import (
     ChatMessage,
     ChatPrompt,
+    ImageData,
     Prompt,
     ReasoningSpec,
     TextPrompt,
     TokenPrompt,
     ToolSpec,
 )
+from replicas.engine.request import PromptEmbeddings
 from replicas.errors import InvalidRequestError
 
 
@@ -22,6 +24,14 @@ from replicas.errors import InvalidRequestError
 class RenderedPrompt:
     token_ids: tuple[int, ...]
     text: str  # the template output; the channel router reads its tail
+    embeddings: PromptEmbeddings | None = None  # a prompt with images: its start's
+
+
+class Seer(Protocol):
+    """A model that sees (`replicas.vision.VisionModel`): the template's text and the
+    images it places, tokenized by the model's processor."""
+
+    def prompt(self, text: str, images: Sequence[ImageData]) -> RenderedPrompt: ...
 
 
 def render_prompt(
@@ -30,9 +40,16 @@ def render_prompt(
     reasoning: ReasoningSpec,
     vocab_size: int,
     tools: tuple[ToolSpec, ...] = (),
+    seer: Seer | None = None,
 ) -> RenderedPrompt:
     if isinstance(prompt, ChatPrompt):
         text = render_chat_text(hf_tokenizer, prompt, reasoning, tools)
+        images = [at.image for m in prompt.messages for at in m.images]
+        if images:
+            if seer is None:
+                raise InvalidRequestError("this model reads text only; it takes no images",
+                                          param="messages")
+            return seer.prompt(encodable(text, "messages"), images)
         ids = hf_tokenizer.encode(encodable(text, "messages"), add_special_tokens=False)
     elif isinstance(prompt, TextPrompt):
         text = prompt.text
@@ -123,7 +140,7 @@ def render_chat_text(
 def template_message(message: ChatMessage) -> dict[str, Any]:
     """A message in the shape transformers' chat templates take (as in its docs:
     call arguments as a dict, tool results with their call id and tool name)."""
-    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    entry: dict[str, Any] = {"role": message.role, "content": _content(message)}
     if message.reasoning:
         entry["reasoning_content"] = message.reasoning
     if message.tool_calls:
@@ -141,6 +158,23 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     if message.name is not None:
         entry["name"] = message.name
     return entry
+
+
+def _content(message: ChatMessage) -> str | list[dict[str, str]]:
+    """The text, or with images the parts transformers' templates take: text parts and an
+    image part where each image stands."""
+    if not message.images:
+        return message.content
+    parts: list[dict[str, str]] = []
+    start = 0
+    for at in message.images:
+        if at.offset > start:
+            parts.append({"type": "text", "text": message.content[start:at.offset]})
+        parts.append({"type": "image"})
+        start = max(start, at.offset)
+    if start < len(message.content):
+        parts.append({"type": "text", "text": message.content[start:]})
+    return parts
 
 
 def template_tool(tool: ToolSpec) -> dict[str, Any]:

@@ -238,3 +238,23 @@ def test_the_colocated_client_through_the_sdk(embedder: ModelReplica) -> None:
             assert max_diff(tuple(item.embedding), want) <= TOLERANCE
     with pytest.raises(openai.BadRequestError, match="at most 2048"):
         client.embeddings.create(model="orchard-embed", input=[[1] * (MAX_TOKENS + 1)])
+
+
+def test_requests_at_once_share_forwards(embedder: ModelReplica) -> None:
+    """Sixteen one-input requests arriving together (half of them truncated by
+    `dimensions`) take fewer forwards than requests, and each vector is as alone."""
+    asks = [(TEXTS[i % len(TEXTS)], 64 if i % 2 else None) for i in range(16)]
+    alone = [vectors(embedder, text, dimensions=dims)[0] for text, dims in asks]
+    assert embedder._embedder is not None
+    before = embedder._embedder.forwards
+
+    async def together() -> list[EmbeddingResult | Failed]:
+        return list(await asyncio.gather(*(embedder.embed(EmbeddingRequest(
+            f"s{i}", "orchard-embed", (text,), dims)) for i, (text, dims) in enumerate(asks))))
+
+    results = run(together())
+    forwards = embedder._embedder.forwards - before
+    assert 1 <= forwards < len(asks)
+    for result, expected in zip(results, alone):
+        assert isinstance(result, EmbeddingResult)
+        assert max_diff(result.vectors[0], expected) <= TOLERANCE

@@ -97,4 +97,4 @@ def test_stops_at_the_limits_are_served() -> None:
 
 def test_default_caps() -> None:
     options = EdgeOptions()
-    assert (options.max_body_bytes, options.max_stops, options.max_stop_chars) == (4 << 20, 16, 256)
+    assert (options.max_body_bytes, options.max_stops, options.max_stop_chars) == (32 << 20, 16, 256)

@@ -59,7 +59,7 @@ def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
     metrics.EngineMetrics("m", shards=2)
     assert set(recorders) == {*metrics.REQUEST_METRICS, *metrics.ENGINE_METRICS,
                               *metrics.MEMORY_METRICS, *metrics.SHARD_METRICS,
-                              *metrics.EMBEDDING_METRICS}
+                              *metrics.EMBEDDING_METRICS, *metrics.IMAGE_METRICS}
 
 
 def test_a_finished_request_counts_once_with_its_labels(recorders: dict[str, _Recorder]) -> None:
@@ -139,3 +139,12 @@ def test_embeddings_are_counted_by_inputs_and_tokens(recorders: dict[str, _Recor
     tags = {"model": "m"}
     assert recorders["orchard_embedding_inputs_total"].calls == [("inc", 17, tags)]
     assert recorders["orchard_embedding_tokens_total"].calls == [("inc", 127, tags)]
+
+
+def test_images_are_counted_with_their_encode_time(recorders: dict[str, _Recorder]) -> None:
+    engine = metrics.EngineMetrics("m")
+    engine.record(_stats(), TimingSamples((), (), (), (), ((1, 0.02), (4, 0.09))))
+    engine.record(_stats(), TimingSamples((), ()))  # none since: nothing recorded
+    tags = {"model": "m"}
+    assert recorders["orchard_images_total"].calls == [("inc", 1, tags), ("inc", 4, tags)]
+    assert [c[1] for c in recorders["orchard_image_encode_seconds"].calls] == [0.02, 0.09]

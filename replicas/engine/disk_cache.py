@@ -1,0 +1,291 @@
+"""The prefix cache's disk tier: KV of cached prompts kept in a bounded directory on the
+Mac's SSD, so a restart of the replica (or of `serve run`) keeps them, and a prefix the
+memory tier evicted is loaded instead of prefilled again.
+
+Each entry is two files under `<directory>/<model fingerprint>/`: the KV in mlx-lm's prompt
+cache format (`mlx_lm.models.cache.load_prompt_cache` reads it), and a JSON sidecar with the
+tokens it holds, its size and its SHA-256. A file is used only when its sidecar parses, names
+this model's fingerprint (config, tokenizer, dtype) and the sum matches; anything else is
+dropped with a warning, never loaded. The directory is bounded by bytes, least recently used
+first (a hit touches the file, so the order survives restarts).
+
+Writes go through one writer thread: writing a long prefix's gigabytes must not stall the
+batch. The engine thread hands it arrays it has already evaluated (`snapshot`), so the
+writer only copies bytes (MLX evaluation stays on the engine thread). mlx-lm's own
+`save_prompt_cache` is not called for that reason: it builds the state's slices lazily,
+which the writer would then evaluate on its own thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, load_prompt_cache
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # the sidecar's layout; another value is a foreign file
+_MODEL = "replica"  # PromptTrie keys entries by model; a directory holds one model's
+_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def model_fingerprint(directory: Path, model: Any) -> str:
+    """What makes KV reusable: the model's config and tokenizer files and its dtype."""
+    digest = hashlib.sha256(f"orchard-kv {FORMAT}".encode())
+    for name in _FILES:
+        path = directory / name
+        if path.is_file():
+            digest.update(name.encode() + path.read_bytes())
+    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
+    digest.update(str(next(iter(weights.values())).dtype if weights else "").encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A cache's state as mlx-lm's file format holds it, evaluated on the engine thread."""
+
+    arrays: dict[str, mx.array]
+    metadata: dict[str, str]
+    trimmable: bool
+
+
+def snapshot(cache: Sequence[Any]) -> Snapshot:
+    """On the engine thread: `cache`'s arrays, evaluated, under mlx-lm's names."""
+    scalars: list[Any] = [""]  # mlx-lm's layout: a leading "" keeps the list non-empty
+    arrays: dict[str, mx.array] = {}
+    state: dict[str, Any] = dict(tree_flatten([c.state for c in cache]))
+    for name, value in state.items():
+        if isinstance(value, mx.array):
+            arrays[name] = value
+        elif isinstance(value, (bool, int, float)):
+            scalars.append((name, "scalar"))
+            arrays[name] = mx.array(value)
+        elif value is None:
+            scalars.append((name, "none"))
+            arrays[name] = mx.array([])
+        else:
+            raise ValueError(f"a cache state of type {type(value).__name__} cannot be stored")
+    mx.eval(list(arrays.values()))
+    metadata = dict(tree_flatten([{}, [type(c).__name__ for c in cache], scalars]))
+    return Snapshot(arrays, metadata, can_trim_prompt_cache(list(cache)))
+
+
+@dataclass(frozen=True)
+class _OnDisk:
+    stem: str
+    nbytes: int
+    sha256: str
+    trimmable: bool
+
+
+@dataclass(frozen=True)
+class DiskHit:
+    key: tuple[int, ...]  # the entry's tokens
+    length: int  # the prompt tokens it serves
+
+
+class DiskTier:
+    def __init__(self, root: Path, max_bytes: int, fingerprint: str) -> None:
+        self.directory = Path(root) / fingerprint
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._fingerprint = fingerprint
+        self._lock = threading.Lock()  # the writer adds entries while the engine looks up
+        self._trie = PromptTrie()
+        self._entries: OrderedDict[tuple[int, ...], _OnDisk] = OrderedDict()  # oldest first
+        self._bytes = 0
+        self.hits = 0
+        self.writes = 0
+        self.dropped = 0
+        # Entries to write, or an event the writer sets once everything before it is written.
+        self._queue: queue.Queue[tuple[tuple[int, ...], Snapshot] | threading.Event] = \
+            queue.Queue()
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="orchard-kv-disk",
+                                        daemon=True)
+        self._writer.start()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---- the engine thread --------------------------------------------------------------
+
+    def put(self, tokens: Sequence[int], cache: Sequence[Any]) -> None:
+        """Keep `cache`, the KV of exactly `tokens`; written in the background."""
+        key = tuple(tokens)
+        with self._lock:
+            if key in self._entries:
+                self._touch(key)
+                return
+        self._queue.put((key, snapshot(cache)))
+
+    def lookup(self, tokens: Sequence[int]) -> DiskHit | None:
+        """The entry serving the longest prefix of `tokens` (at least one token is left out,
+        as in memory), or None."""
+        usable = list(tokens[:-1])
+        with self._lock:
+            found = self._trie.search(_MODEL, usable)
+            if found.exact is not None:
+                return DiskHit(tuple(found.exact), len(found.exact))
+            shorter = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > shorter \
+                    and self._entries[tuple(found.longer)].trimmable:
+                return DiskHit(tuple(found.longer), found.common_prefix)
+            if found.shorter is not None:
+                return DiskHit(tuple(found.shorter), shorter)
+        return None
+
+    def load(self, hit: DiskHit) -> list[Any] | None:
+        """The entry's KV, checked against its sum; None (and the entry dropped) when it
+        is missing, altered or unreadable."""
+        with self._lock:
+            entry = self._entries.get(hit.key)
+        if entry is None:
+            return None
+        path = self.directory / f"{entry.stem}.safetensors"
+        try:
+            if _sha256(path) != entry.sha256:
+                raise ValueError("its SHA-256 does not match its sidecar")
+            cache: list[Any] = load_prompt_cache(str(path))  # type: ignore[assignment]
+        except Exception as exc:  # noqa: BLE001 - a bad file costs the hit, never the request
+            log.warning("disk KV cache: dropping %s: %s", path.name, exc)
+            self._drop(hit.key)
+            return None
+        with self._lock:
+            self._touch(hit.key)
+        self.hits += 1
+        return cache
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait for the writes queued so far (tests, shutdown); False if they outlast
+        `timeout_s`."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        self.flush()
+
+    # ---- the writer thread --------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._write(*item)
+            except Exception:  # noqa: BLE001 - a full disk costs the entry, not the replica
+                log.exception("disk KV cache: writing an entry failed")
+
+    def _write(self, key: tuple[int, ...], snap: Snapshot) -> None:
+        stem = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+        path = self.directory / f"{stem}.safetensors"
+        partial = self.directory / f"{stem}.partial.safetensors"
+        mx.save_safetensors(str(partial), snap.arrays, snap.metadata)
+        os.replace(partial, path)  # a crash mid-write leaves no file that looks whole
+        entry = _OnDisk(stem, path.stat().st_size, _sha256(path), snap.trimmable)
+        sidecar = {"format": FORMAT, "fingerprint": self._fingerprint, "tokens": list(key),
+                   "nbytes": entry.nbytes, "sha256": entry.sha256, "trimmable": entry.trimmable}
+        (self.directory / f"{stem}.json").write_text(json.dumps(sidecar))
+        with self._lock:
+            self._add(key, entry)
+        self.writes += 1
+
+    # ---- the index ----------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """The entries a previous run left, oldest use first; bad or foreign ones dropped."""
+        found: list[tuple[float, tuple[int, ...], _OnDisk]] = []
+        for sidecar in self.directory.glob("*.json"):
+            stem = sidecar.name[:-len(".json")]
+            data = self.directory / f"{stem}.safetensors"
+            try:
+                meta = json.loads(sidecar.read_text())
+                if meta.get("format") != FORMAT or meta.get("fingerprint") != self._fingerprint:
+                    raise ValueError("it was written for another model or format")
+                entry = _OnDisk(stem, int(meta["nbytes"]), str(meta["sha256"]),
+                                bool(meta["trimmable"]))
+                if data.stat().st_size != entry.nbytes:
+                    raise ValueError("its size does not match its sidecar")
+                found.append((data.stat().st_mtime, tuple(int(t) for t in meta["tokens"]),
+                              entry))
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong, it is not loaded
+                log.warning("disk KV cache: dropping %s: %s", sidecar.name, exc)
+                self.dropped += 1
+                _remove(sidecar, data)
+        for partial in self.directory.glob("*.partial.safetensors"):
+            partial.unlink(missing_ok=True)  # a write a crash cut short
+        for _, key, entry in sorted(found, key=lambda f: f[0]):
+            self._add(key, entry)
+        if found:
+            log.info("disk KV cache: %d entries, %d bytes in %s", len(self._entries),
+                     self._bytes, self.directory)
+
+    def _add(self, key: tuple[int, ...], entry: _OnDisk) -> None:
+        previous = self._trie.add(_MODEL, list(key), key)
+        if previous is not None and key in self._entries:
+            self._bytes -= self._entries.pop(key).nbytes
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
+        if entry.trimmable:  # entries on its path are its prefixes: it serves them by trimming
+            for _, prefix in self._trie.pop_prefixes(_MODEL, list(key)):
+                old = self._entries.pop(prefix)
+                self._bytes -= old.nbytes
+                _remove(*self._paths(old))
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            oldest, old = next(iter(self._entries.items()))
+            self._forget(oldest)
+            _remove(*self._paths(old))
+
+    def _touch(self, key: tuple[int, ...]) -> None:
+        self._entries.move_to_end(key)
+        entry = self._entries[key]
+        os.utime(self.directory / f"{entry.stem}.safetensors")
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            self._forget(key)
+        self.dropped += 1
+        _remove(*self._paths(entry))
+
+    def _forget(self, key: tuple[int, ...]) -> None:
+        self._trie.pop(_MODEL, list(key))
+        self._bytes -= self._entries.pop(key).nbytes
+
+    def _paths(self, entry: _OnDisk) -> tuple[Path, Path]:
+        return (self.directory / f"{entry.stem}.json",
+                self.directory / f"{entry.stem}.safetensors")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)

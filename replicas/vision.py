@@ -1,0 +1,196 @@
+"""A model that sees: its images become input embeddings at the start of the prompt, and
+everything after them is an ordinary text prompt.
+
+mlx-vlm holds what is particular to a vision-language model: its processor (the image
+preprocessing and the expansion of each image token into the image's grid of tokens) and
+its vision tower and projector (`get_input_embeddings`: the prompt's embeddings with the
+image features merged in). The language model is mlx-lm's own class, loaded by the
+production loader and driven by the same batch as any text model. That is the cut: the
+engine prefills the image prefix from embeddings once (`replicas.engine.batch`), and from
+there streaming, stops, channels, guided decoding, tool calls, the prefix cache, admission
+and continuous batching are the text path's, unchanged, rather than a second engine
+(mlx-vlm's own batch generator) kept in step with the first.
+
+Only model types whose language model takes plain 1-D positions can be cut this way, and
+only those checked against mlx-vlm's own generation are served (`VISION_MODEL_TYPES`);
+Qwen-VL's 3-D rotary positions, for one, would need the positions carried into the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from replicas.contract import ImageData
+from replicas.engine.request import PromptEmbeddings
+from replicas.errors import InvalidRequestError
+from replicas.options import ModelKind
+from replicas.pipeline.prompt import RenderedPrompt
+from replicas.startup import Progress
+from replicas.timings import Timings
+
+log = logging.getLogger(__name__)
+
+# Model types served with images: each checked against mlx-vlm's generation
+# (tests/integration/test_vision.py on `builtin:vision`, a mistral3).
+VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3"})
+
+
+class VisionUnsupported(ValueError):
+    """A model configured as `kind: vision` that this cut cannot serve."""
+
+
+def sees(config: dict[str, Any], kind: ModelKind = "auto") -> bool:
+    """Whether a model with this config.json is served with images: its config has a
+    vision tower of a type in `VISION_MODEL_TYPES` (or `kind` says vision, which must then
+    hold); `kind: text` never."""
+    if kind == "text":
+        return False
+    model_type = str(config.get("model_type", ""))
+    vision = "vision_config" in config
+    if model_type in VISION_MODEL_TYPES and vision:
+        return True
+    if kind == "vision":
+        raise VisionUnsupported(
+            f"`kind: vision`, but images are served only for model types "
+            f"{', '.join(sorted(VISION_MODEL_TYPES))} with a vision_config; this model is "
+            f"{model_type or 'of no model_type'}")
+    if vision:
+        log.warning("model type %s has a vision tower Orchard does not serve yet: it is "
+                    "served as text only (images become placeholders)", model_type)
+    return False
+
+
+class VisionModel:
+    """The vision half of a vision-language model: processor, tower and projector."""
+
+    def __init__(self, encoder: nn.Module, processor: Any, image_token_id: int,
+                 timings: Timings) -> None:
+        self._encoder = encoder
+        self._timings = timings
+        self._processor = processor
+        self.image_token_id = image_token_id
+        weights: dict[str, mx.array] = dict(tree_flatten(encoder.parameters()))
+        # What this half adds to memory (the language model's weights are counted already).
+        self.nbytes = sum(v.nbytes for k, v in weights.items()
+                          if not k.startswith("language_model."))
+        end = getattr(processor, "image_end_token_id", None)
+        if not isinstance(end, int):  # what tells one image's tokens from the next's
+            raise VisionUnsupported("the model's processor has no image end token")
+        self._end_token = end
+
+    @classmethod
+    def load(cls, path: Path, language_model: nn.Module, timings: Timings) -> "VisionModel":
+        """mlx-vlm's model for `path`, lazily, keeping only what the language model (mlx-lm's,
+        already loaded) does not have: the language weights are never read, and the token
+        embeddings are the language model's own (no second copy of the largest matrix)."""
+        from mlx_vlm.utils import load_model, load_processor
+
+        with Progress(f"loading the vision tower and processor from {path}"):
+            encoder = load_model(path, lazy=True)
+            processor = load_processor(path)
+            text = encoder.language_model.model
+            text.embed_tokens = _embed_tokens(language_model)
+            text.layers = []  # mlx-lm's copy runs them; these are never read
+            weights: dict[str, mx.array] = dict(tree_flatten(encoder.parameters()))
+            mx.eval([v for k, v in weights.items() if not k.startswith("language_model.")])
+        token = getattr(encoder.config, "image_token_index", None)
+        if not isinstance(token, int):
+            raise VisionUnsupported(f"{path}: config.json names no image_token_index")
+        return cls(encoder, processor, token, timings)
+
+    def prompt(self, text: str, images: Sequence[ImageData]) -> RenderedPrompt:
+        """`text` (the chat template's output, one image token per image) and its images
+        through the processor: the expanded token ids, and the embeddings of their start.
+        Runs off the engine thread; the embeddings are computed on it, when the request
+        is inserted."""
+        pictures = [_open(image, n) for n, image in enumerate(images)]
+        marks = text.count(self._processor.image_token)
+        if marks != len(pictures):
+            raise InvalidRequestError(
+                f"the model's chat template placed {marks} of the request's {len(pictures)} "
+                "images; it may not render images in every role (a tool result, say)",
+                param="messages")
+        try:
+            inputs = self._processor(text=text, images=pictures, return_tensors="np")
+        except Exception as exc:  # noqa: BLE001 - a processor refusing an image is the client's
+            raise InvalidRequestError(f"the model's processor refused an image: {exc}",
+                                      param="messages") from exc
+        ids = [int(t) for t in np.asarray(inputs["input_ids"])[0]]
+        image_at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if not image_at or image_at[-1] >= len(ids) - 1:
+            raise InvalidRequestError("the prompt must go on after its last image",
+                                      param="messages")
+        length = image_at[-1] + 1
+        key = _content_key(ids[:length], images, self.image_token_id, self._end_token)
+        pixels, sizes = inputs["pixel_values"], inputs.get("image_sizes")
+        encoder, timings = self._encoder, self._timings
+
+        def compute() -> mx.array:
+            started = time.perf_counter()
+            extra = {} if sizes is None else {"image_sizes": mx.array(sizes)}
+            features = encoder.get_input_embeddings(
+                mx.array([ids[:length]]), _pixels(pixels), **extra)
+            embeddings = features.inputs_embeds[0]
+            mx.eval(embeddings)
+            timings.encoded(len(pictures), time.perf_counter() - started)
+            return embeddings
+
+        return RenderedPrompt(tuple(ids), text, PromptEmbeddings(tuple(key), compute))
+
+
+def _embed_tokens(language_model: nn.Module) -> nn.Module:
+    for path in (("language_model", "model"), ("model",)):
+        module: Any = language_model
+        for name in path:
+            module = getattr(module, name, None)
+        if module is not None and hasattr(module, "embed_tokens"):
+            return module.embed_tokens  # type: ignore[no-any-return]
+    raise VisionUnsupported("the language model has no embed_tokens to share")
+
+
+def _content_key(ids: Sequence[int], images: Sequence[ImageData], image_token: int,
+                 end_token: int) -> list[int]:
+    """The prefix cache's key for the image prefix: its token ids, but each image token
+    replaced by a negative id from its image's content hash and its place in the image, so
+    two prompts share cached KV only where their images are byte for byte the same. The
+    images follow each other in order, each closed by the processor's end token."""
+    digests = [int(hashlib.sha256(image.data).hexdigest()[:12], 16) for image in images]
+    key, image, place = list(ids), 0, 0
+    for position, token in enumerate(ids):
+        if token == image_token:
+            key[position] = -1 - ((digests[min(image, len(digests) - 1)] << 20) + place)
+            place += 1
+        elif token == end_token:
+            image, place = image + 1, 0
+    return key
+
+
+def _open(image: ImageData, index: int) -> Any:
+    """The decoded image, or a 400 (the ingress checked it; a replica never trusts that)."""
+    from PIL import Image
+
+    try:
+        picture = Image.open(io.BytesIO(image.data))
+        picture.load()
+        return picture.convert("RGB")
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is a bad image
+        raise InvalidRequestError(f"image {index} could not be decoded: {exc}",
+                                  param="messages") from exc
+
+
+def _pixels(values: Any) -> mx.array | list[mx.array]:
+    """The processor's pixel values as mlx-vlm takes them: one array, or a list when the
+    images have different sizes."""
+    if isinstance(values, list):
+        return [mx.array(v) for v in values]
+    return mx.array(values)

@@ -1,0 +1,62 @@
+"""The prefix cache's disk tier in a replica with the real tiny model, in-process: what a
+replica leaves at shutdown a new one loads instead of prefilling, with identical output,
+and an entry memory evicts is loaded back from disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from replicas.engine.config import EngineConfig
+from replicas.engine.prompt_cache import DISK_MIN_TOKENS
+from replicas.replica import ModelReplica, ReplicaOptions
+from tests.integration.test_prompt_cache import cached_tokens, generate, output, prompt_ids
+
+SCRIPTS = ["tool-one", "multi-turn", "cities"]
+LONG = ["tool-one", "multi-turn"]  # prompts past DISK_MIN_TOKENS: a disk hit is worth it
+
+
+def replica(directory: Path, **engine: Any) -> ModelReplica:
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny", engine=EngineConfig(
+        disk_cache_dir=str(directory), **engine)))
+    rep.start()
+    return rep
+
+
+def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path) -> None:
+    first = replica(tmp_path)
+    try:
+        before = {sid: generate(first, sid) for sid in LONG}
+        lengths = {sid: len(prompt_ids(first, sid)) for sid in LONG}
+    finally:
+        first.shutdown()  # writes every entry to the disk tier
+    second = replica(tmp_path)
+    try:
+        assert second.stats().disk_entries >= len(LONG)
+        after = {sid: generate(second, sid) for sid in LONG}
+        stats = second.stats()
+    finally:
+        second.shutdown()
+    for sid in LONG:
+        assert lengths[sid] > DISK_MIN_TOKENS + 1, sid
+        assert output(after[sid]) == output(before[sid]), sid
+        assert cached_tokens(after[sid]) == lengths[sid] - 1, sid  # all but the last token
+    assert stats.disk_hits == len(LONG)
+
+
+def test_what_memory_evicts_comes_back_from_disk(tmp_path: Path) -> None:
+    # Room in memory for one of the short conversations (about 65 kB of KV each): the
+    # second evicts the first to disk; tool-one's (245 kB) never fits and goes there whole.
+    rep = replica(tmp_path, prompt_cache_bytes=100_000)
+    try:
+        first = {sid: generate(rep, sid) for sid in SCRIPTS}
+        evicted = rep.stats().cache_evictions
+        again = {sid: generate(rep, sid) for sid in ("multi-turn", "tool-one")}
+        stats = rep.stats()
+    finally:
+        rep.shutdown()
+    assert evicted >= 1
+    for sid, events in again.items():
+        assert output(events) == output(first[sid]), sid
+        assert cached_tokens(events) > 0, sid
+    assert stats.disk_hits == 2

@@ -1,0 +1,199 @@
+"""A model that sees (`builtin:vision`, a mistral3), in a replica in-process: its answers
+are mlx-vlm's own, they depend on the image, and the text path's features hold with images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from typing import Any, Iterator
+
+import pytest
+from PIL import Image
+
+from replicas.contract import (
+    ChatMessage,
+    ChatPrompt,
+    ErrorKind,
+    Failed,
+    Finished,
+    GenerationRequest,
+    GuidedSpec,
+    ImageAt,
+    ImageData,
+    OutputEvent,
+    SamplingParams,
+    TextDelta,
+    TokenIds,
+    ToolCallStart,
+    ToolChoice,
+    ToolSpec,
+)
+from replicas.engine.config import EngineConfig
+from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.sources import resolve_source
+from tests.streams import collect, stream_events
+
+QUESTION = "What is in this picture?"
+
+
+def image(color: str, size: tuple[int, int] = (48, 40), kind: str = "PNG") -> ImageData:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, kind)
+    return ImageData(buffer.getvalue(), f"image/{kind.lower()}")
+
+
+def ask(rid: str, *pictures: ImageData, text: str = QUESTION, max_tokens: int = 10,
+        **fields: Any) -> GenerationRequest:
+    """One user turn: `text`, then the pictures after it."""
+    at = tuple(ImageAt(len(text), p) for p in pictures)
+    return GenerationRequest(rid, "vision", ChatPrompt((ChatMessage("user", text, images=at),)),
+                             SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                             report_tokens=True, **fields)
+
+
+def tokens(events: list[OutputEvent]) -> list[int]:
+    return [t for e in events if isinstance(e, TokenIds) for t in e.ids]
+
+
+def refused(events: list[OutputEvent], says: str) -> None:
+    """The request's one event: the client's error (a 400 at the edge), naming `says`."""
+    assert len(events) == 1 and isinstance(events[0], Failed), events
+    assert events[0].kind is ErrorKind.INVALID_REQUEST and says in events[0].message, events
+
+
+def finished(events: list[OutputEvent]) -> Finished:
+    last = events[-1]
+    assert isinstance(last, Finished), last
+    return last
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[ModelReplica]:
+    rep = ModelReplica(ReplicaOptions(model_id="vision", source="builtin:vision"))
+    rep.start()
+    assert rep.sees
+    yield rep
+    rep.shutdown()
+
+
+def mlx_vlm_tokens(color: str, max_tokens: int) -> list[int]:
+    """mlx-vlm's own greedy generation for the same prompt and image: the reference."""
+    from mlx_vlm import load, stream_generate
+
+    model, processor = load(str(resolve_source("builtin:vision")))
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                             {"type": "image"}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=True)
+    picture = Image.open(io.BytesIO(image(color).data))
+    # Its last response repeats the last token with the totals: only the first N count.
+    return [r.token for r in stream_generate(model, processor, prompt, image=[picture],
+                                             max_tokens=max_tokens, temperature=0.0)][:max_tokens]
+
+
+def test_answers_are_mlx_vlms_and_follow_the_image(replica: ModelReplica) -> None:
+    red = tokens(stream_events(replica, ask("red", image("red"), max_tokens=12)))
+    blue = tokens(stream_events(replica, ask("blue", image("blue"), max_tokens=12)))
+    assert red == mlx_vlm_tokens("red", 12)
+    assert blue == mlx_vlm_tokens("blue", 12)
+    assert red != blue  # the answer depends on the image
+
+
+def test_images_batch_with_text_requests(replica: ModelReplica) -> None:
+    """Requests with 0, 1 and 2 images, all at once, each as it is alone."""
+    requests = [ask("plain", text="Hello there"), ask("one", image("red")),
+                ask("two", image("green"), image("blue", (64, 24))),
+                ask("jpeg", image("yellow", kind="JPEG")), ask("again", image("red"))]
+    alone = [tokens(stream_events(replica, r)) for r in requests]
+
+    async def together() -> list[list[OutputEvent]]:
+        return list(await asyncio.gather(*(collect(replica.stream(r)) for r in requests)))
+
+    assert [tokens(events) for events in asyncio.run(together())] == alone
+    assert len({tuple(t) for t in alone[:4]}) == 4
+
+
+def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica) -> None:
+    first = stream_events(replica, ask("c1", image("purple")))
+    again = stream_events(replica, ask("c2", image("purple")))
+    other = stream_events(replica, ask("c3", image("orange")))
+    assert tokens(again) == tokens(first)
+    prompt = finished(again).usage.prompt_tokens
+    assert finished(again).usage.cached_tokens == prompt - 1  # the image's KV, reused
+    # The same text with another image: nothing of the image prefix is reused.
+    assert finished(other).usage.cached_tokens == 0
+    assert tokens(other) != tokens(first)
+
+
+def test_images_in_several_turns_and_a_tool_result(replica: ModelReplica) -> None:
+    history = (
+        ChatMessage("user", "Look:", images=(ImageAt(5, image("red")),)),
+        ChatMessage("assistant", "I see it."),
+        ChatMessage("user", "And now?", images=(ImageAt(0, image("blue")),)),
+    )
+    request = GenerationRequest("turns", "vision", ChatPrompt(history),
+                                SamplingParams(max_tokens=6, temperature=0.0))
+    assert finished(stream_events(replica, request)).usage.completion_tokens == 6
+    tool_turn = (
+        ChatMessage("user", "Take a screenshot."),
+        ChatMessage("assistant", "", tool_calls=()),
+        ChatMessage("tool", "screenshot:", images=(ImageAt(11, image("white")),),
+                    tool_call_id="call_1", name="screenshot"),
+    )
+    request = GenerationRequest("tool", "vision", ChatPrompt(tool_turn),
+                                SamplingParams(max_tokens=6, temperature=0.0))
+    assert finished(stream_events(replica, request)).usage.prompt_tokens > 20
+
+
+def test_guided_json_and_a_forced_tool_call_with_an_image(replica: ModelReplica) -> None:
+    guided = stream_events(replica, ask("json", image("red"), max_tokens=60,
+                                        guided=GuidedSpec("json_schema", json.dumps({
+                                            "type": "object", "properties": {
+                                                "color": {"enum": ["red", "blue"]}},
+                                            "required": ["color"],
+                                            "additionalProperties": False}))))
+    text = "".join(e.text for e in guided if isinstance(e, TextDelta))
+    assert json.loads(text)["color"] in ("red", "blue")
+    tool = ToolSpec("describe", None, json.dumps({
+        "type": "object", "properties": {"color": {"enum": ["red"]}}, "required": ["color"],
+        "additionalProperties": False}), strict=True)
+    called = stream_events(replica, ask("call", image("red"), max_tokens=60, tools=(tool,),
+                                        tool_choice=ToolChoice("required", "describe", parallel=False)))
+    assert [e.name for e in called if isinstance(e, ToolCallStart)] == ["describe"]
+
+
+@pytest.mark.parametrize("bad, says", [
+    (ImageData(b"\x89PNG\r\n\x1a\n not really", "image/png"), "could not be decoded"),
+    (ImageData(b"", "image/png"), "could not be decoded"),
+])
+def test_a_bad_image_is_the_clients_error(replica: ModelReplica, bad: ImageData,
+                                          says: str) -> None:
+    refused(stream_events(replica, ask("bad", bad)), says)
+    assert tokens(stream_events(replica, ask("after", image("red"))))  # still serving
+
+
+def test_an_image_token_in_the_text_does_not_pass_for_an_image(replica: ModelReplica) -> None:
+    refused(stream_events(replica, ask("inject", image("red"), text="Look [IMG] here")),
+            "placed 2 of the request's 1 images")
+
+
+def test_a_text_model_refuses_images() -> None:
+    rep = ModelReplica(ReplicaOptions(model_id="vision", source="builtin:vision", kind="text",
+                                      engine=EngineConfig(prompt_cache_bytes=0)))
+    rep.start()
+    try:
+        assert not rep.sees
+        refused(stream_events(rep, ask("text-only", image("red"))), "reads text only")
+        events = stream_events(rep, ask("words", text="Hello"))
+        assert not any(isinstance(e, Failed) for e in events)
+    finally:
+        rep.shutdown()
+
+
+def test_kind_vision_on_a_text_model_fails_the_load() -> None:
+    rep = ModelReplica(ReplicaOptions(model_id="t", source="builtin:bench", kind="vision"))
+    with pytest.raises(Exception, match="images are served only for model types"):
+        rep.start()
+    rep.shutdown()

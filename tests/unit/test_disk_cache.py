@@ -1,0 +1,110 @@
+"""The prefix cache's disk tier alone, on real MLX caches: what it keeps, what a new process
+finds, and what it refuses to load."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from replicas.engine.disk_cache import DiskTier
+
+
+def kv(tokens: int, layers: int = 2) -> list[Any]:
+    out = []
+    for _ in range(layers):
+        layer = KVCache()
+        layer.update_and_fetch(mx.random.normal((1, 2, tokens, 8)),
+                               mx.random.normal((1, 2, tokens, 8)))
+        out.append(layer)
+    return out
+
+
+def written(tier: DiskTier, tokens: list[int], cache: list[Any]) -> None:
+    tier.put(tokens, cache)
+    assert tier.flush()
+
+
+def same(a: list[Any], b: list[Any]) -> bool:
+    return all(mx.array_equal(x.state[0], y.state[0]).item() for x, y in zip(a, b))
+
+
+def test_an_entry_survives_a_new_process_and_serves_its_prefixes(tmp_path: Path) -> None:
+    cache = kv(10)
+    written(DiskTier(tmp_path, 1 << 30, "model-a"), list(range(10)), cache)
+    again = DiskTier(tmp_path, 1 << 30, "model-a")  # what a restarted replica opens
+    assert len(again) == 1
+    hit = again.lookup(list(range(10)) + [77])
+    assert hit is not None and hit.length == 10
+    loaded = again.load(hit)
+    assert loaded is not None and same(loaded, cache) and again.hits == 1
+    shorter = again.lookup([0, 1, 2, 3, 50, 51])  # a longer KV entry trims to the shared 4
+    assert shorter is not None and shorter.length == 4
+    assert again.lookup([9, 9, 9]) is None
+
+
+def test_another_model_never_sees_the_entries(tmp_path: Path) -> None:
+    written(DiskTier(tmp_path, 1 << 30, "model-a"), list(range(10)), kv(10))
+    assert len(DiskTier(tmp_path, 1 << 30, "model-b")) == 0
+
+
+def test_a_foreign_or_altered_file_is_dropped_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = DiskTier(tmp_path, 1 << 30, "model-a")
+    written(tier, list(range(10)), kv(10))
+    written(tier, list(range(20, 30)), kv(10))
+    first, second = sorted(tier.directory.glob("*.json"))
+    meta = json.loads(first.read_text())
+    first.write_text(json.dumps({**meta, "fingerprint": "model-z"}))  # copied from elsewhere
+    with caplog.at_level(logging.WARNING):
+        reopened = DiskTier(tmp_path, 1 << 30, "model-a")
+    assert len(reopened) == 1 and "another model" in caplog.text
+    assert not first.exists()
+    # The remaining entry's bytes change after its sidecar was written: never loaded.
+    data = second.with_suffix(".safetensors")
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 8] = bytes(b ^ 0xFF for b in raw[middle:middle + 8])
+    data.write_bytes(bytes(raw))
+    hit = reopened.lookup(json.loads(second.read_text())["tokens"] + [1])
+    assert hit is not None
+    with caplog.at_level(logging.WARNING):
+        assert reopened.load(hit) is None
+    assert "SHA-256" in caplog.text and len(reopened) == 0 and not data.exists()
+
+
+def test_the_bound_drops_the_least_recently_used(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 30, "m")
+    written(tier, [1] * 5, kv(5))
+    size = tier.nbytes
+    tier.max_bytes = 2 * size + size // 2  # room for two entries of this size
+    written(tier, [2] * 5, kv(5))
+    hit = tier.lookup([1] * 5 + [0])
+    assert hit is not None and tier.load(hit) is not None  # [1]*5 used last now
+    written(tier, [3] * 5, kv(5))
+    assert len(tier) == 2 and tier.lookup([2] * 5 + [0]) is None
+    assert tier.lookup([1] * 5 + [0]) is not None
+
+
+def test_a_longer_entry_replaces_its_prefixes(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 30, "m")
+    written(tier, list(range(5)), kv(5))
+    written(tier, list(range(9)), kv(9))
+    assert len(tier) == 1 and len(list(tier.directory.glob("*.safetensors"))) == 1
+
+
+def test_recurrent_state_is_kept_whole_and_served_only_whole(tmp_path: Path) -> None:
+    state = ArraysCache(2)
+    state[0], state[1] = mx.ones((1, 4, 3)), mx.zeros((1, 2))
+    tier = DiskTier(tmp_path, 1 << 30, "m")
+    written(tier, list(range(6)), [state])
+    assert tier.lookup([0, 1, 2, 9, 9]) is None  # cannot be trimmed to a shorter prefix
+    hit = tier.lookup(list(range(6)) + [4])
+    assert hit is not None and hit.length == 6
+    loaded = tier.load(hit)
+    assert loaded is not None and mx.array_equal(loaded[0][0], state[0]).item()
