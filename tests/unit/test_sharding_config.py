@@ -105,3 +105,15 @@ def test_a_batch_record_survives_the_wire() -> None:
     ops = [_Insert((_RowSpec((1, 2, 3), 2, 16, frozenset({0}), 7, 1),)),
            _Finish((Done(4, keep=True),))]
     assert pickle.loads(pickle.dumps(ops)) == ops
+
+
+@pytest.mark.parametrize("field, says", [
+    ({"kind": "vision"}, "kind: vision needs shards: 1"),
+    ({"prompt_cache": {"disk_path": "auto"}}, "prompt_cache.disk_path needs shards: 1"),
+])
+def test_what_a_sharded_replica_cannot_take_is_a_config_error(field: dict[str, Any],
+                                                              says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        ModelSettings.model_validate({"id": "m", "source": "builtin:tiny", "shards": 2,
+                                      **field})
+    ModelSettings.model_validate({"id": "m", "source": "builtin:tiny", **field})  # 1: fine
