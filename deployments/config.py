@@ -64,7 +64,8 @@ class ModelSettings(_Strict):
                              "it to what is left, `reject` answers 400.")
     embeddings: Pooling | None = Field(
         None, description="Serve `/v1/embeddings` with this pooling of the hidden states "
-        "(`last_token`: the last token's; `mean`: the mean over the input's tokens), "
+        "(`last_token`: the last token's; `mean`: the mean over the input's tokens; `cls`: "
+        "the first token's, as BERT-style encoders pool), "
         "normalized: opts a chat model in, or overrides an embedding checkpoint's own "
         "sentence-transformers files. Unset: only a checkpoint whose files name a pooling "
         "(Qwen3-Embedding's) serves embeddings; any other model answers 400.")

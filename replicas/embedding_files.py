@@ -27,7 +27,8 @@ _POOLING = "sentence_transformers.models.Pooling"
 _NORMALIZE = "sentence_transformers.models.Normalize"
 # sentence-transformers' mode names (`pooling_mode_<name>`, or `pooling_mode: <name>` in
 # newer files) -> the poolings Orchard computes (`replicas.engine.embedding`).
-_MODES: dict[str, Pooling] = {"lasttoken": "last_token", "mean_tokens": "mean", "mean": "mean"}
+_MODES: dict[str, Pooling] = {"lasttoken": "last_token", "mean_tokens": "mean", "mean": "mean",
+                               "cls_token": "cls", "cls": "cls"}
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def embedding_support(directory: Path | None, configured: Pooling | None,
         return EmbeddingSpec(configured, normalize, dimensions, max_tokens)
     if files is None:
         return NotEmbedding("it is not an embedding model (no sentence-transformers pooling "
-                            "in its files); set `embeddings: last_token` or `mean` in its "
+                            "in its files); set `embeddings: last_token`, `mean` or `cls` in its "
                             "config to serve embeddings from it")
     if isinstance(files.pooling, NotEmbedding):
         return files.pooling
@@ -107,7 +108,8 @@ def _pooling(config: dict[str, Any]) -> Pooling | NotEmbedding:
         return _MODES[modes[0]]
     found = ", ".join(modes) or "none"
     return NotEmbedding(f"its sentence-transformers pooling ({found}) is not one Orchard "
-                        "computes; set `embeddings: last_token` or `mean` in its config")
+                        "computes; set `embeddings: last_token`, `mean` or `cls` in its "
+                        "config")
 
 
 def _json(path: Path) -> Any:

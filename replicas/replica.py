@@ -36,7 +36,9 @@ from replicas.engine.loading import LoadedModel, load_model
 from replicas.engine.lockstep import LockstepBatch
 from replicas.engine.memory import RankMemory, plan_memory
 from replicas.options import ReplicaOptions
-from replicas.sources import resolve_source
+from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
+    load_encoder
+from replicas.sources import model_config, model_files, resolve_source
 from replicas.families.channel_format import ChannelFormat
 from replicas.families.registry import (
     detect_channel_format,
@@ -72,6 +74,7 @@ class ModelReplica:
         self._inputs: InputProcessor | None = None
         self._embedder: Embedder | None = None
         self._vision: VisionModel | None = None  # a model that sees: set by `_open`
+        self._encoder_only = False  # an encoder (`replicas.encoder`): embeddings only
         self._streams = 0  # streams open now, which share the replica's chunk rate
 
     def _open(self) -> tuple[LoadedModel, Batch, tuple[RankMemory, ...]]:
@@ -80,6 +83,13 @@ class ModelReplica:
         plan = self.options.shard
         budget = self.options.engine.kv_budget_bytes
         if plan is None:
+            config = model_config(self.options.source)
+            if config is not None and is_encoder(config):
+                self._encoder_only = True
+                directory = model_files(self.options.source, ENCODER_FILES)
+                assert directory is not None  # fetched where it is not on disk
+                model = load_encoder(self.options.source, directory, config)
+                return model, NoGeneration(), (encoder_memory(model.model, budget),)
             model = load_model(self.options.source, resolve_source(self.options.source))
             if sees(model.config, self.options.kind):
                 self._vision = VisionModel.load(model.path, model.model, self._timings)
@@ -200,6 +210,10 @@ class ModelReplica:
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
         """Events in order, coalesced: the first batch leaves at once, later ones at most
         every `flush_interval_s`, each holding everything that arrived meanwhile."""
+        if self._encoder_only:
+            yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' is an "
+                          "embedding encoder: it serves /v1/embeddings only")]
+            return
         loop = asyncio.get_running_loop()
         buffer = EventBuffer(loop)
         try:

@@ -3,7 +3,8 @@
 `builtin:tiny` is a small qwen3 model trained to reproduce the scripts in
 scripts.json exactly; `builtin:bench` has the same tokenizer and architecture with
 random weights and about 25M parameters, for throughput benchmarks; `builtin:embed` is an
-embedding model laid out as Qwen3-Embedding (embed_model.py); `builtin:vision` a
+embedding model laid out as Qwen3-Embedding (embed_model.py); `builtin:embed-bert` a
+BERT sentence encoder served through mlx-embeddings (encoder_model.py); `builtin:vision` a
 vision-language model laid out as Mistral Small 3.x (vision_model.py); `builtin:fmt-<format>`
 has the tokenizer and chat template of a model family that writes that tool format (the
 family's test template, `replicas/families/`), and random weights, for driving each format
@@ -19,6 +20,8 @@ from pathlib import Path
 from .build import ensure_recipe
 from .embed_model import NAME as EMBED_NAME
 from .embed_model import ensure_embed_model
+from .encoder_model import NAME as ENCODER_NAME
+from .encoder_model import ensure_encoder_model
 from .family_models import FAMILY_MODELS, ensure_family_model, family_model_name
 from .recipe import RECIPES
 from .vision_model import NAME as VISION_NAME
@@ -27,7 +30,8 @@ from .scripts import Message, Script, load_scripts, script
 
 # The recipes, the embedding model, then one random-weights model per family with calls
 # (`fmt-<tool format>`, family_models.py).
-BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, EMBED_NAME, VISION_NAME, *FAMILY_MODELS)
+BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, EMBED_NAME, ENCODER_NAME, VISION_NAME,
+                                  *FAMILY_MODELS)
 
 
 def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
@@ -41,6 +45,8 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
         return ensure_embed_model(cache_dir)
     if name == VISION_NAME:
         return ensure_vision_model(cache_dir)
+    if name == ENCODER_NAME:
+        return ensure_encoder_model(cache_dir)
     recipe = RECIPES.get(name)
     if recipe is None:
         raise ValueError(f"unknown builtin model {name!r}; valid names: {', '.join(BUILTIN_NAMES)}")

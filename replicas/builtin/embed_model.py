@@ -58,12 +58,15 @@ def ensure_embed_model(cache_dir: Path | None = None) -> Path:
                       f"once (cached in {root}), a few seconds"):
             build(EMBED, parse_scripts(text), tmp, key)
             write_sentence_transformers(tmp, EMBED.architecture.hidden_size)
+            _append_eos(tmp / "tokenizer.json")
 
     return cached_build(root, key, make)
 
 
-def write_sentence_transformers(directory: Path, hidden_size: int) -> None:
-    """The files that make `directory` an embedding checkpoint, as Qwen3-Embedding's."""
+def write_sentence_transformers(directory: Path, hidden_size: int, pooling: str = "lasttoken",
+                                max_seq_length: int = MAX_SEQ_LENGTH) -> None:
+    """The files that make `directory` an embedding checkpoint, as Qwen3-Embedding's
+    (`pooling`: sentence-transformers' mode name, `lasttoken` or `cls_token`)."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling",
@@ -74,14 +77,14 @@ def write_sentence_transformers(directory: Path, hidden_size: int) -> None:
     (directory / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     (directory / "1_Pooling").mkdir()
     write_json(directory / "1_Pooling" / "config.json", {
-        "word_embedding_dimension": hidden_size, "pooling_mode_cls_token": False,
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_cls_token": pooling == "cls_token",
         "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": True, "include_prompt": True})
+        "pooling_mode_lasttoken": pooling == "lasttoken", "include_prompt": True})
     (directory / "2_Normalize").mkdir()
     write_json(directory / "sentence_bert_config.json",
-               {"max_seq_length": MAX_SEQ_LENGTH, "do_lower_case": False})
-    _append_eos(directory / "tokenizer.json")
+               {"max_seq_length": max_seq_length, "do_lower_case": False})
 
 
 def _append_eos(path: Path) -> None:

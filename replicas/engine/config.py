@@ -9,7 +9,7 @@ from typing import Literal
 Mode = Literal["tensor", "pipeline"]
 Backend = Literal["ring", "jaccl"]
 # How a vector is pooled from the hidden states (`replicas.engine.embedding`).
-Pooling = Literal["last_token", "mean"]
+Pooling = Literal["last_token", "mean", "cls"]
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,10 @@ def embed_rows(model: nn.Module, rows: Sequence[Sequence[int]], spec: PoolingSpe
     lengths = [len(row) for row in rows]
     width = max(lengths)
     padded = mx.array([list(row) + [0] * (width - len(row)) for row in rows])  # right pads
-    hidden = body(padded).astype(mx.float32)  # (rows, width, hidden), after the final norm
+    # A causal decoder's real tokens never see the right padding; an encoder's would, so it
+    # takes the lengths for its attention mask (`replicas.encoder`).
+    hidden = (body(padded, lengths=mx.array(lengths)) if getattr(body, "bidirectional", False)
+              else body(padded)).astype(mx.float32)  # (rows, width, hidden), final norm
     pooled = pool(hidden, mx.array(lengths), spec.pooling)
     if dimensions is not None:
         pooled = pooled[:, :dimensions]
@@ -111,6 +114,8 @@ def pool(hidden: mx.array, lengths: mx.array, pooling: Pooling) -> mx.array:
     """(rows, width, hidden) right-padded states -> (rows, hidden), reading real tokens only."""
     if pooling == "last_token":
         return hidden[mx.arange(hidden.shape[0]), lengths - 1]
+    if pooling == "cls":  # an encoder's first token ([CLS]), as BERT-style models pool
+        return hidden[:, 0]
     real = mx.arange(hidden.shape[1])[None, :] < lengths[:, None]
     return (hidden * real[..., None]).sum(axis=1) / lengths[:, None].astype(mx.float32)
 

@@ -38,6 +38,8 @@ MODELS = [
     {"id": "orchard-embed", "source": "builtin:embed", "embedding_dimensions": True,
      "max_ongoing_requests": 16},
     {"id": "orchard-tiny", "source": "builtin:tiny", "max_ongoing_requests": 16},
+    # An encoder (BERT, through mlx-embeddings: replicas/encoder.py).
+    {"id": "orchard-bert", "source": "builtin:embed-bert", "max_ongoing_requests": 16},
 ]
 TEXTS = ["The weather in Paris is sunny.", "hi",
          "Tokyo, Delhi and Shanghai are large cities with many people living in them."]
@@ -45,7 +47,7 @@ TEXTS = ["The weather in Paris is sunny.", "hi",
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    for name in ("tiny", "embed"):
+    for name in ("tiny", "embed", "embed-bert"):
         ensure_builtin(name)  # built once here, then shared with the private cache below
     tmp = tmp_path_factory.mktemp("embeddings")
     cache = tmp / "cache"  # the app's own Responses store file, whatever else runs here
@@ -176,7 +178,19 @@ def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
 
 def test_models_say_what_each_model_does(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_extra["capabilities"] for m in client.models.list()}  # type: ignore[index]
-    assert listed == {"orchard-embed": ["embeddings"], "orchard-tiny": ["text"]}
+    assert listed == {"orchard-embed": ["embeddings"], "orchard-tiny": ["text"],
+                      "orchard-bert": ["embeddings"]}
     chat = client.chat.completions.create(model="orchard-tiny", max_tokens=4,
                                           messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].message.content is not None  # the chat model still chats
+
+
+def test_an_encoder_embeds_and_only_embeds(client: openai.OpenAI) -> None:
+    result = client.embeddings.create(model="orchard-bert", input=TEXTS)
+    assert len(result.data) == len(TEXTS)
+    for item in result.data:
+        assert len(item.embedding) == 128  # builtin:embed-bert's hidden size
+        assert abs(math.fsum(x * x for x in item.embedding) - 1.0) < 1e-4  # normalized
+    with pytest.raises(openai.BadRequestError, match="embeddings only"):
+        client.chat.completions.create(model="orchard-bert", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])

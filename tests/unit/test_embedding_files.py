@@ -58,8 +58,14 @@ def test_mean_pooling_without_normalize(tmp_path: Path, pooling: dict[str, Any])
     assert spec == EmbeddingSpec("mean", normalize=False, dimensions=True, max_tokens=None)
 
 
+def test_cls_pooling_is_read_from_the_files(tmp_path: Path) -> None:
+    cls = {**LAST_TOKEN, "pooling_mode_lasttoken": False, "pooling_mode_cls_token": True}
+    spec = embedding_support(checkpoint(tmp_path, cls), None)
+    assert isinstance(spec, EmbeddingSpec) and spec.pooling == "cls"
+
+
 @pytest.mark.parametrize("pooling", [
-    {**LAST_TOKEN, "pooling_mode_lasttoken": False, "pooling_mode_cls_token": True},
+    {**LAST_TOKEN, "pooling_mode_lasttoken": False, "pooling_mode_max_tokens": True},
     {**MEAN, "pooling_mode_max_tokens": True},  # two modes: sentence-transformers concatenates
     {"pooling_mode": "weightedmean"},
 ])
@@ -99,4 +105,4 @@ def test_the_config_names_only_poolings_it_computes() -> None:
                              embedding_dimensions=True)
     assert settings.embeddings == "mean" and settings.embedding_dimensions
     with pytest.raises(ValidationError, match="embeddings"):
-        ModelSettings(id="m", source="builtin:tiny", embeddings="cls")  # type: ignore[arg-type]
+        ModelSettings(id="m", source="builtin:tiny", embeddings="max")  # type: ignore[arg-type]
