@@ -90,6 +90,9 @@ class NoGeneration:
     cache: PromptCache | None = None
     empty = True
 
+    def prepare(self, row: Row) -> None:
+        raise InvalidRequestError("this model serves embeddings only (/v1/embeddings)")
+
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         raise InvalidRequestError("this model serves embeddings only (/v1/embeddings)")
 

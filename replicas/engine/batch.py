@@ -65,6 +65,7 @@ class Batch(Protocol):
     def cache(self) -> PromptCache | None: ...
     @property
     def empty(self) -> bool: ...
+    def prepare(self, row: Row) -> None: ...
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]: ...
     def step(self) -> list[Any]: ...
     def finish(self, done: Sequence[Done]) -> None: ...
@@ -90,6 +91,8 @@ class LocalBatch:
         self._rows: set[int] = set()  # uids in the batch
         # Rows whose prompt starts with embeddings: the prefix cache's key for that start.
         self._keys: dict[int, tuple[int, ...]] = {}
+        # `prepare`d rows (by id) waiting for `insert`: their prefix KV and tokens served.
+        self._prepared: dict[int, tuple[CacheHit, int]] = {}
 
     @property
     def empty(self) -> bool:
@@ -112,11 +115,10 @@ class LocalBatch:
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         """Add rows; each reuses the KV of its longest cached prompt prefix. Returns each
         row's (uid, prompt tokens served from the cache)."""
-        hits = [self._cache.fetch(r.key) if self._cache else None for r in rows]
-        served = [h.length if h else 0 for h in hits]
-        for i, row in enumerate(rows):
-            if row.embeddings is not None and served[i] < len(row.embeddings.key):
-                hits[i], served[i] = self._prefill_embeddings(row), 0
+        prepared = [self._prepared.pop(id(r), None) for r in rows]
+        hits = [p[0] if p else self._cache.fetch(r.key) if self._cache else None
+                for r, p in zip(rows, prepared)]
+        served = [p[1] if p else h.length if h else 0 for p, h in zip(prepared, hits)]
         uids = self._gen.insert_segments(
             [segments(list(r.prompt_ids), h.length if h else 0, r.boundary)
              for r, h in zip(rows, hits)],
@@ -134,6 +136,18 @@ class LocalBatch:
         self._keys.update((uid, r.embeddings.key) for uid, r in zip(uids, rows)
                           if r.embeddings is not None)
         return list(zip(uids, served))
+
+    def prepare(self, row: Row) -> None:
+        """Before `insert`: a row whose prompt starts with embeddings (an image prefix) gets
+        that prefix's KV now, from the prefix cache or a fresh prefill, so that a failure
+        there (the vision tower refusing an image) fails its request alone, never the batch."""
+        if row.embeddings is None:
+            return
+        hit = self._cache.fetch(row.key) if self._cache else None
+        if hit is not None and hit.length >= len(row.embeddings.key):
+            self._prepared[id(row)] = (hit, hit.length)
+        else:
+            self._prepared[id(row)] = (self._prefill_embeddings(row), 0)
 
     def _prefill_embeddings(self, row: Row) -> CacheHit:
         """The KV of a prompt's start from its embeddings (one row, in prefill-sized

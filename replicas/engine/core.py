@@ -311,6 +311,7 @@ class Engine:
                           eos | request.stop_token_ids,
                           make_request_sampler(request.sampling, request.sampled_before),
                           (guard,) if guard else (), request.embeddings)
+                self._batch.prepare(row)
                 ready.append((q, row, guard))
             except Exception:  # noqa: BLE001 - reported to that request
                 log.exception("request %s: starting it failed", request.request_id)

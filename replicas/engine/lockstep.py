@@ -180,9 +180,11 @@ class LockstepBatch:
             self._wrapped[id(sampler)] = wrapped
         return wrapped
 
-    def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
-        if any(r.embeddings is not None for r in rows):  # never prepared: sees() is off
+    def prepare(self, row: Row) -> None:
+        if row.embeddings is not None:  # never sent: a sharded replica reads text only
             raise InternalError("a sharded replica does not take prompt embeddings")
+
+    def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         if self._local.empty:
             self._wake()  # the others sleep since the batch emptied; the next step needs them
         wrapped = [self._wrap(r.sampler) for r in rows]

@@ -197,3 +197,31 @@ def test_kind_vision_on_a_text_model_fails_the_load() -> None:
     with pytest.raises(Exception, match="images are served only for model types"):
         rep.start()
     rep.shutdown()
+
+
+def test_a_vision_tower_failure_fails_its_request_alone(replica: ModelReplica) -> None:
+    """The tower raising (mlx-vlm refusing an image it was handed) fails that request with
+    an internal error; a text request beside it and the replica go on."""
+    vision = replica._vision
+    assert vision is not None
+    encoder = vision._encoder
+    original = encoder.get_input_embeddings
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the tower cannot take this image")
+
+    encoder.get_input_embeddings = broken
+    try:
+        async def together() -> list[list[OutputEvent]]:
+            return list(await asyncio.gather(
+                collect(replica.stream(ask("broken", image("teal")))),
+                collect(replica.stream(ask("words", text="Hello there")))))
+
+        failed, words = asyncio.run(together())
+    finally:
+        encoder.get_input_embeddings = original
+    assert len(failed) == 1 and isinstance(failed[0], Failed), failed
+    assert failed[0].kind is ErrorKind.INTERNAL
+    assert finished(words).usage.completion_tokens == 10
+    replica.check_health()
+    assert tokens(stream_events(replica, ask("after", image("teal"))))
