@@ -18,12 +18,14 @@ from replicas.contract import (
     ErrorKind,
     Failed,
     Finished,
+    FinishReason,
     GenerationRequest,
     GuidedSpec,
     ImageAt,
     ImageData,
     OutputEvent,
     SamplingParams,
+    StopSpec,
     TextDelta,
     TokenIds,
     ToolCallStart,
@@ -225,3 +227,18 @@ def test_a_vision_tower_failure_fails_its_request_alone(replica: ModelReplica) -
     assert finished(words).usage.completion_tokens == 10
     replica.check_health()
     assert tokens(stream_events(replica, ask("after", image("teal"))))
+
+
+def test_a_stop_string_ends_an_answer_about_an_image(replica: ModelReplica) -> None:
+    def text(events: list[OutputEvent]) -> str:
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+    whole = text(stream_events(replica, ask("whole", image("navy"), max_tokens=16)))
+    # Two characters from the second half, none a replacement for a split byte sequence.
+    at = next(i for i in range(len(whole) // 2, len(whole) - 1)
+              if "\ufffd" not in whole[i:i + 2])
+    stop = whole[at:at + 2]
+    events = stream_events(replica, ask("stopped", image("navy"), max_tokens=16,
+                                        stop=StopSpec(strings=(stop,))))
+    assert text(events) == whole[:whole.index(stop)]
+    assert finished(events).reason is FinishReason.STOP_SEQUENCE
