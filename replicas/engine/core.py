@@ -32,12 +32,11 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from replicas.contract import ErrorKind, Failed, OutputEvent
 from replicas.engine.batch import Batch, Done, Row
-from replicas.engine.calls import Call
+from replicas.engine.calls import Call, Cancel, Command, Commands, take_commands
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import EventSink, deliver
 from replicas.engine.loading import LoadedModel
@@ -50,23 +49,6 @@ from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    request_id: str
-    step: int  # the engine step when the cancel was asked for
-
-
-# What the engine thread is told; None only wakes it (to see `_stopping`).
-_Command = Submitted | _Cancel | Call | None
-
-
-@dataclass
-class _Commands:
-    submits: list[Submitted] = field(default_factory=list)
-    cancels: dict[str, int] = field(default_factory=dict)  # request id -> step seen
-    calls: list[Call] = field(default_factory=list)
 
 
 class EngineDead(RuntimeError):
@@ -104,7 +86,7 @@ class Engine:
         self._opener = opener
         self._config = config
         self._on_step = on_step
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._loaded: LoadedModel | None = None
@@ -144,7 +126,7 @@ class Engine:
             self._commands.put(Submitted(request, output))
 
     def cancel(self, request_id: str) -> None:
-        self._commands.put(_Cancel(request_id, self._steps))
+        self._commands.put(Cancel(request_id, self._steps))
 
     def call(self, fn: Callable[[], _T]) -> Future[_T]:
         """Run `fn` on the engine thread between steps (the thread owns MLX); its result or
@@ -258,23 +240,10 @@ class Engine:
         assert self._waiting is not None
         return self._waiting.kv
 
-    def _take_commands(self, block: bool) -> _Commands:
-        commands = _Commands()
-        try:
-            item = self._commands.get(block=block)
-            while True:
-                if isinstance(item, Submitted):
-                    commands.submits.append(item)
-                elif isinstance(item, _Cancel):
-                    commands.cancels[item.request_id] = item.step
-                elif isinstance(item, Call):
-                    commands.calls.append(item)
-                item = self._commands.get_nowait()
-        except queue.Empty:
-            pass
-        return commands
+    def _take_commands(self, block: bool) -> Commands:
+        return take_commands(self._commands, block)
 
-    def _apply(self, commands: _Commands) -> None:
+    def _apply(self, commands: Commands) -> None:
         assert self._batch is not None
         for call in commands.calls:  # first: nothing below may strand their futures
             call.run()
@@ -321,7 +290,11 @@ class Engine:
         deliver(failed)
         if not ready:
             return
-        placed = self._batch.insert([row for _, row, _ in ready])
+        try:
+            placed = self._batch.insert([row for _, row, _ in ready])
+        except Exception as exc:  # noqa: BLE001 - as a failed step: the batch starts over
+            self._batch_failed(exc, [(q.sub.output.sink, q.request_id) for q, _, _ in ready])
+            return
         for (uid, cached), (q, _, guard) in zip(placed, ready):
             if q.resumed is None:
                 self._submitted += 1  # also each request's `order`: when it first joined
@@ -357,13 +330,7 @@ class Engine:
         try:
             responses = self._batch.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the replica
-            # A ReplicaError's message is written for clients; anything else shows its type.
-            reason = exc.message if isinstance(exc, ReplicaError) else type(exc).__name__
-            message = f"generation failed: {reason}"
-            if not self._batch.recover():  # a sharded batch cannot start over
-                raise _BatchLost(message) from exc
-            log.exception("batch step failed; failing the batch and starting a fresh one")
-            self._fail_all(message)
+            self._batch_failed(exc)
             return
         self._steps += 1
         if self._on_step is not None:
@@ -424,6 +391,23 @@ class Engine:
         if self._by_uid.pop(active.uid, None) is not None and self._waiting is not None:
             self._waiting.kv.release(active.sub.request_id)
         self._by_rid.pop(active.sub.request_id, None)
+
+    def _batch_failed(self, exc: Exception,
+                      joining: Sequence[tuple[EventSink, str]] = ()) -> None:
+        """A step or an insert raised: the batch starts over, failing what it held and the
+        requests that were `joining` it; a sharded batch cannot, and the replica stops."""
+        # A ReplicaError's message is written for clients; anything else shows its type.
+        reason = exc.message if isinstance(exc, ReplicaError) else type(exc).__name__
+        message = f"generation failed: {reason}"
+        assert self._batch is not None
+        if not self._batch.recover():  # a sharded batch cannot start over
+            raise _BatchLost(message) from exc
+        log.exception("the batch failed; failing its requests and starting a fresh one")
+        for _, request_id in joining:
+            if self._waiting is not None:
+                self._waiting.kv.release(request_id)
+        deliver([(sink, [Failed(ErrorKind.INTERNAL, message)]) for sink, _ in joining])
+        self._fail_all(message)
 
     def _fail_all(self, message: str) -> None:
         deliver(self._fail_all_outbox(Failed(ErrorKind.INTERNAL, message)))

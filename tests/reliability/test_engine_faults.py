@@ -373,3 +373,39 @@ def test_time_spent_idle_is_no_stuck_step(replica: ModelReplica) -> None:
     events = asyncio.run(scenario())
     assert isinstance(events[-1], Finished), events[-1]
     assert healthy_throughout and all(healthy_throughout)
+
+
+def test_a_failed_insert_starts_the_batch_over_and_the_engine_runs_on(
+    replica: ModelReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's insert raising (as a failed step would) fails the requests it held and the
+    one joining, then the batch starts over: the engine thread lives, and serves the next."""
+    batch = replica._engine._batch
+    assert batch is not None
+    real_insert = batch.insert
+    fail = threading.Event()
+
+    def insert(rows: Any) -> Any:
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("merging caches failed")
+        return real_insert(rows)
+
+    monkeypatch.setattr(batch, "insert", insert)
+
+    async def scenario() -> None:
+        running = replica.stream(endless(replica, "in-flight"))
+        assert isinstance((await running.__anext__())[0], TextDelta)
+        fail.set()
+        joining = await asyncio.wait_for(collect(replica.stream(request("hello", "joining"))),
+                                         FAIL_FAST_S)
+        rest = await asyncio.wait_for(collect(running), FAIL_FAST_S)
+        for events in (joining, rest):
+            assert isinstance(events[-1], Failed) and "RuntimeError" in events[-1].message
+        assert healthy(replica)
+        later = await asyncio.wait_for(collect(replica.stream(request("hello", "later"))),
+                                       60)
+        assert answer(later) == script("hello").answer
+
+    asyncio.run(scenario())
+    assert replica.stats().active == 0
