@@ -229,6 +229,10 @@ class ImageSettings(_Strict):
                              "only inline base64 images, a URL is a 400.")
     fetch_timeout_s: float = Field(_IMAGES.fetch_timeout_s, gt=0,
                                    description="One image fetch, connecting to the last byte.")
+    fetch_private: bool = Field(_IMAGES.fetch_private, description="With `fetch_urls`: "
+                                "also fetch from loopback, private and link-local addresses "
+                                "(refused by default, redirects included, so a caller cannot "
+                                "reach the cluster's own services).")
 
 
 class IngressSettings(_Strict):

@@ -26,6 +26,10 @@ class ImageLimits:
     # it is off unless the operator turns it on; off, only inline (base64) images are read.
     fetch_urls: bool = False
     fetch_timeout_s: float = 10.0  # one fetch, connecting to the last byte
+    # Where fetching is on, a URL (or a redirect) to a loopback, private or link-local
+    # address is still refused: a caller must not reach the cluster's own services through
+    # it. On: every address may be fetched.
+    fetch_private: bool = False
 
 
 @dataclass(frozen=True)

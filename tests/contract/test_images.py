@@ -5,6 +5,7 @@ keeps its placeholders; http(s) URLs are fetched only where the config says so."
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,11 +13,13 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from ingress.app import create_app
 from ingress.client import ModelCard
+from ingress.images import ImageReader, ImageSource
 from ingress.media import placeholder
 from ingress.options import EdgeOptions, ImageLimits
 from ingress.protocol import WARNINGS_FIELD
@@ -30,6 +33,7 @@ from replicas.contract import (
     TextDelta,
     Usage,
 )
+from replicas.errors import InvalidRequestError
 from tests.fakes import FakeClient
 from tests.images import b64, encoded, png, truncated_png
 
@@ -298,7 +302,7 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("api", APIS, ids=lambda api: api.name)
 def test_a_url_is_fetched_where_the_config_allows(api: Api, image_server: str) -> None:
-    fake, http = app(fetch_urls=True)
+    fake, http = app(fetch_urls=True, fetch_private=True)  # the server is on loopback
     content = [api.text("See: "), api.image(None, "", f"{image_server}/red.png")]
     response = http.post(api.path, json=api.body(SEES, content))
     assert response.status_code == 200, response.text
@@ -313,7 +317,7 @@ def test_a_url_is_fetched_where_the_config_allows(api: Api, image_server: str) -
 ])
 def test_a_failed_fetch_is_a_400(image_server: str, path: str, limits: dict[str, Any],
                                  says: str) -> None:
-    fake, http = app(fetch_urls=True, **limits)
+    fake, http = app(fetch_urls=True, fetch_private=True, **limits)
     content = [OPENAI.image(None, "", image_server + path)]
     message, param = OPENAI.error(http.post(OPENAI.path, json=OPENAI.body(SEES, content)))
     assert says in message and param == "messages.0.content.0"
@@ -321,8 +325,31 @@ def test_a_failed_fetch_is_a_400(image_server: str, path: str, limits: dict[str,
 
 
 def test_an_unreachable_host_is_a_400() -> None:
-    _, http = app(fetch_urls=True, fetch_timeout_s=2)
+    _, http = app(fetch_urls=True, fetch_private=True, fetch_timeout_s=2)
     content = [ANTHROPIC.image(None, "", "http://127.0.0.1:9/nothing.png")]  # discard: closed
     message, _ = ANTHROPIC.error(http.post(ANTHROPIC.path, json=ANTHROPIC.body(SEES, content)))
     assert message.startswith("messages.0.content.0: the image URL could not be fetched")
 
+
+
+def test_a_private_address_is_not_fetched_unless_allowed(image_server: str) -> None:
+    fake, http = app(fetch_urls=True)  # the image server is on loopback
+    content = [OPENAI.image(None, "", image_server + "/red.png")]
+    message, param = OPENAI.error(http.post(OPENAI.path, json=OPENAI.body(SEES, content)))
+    assert "ingress.images.fetch_private is false" in message
+    assert param == "messages.0.content.0" and fake.requests == []
+
+
+def test_a_redirect_to_a_private_address_is_refused() -> None:
+    """A public host answering with a redirect to loopback: the hop is checked too."""
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(str(request.url))
+        return httpx.Response(302, headers={"Location": "http://127.0.0.1:9/secret.png"})
+
+    reader = ImageReader(ImageLimits(fetch_urls=True), transport=httpx.MockTransport(answer))
+    pending = reader.parse(ImageSource(url="http://93.184.216.34/cat.png"), "messages.0")
+    with pytest.raises(InvalidRequestError, match="fetch_private is false"):
+        asyncio.run(reader._fetch(pending))
+    assert asked == ["http://93.184.216.34/cat.png"]  # the redirect was never followed

@@ -25,12 +25,16 @@ import pytest
 from replicas.builtin import script
 from tests.cluster.conftest import BASE_URL, DASHBOARD, GCS_PORT, ROOT, LocalCluster
 from tests.reliability.wire import never_end_bias
-from tests.sharded.conftest import PAIRS, SMALL_BUDGET, SMALL_BUDGET_TOKENS
+from tests.sharded.conftest import HEARTBEAT_TIMEOUT_S, PAIRS, RESUME_WAIT_S, SMALL_BUDGET, \
+    SMALL_BUDGET_TOKENS
 
 pytestmark = pytest.mark.cluster
 
 # Prompts the bench and pipe models (random weights) continue with gibberish, which is what
 # makes them a fair test: every token is an argmax over near-uniform logits.
+# Serve's default health-check period, and the time to tear a replica and its shards down.
+SERVE_HEALTH_PERIOD_S = 10.0
+TEARDOWN_S = 15.0
 PROMPTS = ["List five of the largest cities in the world.", "Tell me about the ocean.",
            "Write a haiku about the moon."]
 
@@ -278,6 +282,36 @@ def test_a_lost_or_frozen_shard_fails_the_replica_and_its_stream_resumes(
     while _alive(worker["pid"]):
         assert time.monotonic() < deadline, f"rank 1 (pid {worker['pid']}) outlived its replica"
         time.sleep(1)
+
+
+def test_an_idle_frozen_shard_is_found_by_its_heartbeat(
+        sharded_cluster: LocalCluster, client: openai.OpenAI) -> None:
+    """Freeze rank 1 of a replica that serves nothing (a Mac gone to sleep overnight): no
+    step runs into it, so only the heartbeat can notice. The replica fails within the
+    heartbeat timeout, Serve's next health check replaces it (its period is 10 s), and the
+    frozen process goes with it: all of that within the timeout plus that period and the
+    teardown, not on the first request hours later."""
+    model = "bench-x2"
+    ask = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    deadline = time.monotonic() + RESUME_WAIT_S  # the model may still be replacing a shard
+    while True:
+        try:
+            client.chat.completions.create(**ask)
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, f"{model} did not serve again"
+            time.sleep(2)
+    (worker,) = _shard_actors(sharded_cluster, model)
+    frozen = time.monotonic()
+    os.kill(worker["pid"], signal.SIGSTOP)
+    bound = HEARTBEAT_TIMEOUT_S + SERVE_HEALTH_PERIOD_S + TEARDOWN_S
+    while _alive(worker["pid"]):
+        waited = time.monotonic() - frozen
+        assert waited < bound, f"rank 1 frozen {waited:.0f} s and its replica still stands"
+        time.sleep(0.5)
+    found = time.monotonic() - frozen
+    assert found >= HEARTBEAT_TIMEOUT_S  # no earlier: nothing else could have noticed
+    print(f"frozen idle shard gone after {found:.1f} s (bound {bound:g} s)")
 
 
 def _alive(pid: int) -> bool:
