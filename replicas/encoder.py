@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_tokenizer
 
-from replicas.engine.batch import Done, Row
+from replicas.engine.batch import Done, Prefill, Row
 from replicas.engine.kv_layout import KvLayout
 from replicas.engine.loading import LoadedModel, loaded_model
 from replicas.engine.logprobs import Picked
@@ -90,7 +90,10 @@ class NoGeneration:
     cache: PromptCache | None = None
     empty = True
 
-    def prepare(self, row: Row) -> None:
+    def begin(self, row: Row) -> Prefill | None:
+        raise InvalidRequestError("this model serves embeddings only (/v1/embeddings)")
+
+    def advance(self, prefill: Prefill) -> bool:
         raise InvalidRequestError("this model serves embeddings only (/v1/embeddings)")
 
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:

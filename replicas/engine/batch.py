@@ -58,6 +58,18 @@ class Done:
     keep: bool
 
 
+@dataclass
+class Prefill:
+    """A row whose prompt starts with embeddings (an image prefix), prefilled one chunk per
+    engine loop (`LocalBatch.begin`, `advance`) so that decoding rows go on between chunks,
+    then inserted as a prefix cache hit."""
+
+    row: Row
+    cache: list[Any]
+    done: int = 0  # positions prefilled so far
+    embeddings: Any = None  # computed with the first chunk
+
+
 class Batch(Protocol):
     """What the engine drives; `LocalBatch`, or `replicas.engine.lockstep.LockstepBatch`."""
 
@@ -65,7 +77,8 @@ class Batch(Protocol):
     def cache(self) -> PromptCache | None: ...
     @property
     def empty(self) -> bool: ...
-    def prepare(self, row: Row) -> None: ...
+    def begin(self, row: Row) -> Prefill | None: ...
+    def advance(self, prefill: Prefill) -> bool: ...
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]: ...
     def step(self) -> list[Any]: ...
     def finish(self, done: Sequence[Done]) -> None: ...
@@ -91,7 +104,8 @@ class LocalBatch:
         self._rows: set[int] = set()  # uids in the batch
         # Rows whose prompt starts with embeddings: the prefix cache's key for that start.
         self._keys: dict[int, tuple[int, ...]] = {}
-        # `prepare`d rows (by id) waiting for `insert`: their prefix KV and tokens served.
+        # Rows `begin` or `advance` readied (by id), waiting for `insert`: their prefix KV
+        # and the prompt tokens the prefix cache served.
         self._prepared: dict[int, tuple[CacheHit, int]] = {}
 
     @property
@@ -137,36 +151,40 @@ class LocalBatch:
                           if r.embeddings is not None)
         return list(zip(uids, served))
 
-    def prepare(self, row: Row) -> None:
-        """Before `insert`: a row whose prompt starts with embeddings (an image prefix) gets
-        that prefix's KV now, from the prefix cache or a fresh prefill, so that a failure
-        there (the vision tower refusing an image) fails its request alone, never the batch."""
+    def begin(self, row: Row) -> Prefill | None:
+        """Before `insert`: a row whose prompt starts with embeddings takes that prefix's KV
+        from the prefix cache, or gets a `Prefill` to `advance` until done (None: nothing
+        to prefill). A failure on the way fails its request alone, never the batch."""
         if row.embeddings is None:
-            return
+            return None
         hit = self._cache.fetch(row.key) if self._cache else None
         if hit is not None and hit.length >= len(row.embeddings.key):
             self._prepared[id(row)] = (hit, hit.length)
-        else:
-            self._prepared[id(row)] = (self._prefill_embeddings(row), 0)
+            return None
+        return Prefill(row, make_prompt_cache(self._model))
 
-    def _prefill_embeddings(self, row: Row) -> CacheHit:
-        """The KV of a prompt's start from its embeddings (one row, in prefill-sized
-        chunks), kept in the prefix cache under its content key."""
+    def advance(self, prefill: Prefill) -> bool:
+        """One prefill-sized chunk of `prefill` (the vision tower with the first); True when
+        the prefix is done and kept in the prefix cache under its content key."""
+        row, step = prefill.row, self._config.prefill_step_size
         assert row.embeddings is not None
         key = row.embeddings.key
+        start, end = prefill.done, min(prefill.done + step, len(key))
         with mx.stream(self.stream):
-            embeddings = row.embeddings.compute()
-            cache = make_prompt_cache(self._model)
-            ids = mx.array([row.prompt_ids[:len(key)]])
-            step = self._config.prefill_step_size
-            for start in range(0, len(key), step):
-                self._model(ids[:, start:start + step], cache=cache,
-                            input_embeddings=embeddings[None, start:start + step])
-                mx.eval([c.state for c in cache])
+            if prefill.embeddings is None:
+                prefill.embeddings = row.embeddings.compute()
+            self._model(mx.array([row.prompt_ids[start:end]]), cache=prefill.cache,
+                        input_embeddings=prefill.embeddings[None, start:end])
+            mx.eval([c.state for c in prefill.cache])
+        prefill.done = end
+        if end < len(key):
+            return False
+        cache = prefill.cache
         if self._cache is not None:
             self._cache.save(list(key), cache)
             cache = prefix_view(cache, 0)  # the batch owns a view; the entry stays whole
-        return CacheHit(cache, len(key))
+        self._prepared[id(row)] = (CacheHit(cache, len(key)), 0)
+        return True
 
     def step(self) -> list[Any]:
         """One batch step (prefill and/or decode): mlx-lm's responses, one per row that got

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence, TypeVar
 
 from replicas.contract import ErrorKind, Failed, OutputEvent
-from replicas.engine.batch import Batch, Done, Row
+from replicas.engine.batch import Batch, Done
 from replicas.engine.calls import Call, Cancel, Command, Commands, take_commands
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import EventSink, deliver
@@ -43,8 +43,7 @@ from replicas.engine.loading import LoadedModel
 from replicas.engine.logprobs import Asked, Picked, pick
 from replicas.engine.memory import KvBudget, RankMemory, tightest
 from replicas.engine.request import EngineRequest, Generated, RequestOutput, Submitted
-from replicas.engine.scheduling import Active, Queued, Waiting
-from replicas.engine.sampling import GuardedProcessors, guarded_processors, make_request_sampler
+from replicas.engine.scheduling import Active, Prefills, Queued, Ready, Waiting, row_for
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 
@@ -92,6 +91,7 @@ class Engine:
         self._loaded: LoadedModel | None = None
         self._by_uid: dict[int, Active] = {}
         self._by_rid: dict[str, Active] = {}
+        self._prefills = Prefills()  # requests whose image prefix is being prefilled
         self._steps = 0
         self._finished = 0
         self._submitted = 0
@@ -195,10 +195,13 @@ class Engine:
         self._ready.set()
         try:
             while not self._stopping:
-                commands = self._take_commands(block=not self._by_uid and not self._waiting)
+                commands = self._take_commands(
+                    block=not self._by_uid and not self._waiting and not self._prefills)
                 # After the wait for work, not before: time spent idle is no stuck step.
                 self._heartbeat = time.monotonic()
                 self._apply(commands)
+                if self._prefills:
+                    self._advance_prefill()
                 if self._by_uid:
                     self._step()
         except _BatchLost as exc:  # no collective may follow: no close either
@@ -218,19 +221,15 @@ class Engine:
         with self._lock:
             if self._dead is None:
                 self._dead = reason
-            queued: list[tuple[EventSink, list[OutputEvent]]] = []
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(command, Submitted):
-                    queued.append((command.output.sink, [_lost(reason)]))
-                elif isinstance(command, Call):
-                    command.refuse(EngineDead(reason))
+            left = take_commands(self._commands, block=False)
+            for call in left.calls:
+                call.refuse(EngineDead(reason))
+            queued: list[tuple[EventSink, list[OutputEvent]]] = [
+                (sub.output.sink, [_lost(reason)]) for sub in left.submits]
             if self._waiting is not None:
                 waiting, self._waiting.queue = list(self._waiting.queue), deque()
                 queued += [(q.sub.output.sink, [_lost(reason)]) for q in waiting]
+            queued += [(q.sub.output.sink, [_lost(reason)]) for q in self._prefills.drain()]
             outbox = queued + self._fail_all_outbox(_lost(reason))
         deliver(outbox)
 
@@ -256,6 +255,7 @@ class Engine:
                                        self._batch.evict_cache_to)
         if admitted:
             self._insert(admitted)
+        self._prefills.cancel(commands.cancels.__contains__, self._waiting.kv)
         gone = [self._by_rid[r] for r in commands.cancels if r in self._by_rid]
         if gone:
             self._batch.finish([Done(a.uid, keep=False) for a in gone])
@@ -266,7 +266,7 @@ class Engine:
     def _insert(self, queued: list[Queued]) -> None:
         assert self._loaded is not None and self._batch is not None
         eos = self._loaded.eos_token_ids
-        ready: list[tuple[Queued, Row, GuardedProcessors | None]] = []
+        ready: list[Ready] = []
         failed: list[tuple[EventSink, list[OutputEvent]]] = []
         for q in queued:
             sub, request = q.sub, q.sub.request
@@ -275,19 +275,21 @@ class Engine:
                     first = sub.output.started(self._score(request))
                     if first:
                         deliver([(sub.output.sink, first)])
-                guard = guarded_processors(request.sampling, list(request.logits_processors))
-                row = Row(request.prompt_ids, request.boundary, request.max_tokens,
-                          eos | request.stop_token_ids,
-                          make_request_sampler(request.sampling, request.sampled_before),
-                          (guard,) if guard else (), request.embeddings)
-                self._batch.prepare(row)
-                ready.append((q, row, guard))
+                row, guard = row_for(request, eos)
+                prefill = self._batch.begin(row)
+                if prefill is None:
+                    ready.append((q, row, guard))
+                else:  # its image prefix first, a chunk per loop (`_advance_prefill`)
+                    self._prefills.add((q, row, guard), prefill)
             except Exception:  # noqa: BLE001 - reported to that request
                 log.exception("request %s: starting it failed", request.request_id)
-                failed.append((sub.output.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]))
-                if self._waiting is not None:
-                    self._waiting.kv.release(request.request_id)
+                failed.append(self._refused(q))
         deliver(failed)
+        self._join(ready)
+
+    def _join(self, ready: list[Ready]) -> None:
+        """Rows into the batch, as their requests' `Active`s."""
+        assert self._batch is not None
         if not ready:
             return
         try:
@@ -302,6 +304,26 @@ class Engine:
                             q.resumed.order if q.resumed else self._submitted)
             self._by_uid[uid] = active
             self._by_rid[q.request_id] = active
+
+    def _advance_prefill(self) -> None:
+        """One chunk of the oldest image prefix: the request joins the batch when it is
+        done, or fails alone."""
+        assert self._batch is not None and self._waiting is not None
+        result = self._prefills.advance(self._batch.advance)
+        if result is None:
+            return
+        ready, ok = result
+        if ok:
+            self._join([ready])
+        else:
+            deliver([self._refused(ready[0])])
+
+    def _refused(self, q: Queued) -> tuple[EventSink, list[OutputEvent]]:
+        """A request that failed on its way into the batch: its KV reservation released,
+        and the error it hears."""
+        if self._waiting is not None:
+            self._waiting.kv.release(q.request_id)
+        return q.sub.output.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]
 
     def _preempt(self, active: Active) -> None:
         """Take `active` out of the batch (`replicas.engine.scheduling` queues it again)."""

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from replicas.engine.batch import Done, LocalBatch, Row
+from replicas.engine.batch import Done, LocalBatch, Prefill, Row
 from replicas.errors import InternalError
 from replicas.engine.logprobs import Picked
 from replicas.engine.prompt_cache import PromptCache
@@ -180,9 +180,13 @@ class LockstepBatch:
             self._wrapped[id(sampler)] = wrapped
         return wrapped
 
-    def prepare(self, row: Row) -> None:
+    def begin(self, row: Row) -> Prefill | None:
         if row.embeddings is not None:  # never sent: a sharded replica reads text only
             raise InternalError("a sharded replica does not take prompt embeddings")
+        return None
+
+    def advance(self, prefill: Prefill) -> bool:
+        raise InternalError("a sharded replica does not take prompt embeddings")
 
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         if self._local.empty:

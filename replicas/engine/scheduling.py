@@ -21,7 +21,9 @@ from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
 from replicas.engine.memory import KvBudget
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
-from replicas.engine.sampling import GuardedProcessors
+from replicas.engine.batch import Prefill, Row
+from replicas.engine.sampling import GuardedProcessors, guarded_processors, \
+    make_request_sampler
 
 log = logging.getLogger(__name__)
 
@@ -142,3 +144,58 @@ class Waiting:
                 log.info("request %s preempted after %d tokens (KV memory): it resumes by "
                          "prefill", youngest.request_id, len(youngest.tokens))
                 self.queue.appendleft(preempted(youngest))
+
+
+# A request ready to join the batch: its row, and the guard over its logits processors.
+Ready = tuple[Queued, Row, GuardedProcessors | None]
+
+
+def row_for(request: EngineRequest, eos: frozenset[int]) -> tuple[Row, GuardedProcessors | None]:
+    """The batch row a request runs as (EOS ids are the model's), and its guard."""
+    guard = guarded_processors(request.sampling, list(request.logits_processors))
+    row = Row(request.prompt_ids, request.boundary, request.max_tokens,
+              eos | request.stop_token_ids,
+              make_request_sampler(request.sampling, request.sampled_before),
+              (guard,) if guard else (), request.embeddings)
+    return row, guard
+
+
+class Prefills:
+    """Requests whose prompt starts with embeddings (an image prefix), prefilled a chunk per
+    engine loop before they join the batch, oldest first, so the rows already decoding go
+    on between chunks (`Batch.begin`, `Batch.advance`)."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[Ready, Prefill]] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def add(self, ready: Ready, prefill: Prefill) -> None:
+        self._queue.append((ready, prefill))
+
+    def advance(self, advance: Callable[[Prefill], bool]) -> tuple[Ready, bool] | None:
+        """One chunk of the oldest: (it, True) when done, (it, False) when it failed (gone,
+        logged), None while it goes on."""
+        ready, prefill = self._queue[0]
+        try:
+            if not advance(prefill):
+                return None
+        except Exception:  # noqa: BLE001 - the vision tower or the prefill: this request only
+            log.exception("request %s: prefilling its image prefix failed", ready[0].request_id)
+            self._queue.popleft()
+            return ready, False
+        self._queue.popleft()
+        return ready, True
+
+    def cancel(self, cancelled: Callable[[str], bool], kv: KvBudget) -> None:
+        """Drop the cancelled ones, their KV reservations released."""
+        for entry in [e for e in self._queue if cancelled(e[0][0].request_id)]:
+            self._queue.remove(entry)
+            kv.release(entry[0][0].request_id)
+
+    def drain(self) -> list[Queued]:
+        """All of them, gone (the engine stops)."""
+        queued = [ready[0] for ready, _ in self._queue]
+        self._queue.clear()
+        return queued

@@ -5,6 +5,7 @@ are mlx-vlm's own, they depend on the image, and the text path's features hold w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 from typing import Any, Iterator
@@ -242,3 +243,36 @@ def test_a_stop_string_ends_an_answer_about_an_image(replica: ModelReplica) -> N
                                         stop=StopSpec(strings=(stop,))))
     assert text(events) == whole[:whole.index(stop)]
     assert finished(events).reason is FinishReason.STOP_SEQUENCE
+
+
+def test_an_image_prefix_is_prefilled_between_decode_steps() -> None:
+    """With a chunk of 2 tokens the image prefix takes a dozen chunks, one per engine loop:
+    a stream already decoding gets a step after each, instead of waiting out the whole
+    prefill (the engine's step count while the image request prefills shows it)."""
+    rep = ModelReplica(ReplicaOptions(model_id="vision", source="builtin:vision",
+                                      engine=EngineConfig(prefill_step_size=2)))
+    rep.start()
+    try:
+        prefix = len(rep._vision.prompt(  # type: ignore[union-attr]
+            rep.inputs.render(ask("p", image("olive"))).text, [image("olive")]).embeddings.key)
+        never_end = {t: -1e4 for t in rep.model.eos_token_ids}
+        decoding = ask("decoding", text="Hello there", max_tokens=2000)
+        decoding = dataclasses.replace(decoding, sampling=dataclasses.replace(
+            decoding.sampling, logit_bias=never_end))
+
+        async def scenario() -> tuple[int, list[OutputEvent]]:
+            running = rep.stream(decoding)
+            await anext(running)  # in the batch, decoding
+            before = rep.stats().steps
+            events = await collect(rep.stream(ask("olive", image("olive"))))
+            steps = rep.stats().steps - before
+            await running.aclose()
+            return steps, events
+
+        steps, events = asyncio.run(scenario())  # first: nothing of the image is cached
+        alone = tokens(stream_events(rep, ask("alone", image("olive"))))
+    finally:
+        rep.shutdown()
+    assert tokens(events) == alone  # the same answer, prefilled in chunks beside a stream
+    chunks = -(-prefix // 2)
+    assert chunks >= 10 and steps >= chunks + len(alone)

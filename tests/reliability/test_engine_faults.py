@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 import pytest
 
-import replicas.engine.core as engine_module
+import replicas.engine.scheduling as scheduling_module
 import replicas.engine.sampling as sampling_module
 from deployments.model_deployment import ModelDeployment
 from replicas.builtin import script
@@ -139,14 +139,14 @@ def test_a_failing_logits_processor_fails_only_its_request(
 def test_a_sampler_that_cannot_be_built_fails_only_its_request(
     replica: ModelReplica, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = engine_module.make_request_sampler
+    real = scheduling_module.make_request_sampler
 
     def sampler(params: SamplingParams, *args: Any) -> Any:
         if params.presence_penalty == MARK:
             raise OverflowError("seed out of range")
         return real(params, *args)
 
-    monkeypatch.setattr(engine_module, "make_request_sampler", sampler)
+    monkeypatch.setattr(scheduling_module, "make_request_sampler", sampler)
     events = run_with_victim(replica, request("ocean-prose", "victim", presence_penalty=MARK))
     assert [type(e) for e in events] == [Failed]
 
