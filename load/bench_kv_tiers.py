@@ -73,13 +73,17 @@ def turn(rep: ModelReplica, text: str) -> tuple[float, int, int]:
     return asyncio.run(run())
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--source", default="builtin:tiny")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 30000],
                         help="history lengths, about (the built-in tokenizer's count)")
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.runs < 3:
         raise SystemExit("--runs must be at least 3: a median of fewer is one run")
     rng = random.Random(1234)

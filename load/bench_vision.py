@@ -155,7 +155,7 @@ def spread(values: list[float], unit: float = 1.0) -> str:
     return f"{statistics.median(scaled):.1f} ({min(scaled):.1f}-{max(scaled):.1f})"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--model", default="builtin:vision")
     parser.add_argument("--images", type=int, nargs="+", default=[0, 1, 4])
@@ -164,7 +164,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.repeat < 3:
         raise SystemExit("--repeat must be at least 3: a median of fewer is one run")
     rng = np.random.default_rng(1234)
