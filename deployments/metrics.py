@@ -46,7 +46,6 @@ ENGINE_METRICS = (
     "orchard_queue_depth", "orchard_running_sequences", "orchard_batch_size",
     "orchard_engine_step_seconds", "orchard_prefix_cache_hits_total",
     "orchard_prefix_cache_misses_total", "orchard_prefix_cache_evictions_total",
-    "orchard_prefix_cache_disk_hits_total", "orchard_prefix_cache_disk_bytes",
     "orchard_prefix_cache_bytes", "orchard_grammar_compile_seconds",
 )
 # KV memory admission (`replicas.engine.memory`).
@@ -58,6 +57,8 @@ MEMORY_METRICS = ("orchard_kv_budget_bytes", "orchard_kv_projected_bytes",
 SHARD_METRICS = ("orchard_replica_shards", "orchard_shard_sync_seconds")
 # `/v1/embeddings`: the inputs a replica embedded and their tokens.
 EMBEDDING_METRICS = ("orchard_embedding_inputs_total", "orchard_embedding_tokens_total")
+# The prefix cache's disk tier (`prompt_cache.disk_path`): its hits and its bytes.
+DISK_METRICS = ("orchard_prefix_cache_disk_hits_total", "orchard_prefix_cache_disk_bytes")
 # A vision model: the images its tower encoded, and the time per prompt.
 IMAGE_METRICS = ("orchard_images_total", "orchard_image_encode_seconds")
 

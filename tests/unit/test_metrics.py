@@ -59,7 +59,8 @@ def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
     metrics.EngineMetrics("m", shards=2)
     assert set(recorders) == {*metrics.REQUEST_METRICS, *metrics.ENGINE_METRICS,
                               *metrics.MEMORY_METRICS, *metrics.SHARD_METRICS,
-                              *metrics.EMBEDDING_METRICS, *metrics.IMAGE_METRICS}
+                              *metrics.EMBEDDING_METRICS, *metrics.IMAGE_METRICS,
+                              *metrics.DISK_METRICS}
 
 
 def test_a_finished_request_counts_once_with_its_labels(recorders: dict[str, _Recorder]) -> None:
