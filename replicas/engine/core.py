@@ -306,17 +306,13 @@ class Engine:
             self._by_rid[q.request_id] = active
 
     def _advance_prefill(self) -> None:
-        """One chunk of the oldest image prefix: the request joins the batch when it is
-        done, or fails alone."""
-        assert self._batch is not None and self._waiting is not None
-        result = self._prefills.advance(self._batch.advance)
-        if result is None:
-            return
-        ready, ok = result
-        if ok:
-            self._join([ready])
-        else:
-            deliver([self._refused(ready[0])])
+        """A prefill step's worth of image prefixes: those done join the batch together,
+        those that failed fail alone."""
+        assert self._batch is not None
+        done, failed = self._prefills.advance(self._batch.advance,
+                                              self._config.prefill_step_size)
+        deliver([self._refused(ready[0]) for ready in failed])
+        self._join(done)
 
     def _refused(self, q: Queued) -> tuple[EventSink, list[OutputEvent]]:
         """A request that failed on its way into the batch: its KV reservation released,

@@ -161,9 +161,9 @@ def row_for(request: EngineRequest, eos: frozenset[int]) -> tuple[Row, GuardedPr
 
 
 class Prefills:
-    """Requests whose prompt starts with embeddings (an image prefix), prefilled a chunk per
-    engine loop before they join the batch, oldest first, so the rows already decoding go
-    on between chunks (`Batch.begin`, `Batch.advance`)."""
+    """Requests whose prompt starts with embeddings (an image prefix), prefilled about a
+    prefill step's worth of tokens per engine loop before they join the batch, oldest
+    first, so the rows already decoding go on between chunks (`Batch.begin`, `advance`)."""
 
     def __init__(self) -> None:
         self._queue: deque[tuple[Ready, Prefill]] = deque()
@@ -174,19 +174,32 @@ class Prefills:
     def add(self, ready: Ready, prefill: Prefill) -> None:
         self._queue.append((ready, prefill))
 
-    def advance(self, advance: Callable[[Prefill], bool]) -> tuple[Ready, bool] | None:
-        """One chunk of the oldest: (it, True) when done, (it, False) when it failed (gone,
-        logged), None while it goes on."""
-        ready, prefill = self._queue[0]
-        try:
-            if not advance(prefill):
-                return None
-        except Exception:  # noqa: BLE001 - the vision tower or the prefill: this request only
-            log.exception("request %s: prefilling its image prefix failed", ready[0].request_id)
-            self._queue.popleft()
-            return ready, False
-        self._queue.popleft()
-        return ready, True
+    def advance(self, advance: Callable[[Prefill], bool],
+                budget: int) -> tuple[list[Ready], list[Ready]]:
+        """A chunk of each, oldest first, until about `budget` prompt tokens are prefilled in
+        this loop (at least one chunk): many short image prefixes finish together, a long
+        one takes its turns. Returns the ones done and the ones that failed (gone, logged)."""
+        done: list[Ready] = []
+        failed: list[Ready] = []
+        spent = 0
+        for entry in list(self._queue):
+            if spent >= budget:
+                break
+            ready, prefill = entry
+            before = prefill.done
+            try:
+                finished = advance(prefill)
+            except Exception:  # noqa: BLE001 - the tower or the prefill: this request only
+                log.exception("request %s: prefilling its image prefix failed",
+                              ready[0].request_id)
+                self._queue.remove(entry)
+                failed.append(ready)
+                continue
+            spent += max(1, prefill.done - before)
+            if finished:
+                self._queue.remove(entry)
+                done.append(ready)
+        return done, failed
 
     def cancel(self, cancelled: Callable[[str], bool], kv: KvBudget) -> None:
         """Drop the cancelled ones, their KV reservations released."""
