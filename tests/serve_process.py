@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -154,3 +155,34 @@ def _descendants(root: int) -> list[tuple[int, bytes]]:
         except OSError:
             continue  # gone meanwhile
     return found
+
+
+@contextmanager
+def private_serve(tmp: Path, models: list[dict[str, Any]], builtins: tuple[str, ...],
+                  ingress: dict[str, Any] | None = None) -> Iterator[ServeProcess]:
+    """The real config serving `models` on a free port, with a Ray and an Orchard cache of
+    its own (the built-in models, built once here, shared through a link), so its store
+    file and its Ray never meet another suite's; `ingress` is merged into the config's."""
+    from replicas.builtin import ensure_builtin
+    from replicas.builtin.build import default_cache_root
+
+    for name in builtins:
+        ensure_builtin(name)
+    cache = tmp / "cache"
+    cache.mkdir()
+    (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
+    port = free_port()
+    path = config_copy(tmp, port, models=models)
+    if ingress:
+        config = yaml.safe_load(path.read_text())
+        args = config["applications"][0]["args"]
+        args["ingress"] = {**args.get("ingress", {}), **ingress}
+        path.write_text(yaml.safe_dump(config))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="orp-", dir="/tmp"))
+    try:
+        with serve_run(path, port, tmp / "serve.log",
+                       env={"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp)}
+                       ) as serve:
+            yield serve
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import base64
 import math
-import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from replicas.builtin import ensure_builtin
-from replicas.builtin.build import default_cache_root
 from replicas.engine.embedding import PoolingSpec, embed_rows
 from replicas.sources import load_source
-from tests.serve_process import config_copy, free_port, serve_run
+from tests.serve_process import private_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -47,21 +42,8 @@ TEXTS = ["The weather in Paris is sunny.", "hi",
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    for name in ("tiny", "embed", "embed-bert"):
-        ensure_builtin(name)  # built once here, then shared with the private cache below
-    tmp = tmp_path_factory.mktemp("embeddings")
-    cache = tmp / "cache"  # the app's own Responses store file, whatever else runs here
-    cache.mkdir()
-    (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
-    ray_tmp = Path(tempfile.mkdtemp(prefix="ore-", dir="/tmp"))  # a Ray of its own
-    port = free_port()
-    try:
-        with serve_run(config_copy(tmp, port, models=MODELS), port, tmp / "serve.log",
-                       env={"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp)}
-                       ) as serve:
-            yield serve.base_url
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with private_serve(tmp_path_factory.mktemp("embeddings"), MODELS, ("tiny", "embed", "embed-bert")) as serve:
+        yield serve.base_url
 
 
 @pytest.fixture(scope="module")

@@ -11,24 +11,18 @@ or not, alone or batched with text requests. The replica-level tests
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
-import yaml
 from PIL import Image
 
-from replicas.builtin import ensure_builtin
-from replicas.builtin.build import default_cache_root
 from tests.images import b64, data_url, truncated_png
-from tests.serve_process import config_copy, free_port, serve_run
+from tests.serve_process import private_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -52,26 +46,8 @@ def picture(color: str, size: tuple[int, int] = (48, 40)) -> bytes:
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    for name in ("tiny", "vision"):
-        ensure_builtin(name)  # built once here, then shared with the private cache below
-    tmp = tmp_path_factory.mktemp("vision")
-    cache = tmp / "cache"
-    cache.mkdir()
-    (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
-    ray_tmp = Path(tempfile.mkdtemp(prefix="orv-", dir="/tmp"))
-    port = free_port()
-    path = config_copy(tmp, port, models=MODELS)
-    config = yaml.safe_load(path.read_text())
-    args = config["applications"][0]["args"]
-    args["ingress"] = {**args.get("ingress", {}), "images": {"max_count": MAX_IMAGES}}
-    path.write_text(yaml.safe_dump(config))
-    try:
-        with serve_run(path, port, tmp / "serve.log",
-                       env={"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp)}
-                       ) as serve:
-            yield serve.base_url
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with private_serve(tmp_path_factory.mktemp("vision"), MODELS, ("tiny", "vision"), ingress={"images": {"max_count": MAX_IMAGES}}) as serve:
+        yield serve.base_url
 
 
 @pytest.fixture(scope="module")
