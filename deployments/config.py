@@ -32,6 +32,7 @@ from deployments.replica_settings import (  # noqa: F401 - part of this module's
     _replica_default,
     EngineSettings,
     PromptCacheSettings,
+    SpeculativeSettings,
     MemorySettings,
     MEMORY_WAIT_SHARE,
     RoutingPolicy,
@@ -98,6 +99,8 @@ class ModelSettings(_Strict):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     prompt_cache: PromptCacheSettings = Field(default_factory=PromptCacheSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
+    speculative: SpeculativeSettings | None = Field(
+        None, description="Speculative decoding (README: Speculative decoding); unset: off.")
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     placement: PlacementSettings | None = Field(
         None, description="Keys set here override `cluster.placement` for this model.")
@@ -187,6 +190,12 @@ class ModelSettings(_Strict):
         if self.prompt_cache.disk_path is not None and self.shards > 1:
             raise ValueError("prompt_cache.disk_path needs shards: 1 (a sharded replica's "
                              "ranks keep their caches in lockstep, in memory only)")
+        if self.engine.kv_bits is not None and self.prompt_cache.disk_path is not None:
+            raise ValueError("prompt_cache.disk_path needs an unquantized KV cache (the disk "
+                             "tier stores mlx-lm's own cache kinds); unset engine.kv_bits")
+        if self.speculative is not None and self.shards > 1:
+            raise ValueError("speculative needs shards: 1 (a sharded replica's ranks sample "
+                             "one token per step in lockstep)")
         if self.kind == "vision" and self.shards > 1:
             raise ValueError("kind: vision needs shards: 1 (a sharded replica reads text only)")
         return self

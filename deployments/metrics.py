@@ -59,6 +59,11 @@ SHARD_METRICS = ("orchard_replica_shards", "orchard_shard_sync_seconds")
 EMBEDDING_METRICS = ("orchard_embedding_inputs_total", "orchard_embedding_tokens_total")
 # The prefix cache's disk tier (`prompt_cache.disk_path`): its hits and its bytes.
 DISK_METRICS = ("orchard_prefix_cache_disk_hits_total", "orchard_prefix_cache_disk_bytes")
+# Speculative decoding (`speculative:`): rows' passes and tokens (their ratio is a
+# sequence's tokens per target pass), drafts verified and kept; only a model that
+# speculates exports them.
+SPECULATIVE_METRICS = ("orchard_spec_target_passes_total", "orchard_spec_output_tokens_total",
+                       "orchard_spec_draft_tokens_total", "orchard_spec_accepted_tokens_total")
 # A vision model: the images its tower encoded, and the time per prompt.
 IMAGE_METRICS = ("orchard_images_total", "orchard_image_encode_seconds")
 
@@ -196,6 +201,13 @@ class EngineMetrics:
         self._image_encode = Histogram("orchard_image_encode_seconds", "Encoding one prompt's "
                                        "images (vision tower and projector), on the engine "
                                        "thread.", COMPILE_BUCKETS, tag_keys=tags)
+        spec = _keys("model", "method")
+        self._spec = [Counter(name, about, tag_keys=spec) for name, about in zip(
+            SPECULATIVE_METRICS,
+            ("Rows' decoding passes: each forward of the target counts once per sequence in "
+             "it (it verifies that sequence's drafts).",
+             "Tokens those passes emitted (over passes: a sequence's tokens per pass).",
+             "Draft tokens verified.", "Draft tokens the target kept and emitted."))]
         self._last: EngineStats | None = None
 
     def record(self, stats: EngineStats, samples: TimingSamples) -> None:
@@ -224,6 +236,15 @@ class EngineMetrics:
                         before_memory.refused if before_memory else 0),
                        (self._preempted, memory.preempted,
                         before_memory.preempted if before_memory else 0)]
+        decode, before_decode = stats.decode, last.decode if last else None
+        if decode is not None and decode.speculative:
+            spec_tags = {**tags, "method": "ngram"}
+            current = (decode.passes, decode.tokens, decode.drafted, decode.accepted)
+            previous = (before_decode.passes, before_decode.tokens, before_decode.drafted,
+                        before_decode.accepted) if before_decode else (0, 0, 0, 0)
+            for spec_counter, n, b in zip(self._spec, current, previous):
+                if n > b:
+                    spec_counter.inc(n - b, spec_tags)
         for counter, now, before in counts:
             if now > before:  # Ray refuses inc(0); a restart's lower count adds nothing
                 counter.inc(now - before, tags)

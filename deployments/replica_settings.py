@@ -5,9 +5,12 @@ Defaults are read lazily from `replicas.engine.config.EngineConfig` and
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from replicas.engine.config import NgramConfig
 
 
 class _Strict(BaseModel):
@@ -44,6 +47,12 @@ class EngineSettings(_Strict):
     stuck_after_s: float = Field(default_factory=_engine_default("stuck_after_s"), gt=0,
                                  description="A batch step running longer than this fails "
                                  "the replica's health check, and Serve replaces it.")
+    kv_bits: Literal[4, 8] | None = Field(
+        None, description="Quantize the KV cache to 4 or 8 bits (about 0.28x / 0.53x the "
+        "bytes of a 16-bit cache with groups of 64): more sequences and longer contexts in "
+        "the same memory, at some cost in accuracy. Unset: the model's dtype.")
+    kv_group_size: Literal[32, 64, 128] = Field(
+        64, description="Values sharing one scale and bias in the quantized KV cache.")
 
     @model_validator(mode="after")
     def _batch_holds_a_prefill(self) -> "EngineSettings":
@@ -75,6 +84,35 @@ class PromptCacheSettings(_Strict):
         from replicas.builtin.build import orchard_cache
 
         return str(orchard_cache("kv"))
+
+
+class SpeculativeSettings(_Strict):
+    """Speculative decoding inside the batch (`replicas.engine.speculation`), vLLM's names.
+    Greedy output is unchanged and sampled output keeps the model's distribution; it pays
+    where outputs repeat their context (code edits, quoted files, JSON echoes)."""
+
+    method: Literal["ngram"] = Field(
+        "ngram", description="`ngram`: prompt lookup, drafts copied from the sequence itself "
+        "after its newest tokens' earlier occurrence (no draft model).")
+    num_speculative_tokens: int = Field(4, ge=1, le=16,
+                                        description="Most draft tokens a row verifies per pass.")
+    prompt_lookup_max: int = Field(4, ge=1, description="Longest suffix looked up.")
+    prompt_lookup_min: int = Field(2, ge=1, description="Shortest suffix looked up.")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="No drafts while more rows than this decode (a large batch "
+        "is compute-bound, where verifying costs more than it saves); unset: any size.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeSettings":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+    def engine(self) -> "NgramConfig":
+        """As the engine takes it (`replicas.engine.config.NgramConfig`)."""
+        from replicas.engine.config import NgramConfig
+
+        return NgramConfig(**self.model_dump(exclude={"method"}))
 
 
 class MemorySettings(_Strict):

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_tokenizer
 
+from replicas.engine.stats import DecodeCounts
 from replicas.engine.batch import Done, Prefill, Row
 from replicas.engine.kv_layout import KvLayout
 from replicas.engine.loading import LoadedModel, loaded_model
@@ -101,6 +102,9 @@ class NoGeneration:
 
     def step(self) -> list[Any]:
         return []
+
+    def decode_counts(self) -> DecodeCounts:
+        return DecodeCounts(False, 0, 0, 0, 0, 0)
 
     def finish(self, done: Sequence[Done]) -> None:
         return None

@@ -34,6 +34,7 @@ from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 from replicas.engine.loading import LoadedModel, load_model
 from replicas.engine.lockstep import LockstepBatch
+from replicas.engine.quantized_kv import cache_maker
 from replicas.engine.memory import RankMemory, plan_memory
 from replicas.options import ReplicaOptions
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
@@ -93,8 +94,10 @@ class ModelReplica:
             model = load_model(self.options.source, resolve_source(self.options.source))
             if sees(model.config, self.options.kind):
                 self._vision = VisionModel.load(model.path, model.model, self._timings)
+            engine = self.options.engine
             memory = plan_memory(model.model, budget, self.options.model_id,
-                                 self._vision.nbytes if self._vision else 0)
+                                 self._vision.nbytes if self._vision else 0,
+                                 cache_maker(engine.kv_bits, engine.kv_group_size))
             return model, LocalBatch(model.model, self.options.engine,
                                      disk=self._disk_tier(model)), (memory,)
         if self.options.kind == "vision":

@@ -16,15 +16,18 @@ from typing import Any, Iterable, Protocol, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.disk_cache import DiskTier
+from replicas.engine.generation import Generation
 from replicas.engine.logprobs import Picked
+from replicas.engine.quantized_kv import cache_maker
 from replicas.engine.prompt_cache import CacheHit, PromptCache, prefix_view, segments
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.scoring import score_prompt
 from replicas.engine.sampling import LogitsProcessor, Sampler
+from replicas.engine.speculation import DecodeStats, can_roll_back
+from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ class Batch(Protocol):
     def cache(self) -> PromptCache | None: ...
     @property
     def empty(self) -> bool: ...
+    def decode_counts(self) -> DecodeCounts: ...
     def begin(self, row: Row) -> Prefill | None: ...
     def advance(self, prefill: Prefill) -> bool: ...
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]: ...
@@ -98,6 +102,14 @@ class LocalBatch:
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
                                   disk=disk) if config.prompt_cache_bytes > 0 else None
         self.stream = mx.new_stream(mx.default_device())  # the batch's work, in order
+        self.decode_stats = DecodeStats()  # kept across `recover`
+        # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.
+        self._make_cache = cache_maker(config.kv_bits, config.kv_group_size)
+        self._speculative = config.speculative
+        if self._speculative is not None and not can_roll_back(model):
+            log.warning("speculative decoding is off: this model's cache cannot drop "
+                        "rejected tokens (sliding window or recurrent layers)")
+            self._speculative = None
         self._gen = self._new_generator()
         # Rows mlx-lm ended in the last step, with their KV (it drops them from the batch).
         self._ended: dict[int, tuple[list[int], list[Any]]] = {}
@@ -118,13 +130,24 @@ class LocalBatch:
         return self._cache
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        gen = BatchGenerator(
             self._model,
             completion_batch_size=self._config.max_batch_size,
             prefill_batch_size=self._config.prefill_batch_size,
             prefill_step_size=self._config.prefill_step_size,
             stream=self.stream,
         )
+        # Our decoding batch in place of mlx-lm's (`replicas.engine.generation`): mlx-lm
+        # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
+        decoding = Generation.make(self._model, gen.sampler, self._speculative)
+        decoding.stats = self.decode_stats
+        gen._generation_batch = decoding
+        return gen
+
+    def decode_counts(self) -> DecodeCounts:
+        d = self.decode_stats
+        return DecodeCounts(self._speculative is not None, d.passes, d.tokens, d.drafted,
+                            d.accepted, d.rows_off_path)
 
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         """Add rows; each reuses the KV of its longest cached prompt prefix. Returns each
@@ -136,8 +159,7 @@ class LocalBatch:
         uids = self._gen.insert_segments(
             [segments(list(r.prompt_ids), h.length if h else 0, r.boundary)
              for r, h in zip(rows, hits)],
-            # None: mlx-lm starts an empty cache (its annotation does not say so).
-            caches=[h.cache if h else None for h in hits],  # type: ignore[misc]
+            caches=[h.cache if h else self._make_cache(self._model) for h in hits],
             # The tokens the cache holds: penalties and the batch's bookkeeping see them.
             all_tokens=[list(r.prompt_ids[:h.length]) if h else [] for r, h in zip(rows, hits)],
             max_tokens=[r.max_tokens for r in rows],
@@ -161,7 +183,7 @@ class LocalBatch:
         if hit is not None and hit.length >= len(row.embeddings.key):
             self._prepared[id(row)] = (hit, hit.length)
             return None
-        return Prefill(row, make_prompt_cache(self._model))
+        return Prefill(row, self._make_cache(self._model))
 
     def advance(self, prefill: Prefill) -> bool:
         """One prefill-sized chunk of `prefill` (the vision tower with the first); True when
@@ -234,7 +256,8 @@ class LocalBatch:
         """The prompt's token logprobs from one prefill (`replicas.engine.scoring`); its KV
         goes into the prefix cache, for the generation that follows."""
         picked, cache = score_prompt(self._model, prompt_ids, top,
-                                     self._config.prefill_step_size, self.stream)
+                                     self._config.prefill_step_size, self.stream,
+                                     self._make_cache)
         if self._cache is not None:
             self._cache.save(list(prompt_ids), cache)
         return picked

@@ -13,6 +13,25 @@ Pooling = Literal["last_token", "mean", "cls"]
 
 
 @dataclass(frozen=True)
+class NgramConfig:
+    """Speculative decoding by prompt lookup (`replicas.engine.drafting`), in vLLM's names:
+    draft up to `num_speculative_tokens` tokens after the longest suffix of
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens that occurred before; no drafts
+    while more than `disable_by_batch_size` rows decode (None: at any size)."""
+
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     max_batch_size: int = 32  # sequences decoded together
     prefill_batch_size: int = 8
@@ -36,6 +55,12 @@ class EngineConfig:
     # memory evicts and all of it at shutdown, bounded by bytes; None: memory only.
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 16 * 1024**3
+    # KV cache quantized to this many bits (4 or 8; `replicas.engine.quantized_kv`) in
+    # groups of `kv_group_size` values; None: the model's dtype.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    # Speculative decoding inside the batch (`replicas.engine.speculation`); None: off.
+    speculative: NgramConfig | None = None
 
 
 @dataclass(frozen=True)

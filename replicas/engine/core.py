@@ -175,6 +175,7 @@ class Engine:
             submitted=self._submitted,
             cancel_latency_steps=tuple(self._cancel_latency),
             memory=memory,
+            decode=self._batch.decode_counts() if self._batch else None,
             **({} if cache is None else cache.engine_fields()),
         )
 
@@ -356,12 +357,13 @@ class Engine:
         outbox: list[tuple[EventSink, list[OutputEvent]]] = []
         done: list[Done] = []
         picked = self._logprobs(responses)
-        for response in responses:
+        for at, response in enumerate(responses):
             active = self._by_uid.get(response.uid)
-            if active is None:
+            if active is None:  # gone, or ended earlier in this step's tokens
                 continue
             try:
-                events, finished = self._generated(active, response, picked)
+                events, finished = self._generated(active, response,
+                                                   picked.get(at) if picked else None)
             except Exception:  # noqa: BLE001 - one request's pipeline must not stop the batch
                 log.exception("request %s: output processing failed", active.sub.request_id)
                 events, finished = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
@@ -380,24 +382,22 @@ class Engine:
         deliver(outbox)
 
     def _generated(self, active: Active, response: Any,
-                   picked: dict[int, Picked] | None) -> tuple[list[OutputEvent], bool]:
+                   logprob: Picked | None) -> tuple[list[OutputEvent], bool]:
         """The request's events for its token, and whether it is done."""
         if active.guard is not None and active.guard.error is not None:
             log.error("request %s: a logits processor failed: %s", active.sub.request_id,
                       active.guard.error)
             return [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
-        logprob = None
-        if active.sub.request.logprobs is not None:
-            if picked is None or response.uid not in picked:
-                raise RuntimeError("no logprobs for this step")  # fails this request alone
-            logprob = picked[response.uid]
+        if active.sub.request.logprobs is not None and logprob is None:
+            raise RuntimeError("no logprobs for this token")  # fails this request alone
         return active.output.generated(
             Generated(response.token, response.finish_reason, logprob, active.cached))
 
     def _logprobs(self, responses: list[Any]) -> dict[int, Picked] | None:
-        """The step's numbers for the rows that asked (None: computing them failed)."""
-        asked = [Asked(r.uid, r.token, r.logprobs, a.sub.request.sampling.temperature, top)
-                 for r in responses
+        """The step's numbers for the tokens whose requests asked, by their place in
+        `responses` (a row may have several); None: computing them failed."""
+        asked = [Asked(at, r.token, r.logprobs, a.sub.request.sampling.temperature, top)
+                 for at, r in enumerate(responses)
                  if (a := self._by_uid.get(r.uid)) and (top := a.sub.request.logprobs) is not None]
         try:
             return pick(asked)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -77,9 +77,11 @@ class KvLayout:
         return ", ".join(parts)
 
 
-def measure_kv(model: nn.Module) -> KvLayout:
-    """Run a short prompt through a fresh cache of `model` and read what each layer holds."""
-    cache = make_prompt_cache(model)
+def measure_kv(model: nn.Module,
+               make_cache: Callable[[nn.Module], list[Any]] = make_prompt_cache) -> KvLayout:
+    """Run a short prompt through a fresh cache of `model` (as the batch makes it: maybe
+    quantized) and read what each layer holds."""
+    cache = make_cache(model)
     model(mx.array([list(range(_PROBE_TOKENS))]), cache=cache)
     mx.eval([c.state for c in cache])
     per_token, per_sequence = 0, 0

@@ -43,6 +43,7 @@ from replicas.errors import InternalError
 from replicas.engine.logprobs import Picked
 from replicas.engine.prompt_cache import PromptCache
 from replicas.engine.sampling import Sampler
+from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ class LockstepBatch:
     def __init__(self, local: LocalBatch, group: mx.distributed.Group,
                  wake: Callable[[], None], on_sync: Callable[[float], None] | None = None
                  ) -> None:
+        if local.decode_counts().speculative:  # deployments.config refuses it first
+            raise ValueError("speculative decoding needs an unsharded replica")
         self._local = local
         self._wake = wake
         self._group = group
@@ -171,6 +174,9 @@ class LockstepBatch:
     @property
     def empty(self) -> bool:
         return self._local.empty
+
+    def decode_counts(self) -> DecodeCounts:
+        return self._local.decode_counts()
 
     def _wrap(self, sampler: Sampler) -> _KeyedSampler:
         wrapped = self._wrapped.get(id(sampler))

@@ -32,7 +32,7 @@ FLOOR = -9999.0
 class Asked:
     """One row of a step whose request wants logprobs."""
 
-    uid: int
+    at: int  # the caller's key for it
     token: int
     logprobs: mx.array  # (vocab,) the row's processed log-softmax, from mlx-lm
     temperature: float
@@ -48,7 +48,7 @@ class Picked:
 
 
 def pick(rows: Sequence[Asked]) -> dict[int, Picked]:
-    """Each row's token logprob and its top alternatives, by uid, in one batched pass."""
+    """Each row's token logprob and its top alternatives, by its `at`, in one pass."""
     if not rows:
         return {}
     lp = mx.stack([r.logprobs for r in rows]).astype(mx.float32)
@@ -56,7 +56,7 @@ def pick(rows: Sequence[Asked]) -> dict[int, Picked]:
     scaled = lp * inv[:, None]
     scaled = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
     picked = top_of(scaled, [r.token for r in rows], max(r.top for r in rows))
-    return {r.uid: dataclasses.replace(p, top=p.top[:r.top]) for r, p in zip(rows, picked)}
+    return {r.at: dataclasses.replace(p, top=p.top[:r.top]) for r, p in zip(rows, picked)}
 
 
 def top_of(logprobs: mx.array, tokens: Sequence[int], top: int) -> list[Picked]:

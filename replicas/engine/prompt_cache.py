@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
 from replicas.engine.disk_cache import DiskTier
+from replicas.engine.quantized_kv import QuantizedRowKVCache
 
 log = logging.getLogger(__name__)
 
@@ -228,8 +229,9 @@ def segments(prompt: list[int], cached: int, boundary: int) -> list[list[int]]:
 def prefix_view(cache: list[Any], drop: int) -> list[Any]:
     """A cache the batch may own, holding all but the last `drop` tokens of `cache`.
 
-    The batch's merge only reads a plain KVCache's arrays, so a new KVCache over the same
-    arrays suffices (no copy of a long prefix); other types are deep-copied, as mlx-lm does.
+    The batch's merge only reads a plain KVCache's (or a quantized row's) arrays, so a new
+    cache over the same arrays suffices (no copy of a long prefix); other types are
+    deep-copied, as mlx-lm does.
     """
     out: list[Any] = []
     for layer in cache:
@@ -237,9 +239,11 @@ def prefix_view(cache: list[Any], drop: int) -> list[Any]:
             view = KVCache()
             view.keys, view.values, view.offset = layer.keys, layer.values, layer.offset - drop
             out.append(view)
+        elif type(layer) is QuantizedRowKVCache:
+            out.append(layer.view(layer.offset - drop))
         else:
             out.append(copy.deepcopy(layer))
-    deep = [i for i, layer in enumerate(cache) if type(layer) is not KVCache]
+    deep = [i for i, layer in enumerate(cache) if type(layer) not in (KVCache, QuantizedRowKVCache)]
     if drop and deep:
         trim_prompt_cache([out[i] for i in deep], drop)
     return out

@@ -1,7 +1,8 @@
-"""Per-request samplers and logits processors for mlx-lm's BatchGenerator.
+"""Per-request samplers and the guard over a request's own logits processors.
 
-BatchGenerator samples the whole batch in one call only when every row holds the *same*
-sampler object, so unseeded samplers are cached by their parameters and shared.
+The batch samples all its rows in one call only when every row holds the *same* sampler
+object, so unseeded samplers are cached by their parameters and shared. Bias and penalties
+are not processors here: `replicas.engine.penalties` applies them to the whole batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from mlx_lm.sample_utils import (
     apply_top_k,
     apply_top_p,
     greedy_sampler,
-    make_logits_processors,
     make_sampler,
 )
 
@@ -25,11 +25,6 @@ from replicas.engine.logprobs import MAX_TOP_LOGPROBS
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-
-# mlx-lm's penalty processors look back over a window; vLLM looks at the whole output.
-# 256 tokens covers typical answers while keeping the per-step cost bounded.
-PENALTY_CONTEXT = 256
-
 
 def validate(params: SamplingParams, vocab_size: int) -> None:
     """Reject values the samplers cannot honour, before the request reaches the engine."""
@@ -61,7 +56,7 @@ def make_request_sampler(params: SamplingParams, sampled_before: int = 0) -> Sam
         return greedy_sampler
     if params.seed is None:
         return _shared_sampler(params.temperature, params.top_p, params.min_p, params.top_k)
-    return _SeededSampler(params, sampled_before)
+    return SeededSampler(params, sampled_before)
 
 
 @lru_cache(maxsize=256)
@@ -69,40 +64,45 @@ def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) 
     return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 
 
-class _SeededSampler:
+class SeededSampler:
     """A sampler with its own PRNG key, so a seed reproduces whatever else is in the batch."""
 
     def __init__(self, params: SamplingParams, skip: int = 0) -> None:
         self._key = mx.random.key(params.seed or 0)
-        for _ in range(skip):  # the same split per token as `__call__`
-            self._key, _ = mx.random.split(self._key)
+        self.advance(skip)  # the same split per token as `__call__`
         self._inv_temp = 1.0 / params.temperature
         self._top_p = params.top_p
         self._min_p = params.min_p
         self._top_k = params.top_k
 
     def __call__(self, logprobs: mx.array) -> mx.array:
+        self._key, step_key = mx.random.split(self._key)
+        return self._draw(logprobs, step_key)
+
+    def ahead(self, logprobs: mx.array, skip: int = 0) -> mx.array:
+        """Row j of `logprobs` (one sequence's next positions) drawn with the key the
+        (skip + j)-th next call would use, none spent: speculation then `advance`s by the
+        tokens it kept, so a seeded sequence is the same with and without it."""
+        key, drawn = self._key, []
+        for _ in range(skip):
+            key, _ = mx.random.split(key)
+        for j in range(logprobs.shape[0]):
+            key, step_key = mx.random.split(key)
+            drawn.append(self._draw(logprobs[j:j + 1], step_key))
+        return mx.concatenate(drawn)
+
+    def advance(self, n: int) -> None:
+        for _ in range(n):
+            self._key, _ = mx.random.split(self._key)
+
+    def _draw(self, logprobs: mx.array, key: mx.array) -> mx.array:
         if 0 < self._top_p < 1.0:
             logprobs = apply_top_p(logprobs, self._top_p)
         if self._min_p:
             logprobs = apply_min_p(logprobs, self._min_p, 1)
         if self._top_k > 0:
             logprobs = apply_top_k(logprobs, self._top_k)
-        self._key, step_key = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * self._inv_temp, key=step_key)
-
-
-def make_request_processors(params: SamplingParams) -> List[LogitsProcessor]:
-    processors = make_logits_processors(
-        logit_bias=dict(params.logit_bias) or None,
-        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
-        repetition_context_size=PENALTY_CONTEXT,
-        presence_penalty=params.presence_penalty or None,
-        presence_context_size=PENALTY_CONTEXT,
-        frequency_penalty=params.frequency_penalty or None,
-        frequency_context_size=PENALTY_CONTEXT,
-    )
-    return list(processors)
+        return mx.random.categorical(logprobs * self._inv_temp, key=key)
 
 
 class GuardedProcessors:
@@ -132,9 +132,7 @@ class GuardedProcessors:
             return logits
 
 
-def guarded_processors(params: SamplingParams,
-                       extra: List[LogitsProcessor]) -> GuardedProcessors | None:
-    """A request's penalty/bias processors, then `extra` (last: a grammar sees penalised
-    logits), guarded; None when there are none (mlx-lm then skips its per-row path)."""
-    processors = make_request_processors(params) + extra
+def guarded_processors(processors: List[LogitsProcessor]) -> GuardedProcessors | None:
+    """A request's own processors (the pipeline's: grammar mask, budgets, bans), guarded;
+    None when there are none, and the row stays on the batched path."""
     return GuardedProcessors(processors) if processors else None

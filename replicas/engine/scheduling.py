@@ -22,6 +22,7 @@ from replicas.engine.delivery import deliver
 from replicas.engine.memory import KvBudget
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
 from replicas.engine.batch import Prefill, Row
+from replicas.engine.penalties import Penalties
 from replicas.engine.sampling import GuardedProcessors, guarded_processors, \
     make_request_sampler
 
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 _MEMORY_FULL = "this replica's KV memory is taken and too many requests wait for it; retry later"
 _MEMORY_WAIT = ("this replica's KV memory stayed taken for {:g}s while the request waited; "
                 "retry later")
-# A row's KV grows by the token fed in the step and by the one mlx-lm computes ahead.
+# A row's KV grows by the token fed in the step and by the one mlx-lm computes ahead,
+# and by its drafts in a speculative step.
 _STEP_GROWTH = 2
 
 
@@ -68,12 +70,12 @@ class Queued:
         return self.sub.request_id
 
 
-def reach(request: EngineRequest, length: int, whole: bool) -> int:
+def reach(request: EngineRequest, length: int, whole: bool, growth: int = _STEP_GROWTH) -> int:
     """The KV tokens a request of `length` tokens must hold through the next step (`whole`:
     all it may ever reach, the reservation that never preempts), never more than all it
     may reach, which admission's cap guarantees fits alone."""
     total = len(request.prompt_ids) + request.max_tokens
-    return total if whole else min(length + _STEP_GROWTH, total)
+    return total if whole else min(length + growth, total)
 
 
 def preempted(active: Active) -> Queued:
@@ -93,6 +95,8 @@ class Waiting:
         self.kv = kv
         self._config = config
         self._whole = config.kv_reservation == "whole"
+        spec = config.speculative
+        self._growth = _STEP_GROWTH + (spec.num_speculative_tokens if spec else 0)
         self.queue: deque[Queued] = deque()
 
     def __len__(self) -> int:
@@ -109,7 +113,8 @@ class Waiting:
         pending = self._expire(pending, now)
         admitted, self.queue, refused = self.kv.take(
             pending, lambda q: q.request_id,
-            lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole),
+            lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole,
+                            self._growth),
             cache_bytes, evict_to, keep=lambda q: q.resumed is not None)
         deliver([(q.sub.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
                  for q in refused])
@@ -135,7 +140,7 @@ class Waiting:
             return
         for row in sorted(active.values(), key=lambda a: a.order):
             need = reach(row.sub.request, len(row.sub.request.prompt_ids) + len(row.tokens),
-                         False)
+                         False, self._growth)
             while row.uid in active and need > self.kv.reserved(row.request_id) and \
                     not self.kv.reserve(row.request_id, need, cache_bytes(), evict_to):
                 youngest = max(active.values(), key=lambda a: a.order)
@@ -151,12 +156,16 @@ Ready = tuple[Queued, Row, GuardedProcessors | None]
 
 
 def row_for(request: EngineRequest, eos: frozenset[int]) -> tuple[Row, GuardedProcessors | None]:
-    """The batch row a request runs as (EOS ids are the model's), and its guard."""
-    guard = guarded_processors(request.sampling, list(request.logits_processors))
+    """The batch row a request runs as (EOS ids are the model's), and its guard. Its bias
+    and penalties come first (the batch applies them to all rows at once), then its own
+    processors: a grammar sees penalised logits."""
+    guard = guarded_processors(list(request.logits_processors))
+    penalties = Penalties.of(request.sampling)
+    processors = tuple(p for p in (penalties, guard) if p is not None)
     row = Row(request.prompt_ids, request.boundary, request.max_tokens,
               eos | request.stop_token_ids,
               make_request_sampler(request.sampling, request.sampled_before),
-              (guard,) if guard else (), request.embeddings)
+              processors, request.embeddings)
     return row, guard
 
 

@@ -14,7 +14,7 @@ logprob: nothing precedes it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,10 +28,13 @@ _FIRST_CHUNK = 64
 
 
 def score_prompt(model: nn.Module, prompt_ids: Sequence[int], top: int, max_chunk: int,
-                 stream: mx.Stream) -> tuple[list[Picked], list[Any]]:
+                 stream: mx.Stream,
+                 make_cache: Callable[[nn.Module], list[Any]] = make_prompt_cache
+                 ) -> tuple[list[Picked], list[Any]]:
     """Each prompt token's logprob after the first, with its `top` alternatives; and the
-    KV cache of the whole prompt (one layer each, as `make_prompt_cache` builds it)."""
-    cache = make_prompt_cache(model)
+    KV cache of the whole prompt (one layer each, as `make_cache` builds it: the batch's
+    kind, so the prefix cache can hand it to the batch)."""
+    cache = make_cache(model)
     picked: list[Picked] = []
     ids = list(prompt_ids)
     with mx.stream(stream):

@@ -31,6 +31,7 @@ from replicas.engine.config import EngineConfig, Mode, ShardPlan
 from replicas.engine.loading import LoadedModel, loaded_model
 from replicas.engine.lockstep import Follower
 from replicas.engine.stages import held_layers, split_stages, stage_layers
+from replicas.engine.quantized_kv import cache_maker
 from replicas.engine.memory import RankMemory, plan_memory
 from replicas.startup import Progress
 
@@ -145,7 +146,8 @@ def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: Engin
     loaded = loaded_model(source, resolved, model, tokenizer, model_conf)
     batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan))
     # Every rank runs the probe's forward pass (and its collectives) here, together.
-    mine = plan_memory(model, config.kv_budget_bytes, plan.label)
+    mine = plan_memory(model, config.kv_budget_bytes, plan.label,
+                       make_cache=cache_maker(config.kv_bits, config.kv_group_size))
     return loaded, batch, group, share_memory(group, mine, batch.stream)
 
 

@@ -26,3 +26,16 @@ class EngineStats:
     disk_bytes: int = 0
     disk_entries: int = 0
     memory: MemoryStats | None = None  # KV admission (None until the model has loaded)
+    decode: DecodeCounts | None = None  # None until the model has loaded
+
+
+@dataclass(frozen=True)
+class DecodeCounts:
+    """The decoding passes (`replicas.engine.generation`) and their speculation."""
+
+    speculative: bool  # drafts configured and possible for this model
+    passes: int  # rows' decoding passes (a pass counts once per row in it)
+    tokens: int  # tokens emitted: tokens / passes is a sequence's tokens per pass
+    drafted: int
+    accepted: int
+    rows_off_path: int  # row-steps whose logits took a per-row Python call

@@ -4,6 +4,7 @@ and a dead or stuck engine fails requests at once and fails its health check."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -12,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import replicas.engine.scheduling as scheduling_module
-import replicas.engine.sampling as sampling_module
+import replicas.engine.core as core_module
 from deployments.model_deployment import ModelDeployment
 from replicas.builtin import script
 from replicas.contract import (
@@ -118,13 +119,16 @@ class Sabotage:
 
 
 def sabotage_marked(monkeypatch: pytest.MonkeyPatch, make: Callable[[], Any]) -> None:
-    real = sampling_module.make_request_processors
+    """The marked request's row gets one more processor of its own, after the pipeline's."""
+    real = core_module.row_for
 
-    def processors(params: SamplingParams) -> list[Any]:
-        found = real(params)
-        return found + [make()] if params.presence_penalty == MARK else found
+    def row_for(request: Any, eos: frozenset[int]) -> Any:
+        if request.sampling.presence_penalty == MARK:
+            request = dataclasses.replace(
+                request, logits_processors=(*request.logits_processors, make()))
+        return real(request, eos)
 
-    monkeypatch.setattr(sampling_module, "make_request_processors", processors)
+    monkeypatch.setattr(core_module, "row_for", row_for)
 
 
 @pytest.mark.parametrize("how", ["raise", "shape"])

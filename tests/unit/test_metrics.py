@@ -11,7 +11,7 @@ import pytest
 import deployments.metrics as metrics
 from ingress.observe import RequestRecord
 from replicas.contract import ErrorKind, FinishReason, Usage
-from replicas.engine.stats import EngineStats
+from replicas.engine.stats import DecodeCounts, EngineStats
 from replicas.engine.kv_layout import KvLayout
 from replicas.engine.memory import MemoryStats
 from replicas.timings import TimingSamples
@@ -60,7 +60,7 @@ def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
     assert set(recorders) == {*metrics.REQUEST_METRICS, *metrics.ENGINE_METRICS,
                               *metrics.MEMORY_METRICS, *metrics.SHARD_METRICS,
                               *metrics.EMBEDDING_METRICS, *metrics.IMAGE_METRICS,
-                              *metrics.DISK_METRICS}
+                              *metrics.DISK_METRICS, *metrics.SPECULATIVE_METRICS}
 
 
 def test_a_finished_request_counts_once_with_its_labels(recorders: dict[str, _Recorder]) -> None:
@@ -108,6 +108,21 @@ def test_engine_counters_are_recorded_as_deltas(recorders: dict[str, _Recorder])
     engine.record(_stats(cache_hits=2, cache_misses=1), none)
     assert [c[1] for c in recorders["orchard_prefix_cache_hits_total"].calls] == [3, 2]
     assert [c[1] for c in recorders["orchard_prefix_cache_misses_total"].calls] == [1]
+
+
+def test_speculation_is_counted_only_where_a_model_speculates(
+        recorders: dict[str, _Recorder]) -> None:
+    engine = metrics.EngineMetrics("m")
+    none = TimingSamples((), ())
+    engine.record(_stats(decode=DecodeCounts(False, 10, 10, 0, 0, 0)), none)
+    assert not any(recorders[n].calls for n in metrics.SPECULATIVE_METRICS)
+    engine = metrics.EngineMetrics("s")
+    engine.record(_stats(decode=DecodeCounts(True, 10, 25, 20, 15, 0)), none)
+    engine.record(_stats(decode=DecodeCounts(True, 12, 28, 22, 16, 0)), none)
+    passes, tokens, drafted, kept = (recorders[n].calls for n in metrics.SPECULATIVE_METRICS)
+    assert [c[1] for c in passes] == [10, 2] and [c[1] for c in tokens] == [25, 3]
+    assert [c[1] for c in drafted] == [20, 2] and [c[1] for c in kept] == [15, 1]
+    assert kept[0][2] == {"model": "s", "method": "ngram"}
 
 
 def test_samples_and_memory_and_shards(recorders: dict[str, _Recorder]) -> None:

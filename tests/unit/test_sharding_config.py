@@ -11,7 +11,9 @@ from pydantic import ValidationError
 
 from deployments.app import build_app
 from deployments.config import AppArgs, ModelSettings
+from deployments.model_deployment import replica_options
 from replicas.engine.batch import Done
+from replicas.engine.config import NgramConfig
 from replicas.builtin import ensure_builtin
 from replicas.engine.lockstep import _Finish, _Insert, _RowSpec
 from replicas.engine.sharding import ShardingError, sharding_mode
@@ -110,6 +112,7 @@ def test_a_batch_record_survives_the_wire() -> None:
 @pytest.mark.parametrize("field, says", [
     ({"kind": "vision"}, "kind: vision needs shards: 1"),
     ({"prompt_cache": {"disk_path": "auto"}}, "prompt_cache.disk_path needs shards: 1"),
+    ({"speculative": {"method": "ngram"}}, "speculative needs shards: 1"),
 ])
 def test_what_a_sharded_replica_cannot_take_is_a_config_error(field: dict[str, Any],
                                                               says: str) -> None:
@@ -117,3 +120,29 @@ def test_what_a_sharded_replica_cannot_take_is_a_config_error(field: dict[str, A
         ModelSettings.model_validate({"id": "m", "source": "builtin:tiny", "shards": 2,
                                       **field})
     ModelSettings.model_validate({"id": "m", "source": "builtin:tiny", **field})  # 1: fine
+
+
+def test_speculation_and_kv_bits_settings_reach_the_engine() -> None:
+    model = ModelSettings.model_validate({
+        "id": "m", "source": "builtin:tiny", "engine": {"kv_bits": 8, "kv_group_size": 32},
+        "speculative": {"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                        "disable_by_batch_size": 8}})
+    engine = replica_options(model).engine
+    assert (engine.kv_bits, engine.kv_group_size) == (8, 32)
+    assert engine.speculative == NgramConfig(3, 4, 1, 8)
+    assert replica_options(ModelSettings.model_validate(
+        {"id": "m", "source": "s"})).engine.speculative is None
+
+
+@pytest.mark.parametrize("field, says", [
+    ({"engine": {"kv_bits": 3}}, "kv_bits"),
+    ({"engine": {"kv_bits": 8}, "prompt_cache": {"disk_path": "auto"}},
+     "disk_path needs an unquantized KV cache"),
+    ({"speculative": {"method": "draft"}}, "method"),
+    ({"speculative": {"prompt_lookup_min": 5}}, "prompt_lookup_min must be <="),
+    ({"speculative": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
+])
+def test_bad_speculation_and_kv_bits_settings_are_config_errors(field: dict[str, Any],
+                                                                says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        ModelSettings.model_validate({"id": "m", "source": "builtin:tiny", **field})

@@ -1,0 +1,363 @@
+"""Speculative decoding by prompt lookup, and `logit_bias` on the batched path, in-process:
+raw mlx-lm's `BatchGenerator` vs Orchard's batch (`replicas.engine.batch.LocalBatch`) with
+speculation off and on, same model, prompts and `max_tokens`.
+
+    python load/bench_speculative.py [--model builtin:bench] [--streams 1 8 32] [--rounds 3]
+
+At each of `--streams` rows decoding together (`--max-tokens` per row: one value, or one per
+stream count), for each workload:
+
+- `greedy`: temperature 0 on the random-weight model, which falls into repeating its own
+  output, so prompt-lookup drafts can hit (how often is the acceptance column);
+- `sampled`: temperature 1.0, unseeded: on random weights the target seldom samples the
+  draft, so this is mostly speculation's cost.
+
+Three engines, in an order that rotates each round: `raw` (plain
+`mlx_lm.generate.BatchGenerator`), `off` (`LocalBatch`, `EngineConfig.speculative` None) and
+`on` (`NgramConfig` from the flags). Rows are built as `replicas.engine.scheduling.row_for`
+builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are a
+numbered random sentence each (`--prompt-words`, no chat template: on this CPU prefill costs
+about what decode does per token, and it is not what is measured), all prefilled in one
+batch. Decode tok/s counts the tokens after the first step that produced any, over the time
+since (prefill and the first step left out). Tokens per pass and acceptance come from
+`LocalBatch.decode_counts()`. Greedy outputs must be equal raw vs off vs on, row by row: a
+difference stops the run (exit 1).
+
+The bias table, at `--bias-streams` rows (one of `--streams`; 0: none): greedy, one row
+with `logit_bias` {`--bias-token`: `--bias-value`}. "Before" is raw mlx-lm with that row's
+`make_logits_processors(logit_bias=...)` (mlx-lm's per-row Python loop), "after" is
+`LocalBatch`, speculation off, with the row's `Penalties` (one vectorized op for the batch);
+each biased run is paired with the same engine's unbiased run of the greedy table, run just
+before it. Biased outputs must be equal raw vs Orchard.
+
+Every figure is a median over `--rounds` (at least 3) with min-max; ratios are medians of the
+per-round ratios. Writes load/out/bench_speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E402
+
+from replicas.contract import SamplingParams  # noqa: E402
+from replicas.engine.batch import LocalBatch, Row  # noqa: E402
+from replicas.engine.config import EngineConfig, NgramConfig  # noqa: E402
+from replicas.engine.penalties import Penalties  # noqa: E402
+from replicas.engine.sampling import make_request_sampler  # noqa: E402
+from replicas.sources import load_source  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "load" / "out"
+ENGINES = ("raw", "off", "on")
+TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
+WORDS = ("the river runs past the old mill where children play in summer and the "
+         "lighthouse keeper writes letters about storms ships and the quiet sea").split()
+
+
+@dataclass
+class Run:
+    """One engine's run of one batch."""
+
+    tokens: int  # emitted after the first step that emitted any
+    seconds: float  # since that step
+    total_tokens: int
+    passes: int = 0  # Orchard only: `decode_counts()` over the whole run
+    counted: int = 0  # tokens `decode_counts()` saw
+    drafted: int = 0
+    accepted: int = 0
+    rows_off_path: int = 0
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+Outputs = dict[int, list[int]]  # row index -> its tokens
+
+
+def prompts(loaded: Any, rows: int, words: int, seed: int) -> list[list[int]]:
+    """Distinct prompts (a numbered random sentence each), the same every round."""
+    rng = random.Random(seed)
+    return [list(loaded.tokenizer.encode(
+        f"{i}. " + " ".join(rng.choice(WORDS) for _ in range(words)))) for i in range(rows)]
+
+
+def drive(step: Callable[[], list[Any]], done: Callable[[], bool], uids: list[int],
+          ) -> tuple[Run, Outputs]:
+    """Step until every row ended; the clock starts after the first step with tokens."""
+    index = {uid: i for i, uid in enumerate(uids)}
+    outputs: Outputs = {i: [] for i in range(len(uids))}
+    start = None
+    tokens = 0
+    while not done():
+        responses = step()
+        for r in responses:
+            outputs[index[r.uid]].append(r.token)
+        if start is None:
+            if responses:
+                start = time.perf_counter()
+            continue
+        tokens += len(responses)
+    seconds = time.perf_counter() - start if start is not None else 0.0
+    return Run(tokens, seconds, sum(map(len, outputs.values()))), outputs
+
+
+def run_raw(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: float,
+            bias: dict[int, float] | None = None) -> tuple[Run, Outputs]:
+    """Plain mlx-lm; `bias` on row 0 as mlx-lm's own logits processor."""
+    n = len(batch)
+    gen = BatchGenerator(loaded.model, completion_batch_size=max(n, 32), prefill_batch_size=n,
+                         sampler=make_sampler(temp=temperature))
+    processors = [make_logits_processors(logit_bias=bias) if bias and i == 0 else []
+                  for i in range(n)]
+    uids = gen.insert(batch, max_tokens=[max_tokens] * n, logits_processors=processors)
+    live = set(uids)
+
+    def step() -> list[Any]:
+        _, responses = gen.next()
+        live.difference_update(r.uid for r in responses if r.finish_reason is not None)
+        return responses
+
+    try:
+        return drive(step, lambda: not live, uids)
+    finally:
+        gen.close()
+
+
+def run_orchard(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: float,
+                speculative: NgramConfig | None, bias: dict[int, float] | None = None,
+                ) -> tuple[Run, Outputs]:
+    """`LocalBatch`, rows as `scheduling.row_for` builds them; `bias` on row 0."""
+    n = len(batch)
+    local = LocalBatch(loaded.model, EngineConfig(
+        max_batch_size=max(n, 32), prefill_batch_size=n, prompt_cache_bytes=0,
+        speculative=speculative))
+    rows = []
+    for i, ids in enumerate(batch):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                logit_bias=bias if bias and i == 0 else {})
+        penalties = Penalties.of(params)
+        rows.append(Row(tuple(ids), 0, max_tokens, frozenset(), make_request_sampler(params),
+                        (penalties,) if penalties is not None else ()))
+    uids = [uid for uid, _ in local.insert(rows)]
+    run, outputs = drive(local.step, lambda: local.empty, uids)
+    counts = local.decode_counts()
+    local.close()
+    run.passes, run.counted = counts.passes, counts.tokens
+    run.drafted, run.accepted = counts.drafted, counts.accepted
+    run.rows_off_path = counts.rows_off_path
+    return run, outputs
+
+
+def mismatch(name: str, a: Outputs, b: Outputs) -> list[str]:
+    """Rows whose tokens differ, with where."""
+    lines = []
+    for i in sorted(a):
+        if a[i] != b[i]:
+            at = next((j for j, (x, y) in enumerate(zip(a[i], b[i])) if x != y),
+                      min(len(a[i]), len(b[i])))
+            lines.append(f"  {name}: row {i} differs at token {at} of {len(a[i])}/{len(b[i])}: "
+                         f"{a[i][max(0, at - 3):at + 5]} vs {b[i][max(0, at - 3):at + 5]}")
+    return lines
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt(values: list[float], digits: int = 1, width: int = 19) -> str:
+    s = spread(values)
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})".rjust(width)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--model", default="builtin:bench")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32],
+                        help="rows decoding together")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[64, 24, 12],
+                        help="tokens per row: one value, or one per --streams entry")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(TEMPERATURE),
+                        default=["greedy", "sampled"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
+    parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
+    parser.add_argument("--prompt-words", type=int, default=4,
+                        help="random words per prompt (about 2.7 tokens each)")
+    parser.add_argument("--bias-streams", type=int, default=32,
+                        help="rows of the logit_bias table, one of --streams (0: no table)")
+    parser.add_argument("--bias-token", type=int, default=5)
+    parser.add_argument("--bias-value", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the prompts' words (round r uses seed + r)")
+    parser.add_argument("--out", type=Path, default=OUT / "bench_speculative.json")
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if args.rounds < 3:
+        raise SystemExit("--rounds must be at least 3: a median of fewer is one run")
+    if len(args.max_tokens) not in (1, len(args.streams)):
+        raise SystemExit("--max-tokens takes one value, or one per --streams entry")
+    budget = dict(zip(args.streams, args.max_tokens * len(args.streams)
+                      if len(args.max_tokens) == 1 else args.max_tokens))
+    if args.bias_streams and args.bias_streams not in args.streams:
+        raise SystemExit("--bias-streams must be one of --streams (or 0)")
+    if args.bias_streams and "greedy" not in args.workloads:
+        raise SystemExit("the bias table runs in the greedy workload")
+    spec = NgramConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min)
+    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    print(f"command: {command}", flush=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    clock = time.monotonic()
+    loaded = load_source(args.model)
+    # Each round its own prompts (the engines of a round share them), so a single stream's
+    # figures are not one prompt's.
+    batches = [{n: prompts(loaded, n, args.prompt_words, args.seed + r) for n in args.streams}
+               for r in range(args.rounds)]
+    print("prompt tokens per row: " + ", ".join(
+        f"x{n} {min(len(p) for b in batches for p in b[n])}-"
+        f"{max(len(p) for b in batches for p in b[n])}" for n in args.streams), flush=True)
+    bias = {args.bias_token: args.bias_value}
+
+    def engine(key: str, r: int, n: int, workload: str, tokens: int) -> tuple[Run, Outputs]:
+        """`key`: an engine, "+bias" for row 0 biased; round `r`'s prompts."""
+        name, biased = key.removesuffix("+bias"), key.endswith("+bias")
+        temperature, batch = TEMPERATURE[workload], batches[r][n]
+        if name == "raw":
+            return run_raw(loaded, batch, tokens, temperature, bias if biased else None)
+        return run_orchard(loaded, batch, tokens, temperature,
+                           spec if name == "on" else None, bias if biased else None)
+
+    # Warm-up: each engine at each size, a few tokens (first-use costs out of round 1).
+    for n in args.streams:
+        for name in ENGINES:
+            engine(name, 0, n, "greedy", 4)
+
+    runs: dict[str, dict[int, dict[str, list[Run]]]] = {
+        w: {n: {e: [] for e in ENGINES} for n in args.streams} for w in args.workloads}
+    bias_runs: dict[str, list[Run]] = {k: [] for k in ("raw", "raw+bias", "off", "off+bias")}
+    for r in range(args.rounds):
+        for n in args.streams:
+            for workload in args.workloads:
+                with_bias = workload == "greedy" and n == args.bias_streams
+                # A biased run right after its engine's unbiased one; the order of the
+                # engines rotates each round, so the machine's drift is spread over them.
+                units = [(e, f"{e}+bias") if with_bias and e != "on" else (e,) for e in ENGINES]
+                units = units[r % 3:] + units[:r % 3]
+                outs: dict[str, Outputs] = {}
+                for key in (k for unit in units for k in unit):
+                    run, outs[key] = engine(key, r, n, workload, budget[n])
+                    if key in ENGINES:
+                        runs[workload][n][key].append(run)
+                    if key in bias_runs and with_bias:
+                        bias_runs[key].append(run)
+                    extra = (f"  {run.counted / run.passes:.2f} tok/pass, accepted "
+                             f"{run.accepted}/{run.drafted}" if run.passes else "")
+                    print(f"  round {r + 1} x{n:<3}{workload:<8}{key:<9}{run.tps:>8.1f} tok/s"
+                          f"{extra}", flush=True)
+                if workload != "greedy":
+                    continue
+                failures = (mismatch(f"round {r + 1} x{n} raw vs off", outs["raw"], outs["off"])
+                            + mismatch(f"round {r + 1} x{n} off vs on", outs["off"], outs["on"]))
+                if with_bias:
+                    failures += mismatch(f"round {r + 1} x{n} biased raw vs biased Orchard",
+                                         outs["raw+bias"], outs["off+bias"])
+                if failures:
+                    print("GREEDY OUTPUT DIFFERS (speculation, the batch or the bias changed "
+                          "what was decoded):\n" + "\n".join(failures), flush=True)
+                    return 1
+
+    minutes = (time.monotonic() - clock) / 60
+    print(f"\nmodel {args.model} ({loaded.path.name}), {args.rounds} rounds, speculation "
+          f"num_speculative_tokens {spec.num_speculative_tokens}, prompt lookup "
+          f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max}; started {started}, "
+          f"{minutes:.1f} min; load average now {os.getloadavg()[0]:.2f} on "
+          f"{os.cpu_count()} CPUs; mlx {version('mlx')} on {mx.default_device()}")
+    summary: dict[str, Any] = {}
+    for workload in args.workloads:
+        print(f"\n{workload} (temperature {TEMPERATURE[workload]:g}): decode tok/s, median "
+              f"(min-max) of {args.rounds} rounds; ratios: median (min-max) of per-round ratios")
+        print(f"{'streams':>7}{'tokens':>7}" + "".join(f"{e + ' tok/s':>19}" for e in ENGINES)
+              + f"{'off/raw':>19}{'on/raw':>19}{'on/off':>19}"
+              + f"{'tok/pass off-on':>17}{'accept':>8}")
+        summary[workload] = {}
+        for n in args.streams:
+            by = runs[workload][n]
+            tps = {e: [x.tps for x in by[e]] for e in ENGINES}
+            ratio = {k: [a.tps / b.tps for a, b in zip(by[x], by[y])]
+                     for k, x, y in (("off/raw", "off", "raw"), ("on/raw", "on", "raw"),
+                                     ("on/off", "on", "off"))}
+            per_pass = {e: sum(x.counted for x in by[e]) / max(1, sum(x.passes for x in by[e]))
+                        for e in ("off", "on")}
+            drafted = sum(x.drafted for x in by["on"])
+            acceptance = sum(x.accepted for x in by["on"]) / drafted if drafted else 0.0
+            print(f"{n:>7}{budget[n]:>7}" + "".join(fmt(tps[e]) for e in ENGINES)
+                  + "".join(fmt(ratio[k], 2) for k in ratio)
+                  + f"{per_pass['off']:>8.2f}-{per_pass['on']:<8.2f}"
+                  + f"{acceptance:>8.1%}")
+            summary[workload][str(n)] = {
+                "max_tokens": budget[n], "tps": {e: spread(v) for e, v in tps.items()},
+                "ratios": {k: spread(v) for k, v in ratio.items()},
+                "tokens_per_pass": per_pass,
+                "drafted": drafted, "accepted": sum(x.accepted for x in by["on"]),
+                "acceptance": acceptance}
+    print("tok/pass: decode_counts() tokens / passes (a pass counted once per row in it: a "
+          "sequence's tokens per target pass), off and on; accept: accepted / drafted; both "
+          "over all rounds.")
+    print(f"greedy outputs: raw == off == on, every row, every round")
+
+    if args.bias_streams:
+        raw_ratio = [b.tps / a.tps for a, b in zip(bias_runs["raw"], bias_runs["raw+bias"])]
+        off_ratio = [b.tps / a.tps for a, b in zip(bias_runs["off"], bias_runs["off+bias"])]
+        off_path = {k: sum(x.rows_off_path for x in bias_runs[k]) for k in ("off", "off+bias")}
+        print(f"\nlogit_bias {bias} on 1 of {args.bias_streams} greedy rows, "
+              f"{budget[args.bias_streams]} tokens each, speculation off: decode tok/s, median "
+              f"(min-max); biased/unbiased: median (min-max) of per-round ratios")
+        print(f"{'engine':<30}{'unbiased tok/s':>19}{'1 row biased':>19}{'biased/unbiased':>19}")
+        print(f"{'before: raw mlx-lm (per row)':<30}{fmt([x.tps for x in bias_runs['raw']])}"
+              f"{fmt([x.tps for x in bias_runs['raw+bias']])}{fmt(raw_ratio, 2)}")
+        print(f"{'after: Orchard (batched)':<30}{fmt([x.tps for x in bias_runs['off']])}"
+              f"{fmt([x.tps for x in bias_runs['off+bias']])}{fmt(off_ratio, 2)}")
+        orch_raw = [a.tps / b.tps for a, b in zip(bias_runs["off+bias"], bias_runs["raw+bias"])]
+        print(f"Orchard/raw with the biased row: {fmt(orch_raw, 2).strip()}; Orchard's rows "
+              f"through a per-row Python call: {off_path['off+bias']} (unbiased "
+              f"{off_path['off']}); biased greedy outputs: raw == Orchard, every row")
+        summary["bias"] = {"raw_biased_over_unbiased": spread(raw_ratio),
+                           "orchard_biased_over_unbiased": spread(off_ratio),
+                           "orchard_over_raw_biased": spread(orch_raw),
+                           "tps": {k: spread([x.tps for x in v]) for k, v in bias_runs.items()},
+                           "rows_off_path": off_path}
+    print(f"\ncommand: {command}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": command, "started": started, "minutes": minutes,
+        "args": vars(args) | {"out": str(args.out)}, "summary": summary,
+        "runs": {w: {str(n): {e: [asdict(x) for x in v] for e, v in by.items()}
+                     for n, by in ws.items()} for w, ws in runs.items()},
+        "bias_runs": {k: [asdict(x) for x in v] for k, v in bias_runs.items()},
+    }, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The decoding half of the batch: mlx-lm's `GenerationBatch`, with two changes to its step.
+
+- **Bias and penalties for the whole batch at once** (`replicas.engine.penalties`). mlx-lm
+  runs any row's logits processors in a Python loop, so one `logit_bias` sends every row
+  through it. Here only a request's own processors (the pipeline's grammar mask, budgets,
+  bans) are called per row, and only for the rows that have them.
+- **Speculative decoding** (`replicas.engine.speculation`): a step may verify each row's
+  drafts in the same pass, and emit several tokens per row.
+
+Everything else is mlx-lm's: the cache, the one-step-ahead pipelining of the plain step,
+`extend`/`filter`/`extract_cache`, stop matching, and `BatchGenerator` around it (which
+builds a plain `GenerationBatch` for a row's first token, then `extend`s this one with it).
+We override `_step` and `next`, pinned to mlx-lm 0.32.2's attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationBatch
+
+from replicas.engine.config import NgramConfig
+from replicas.engine.penalties import Penalties, apply, window
+from replicas.engine.sampling import LogitsProcessor, Sampler, SeededSampler
+from replicas.engine.speculation import DecodeStats, Drafter, accepted, roll_back
+
+Emitted = list[tuple[int, mx.array]]  # one row's tokens of a step, each with its logprobs
+
+
+class Generation(GenerationBatch):
+    """The rows that decode. Engine thread only."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.stats = DecodeStats()
+        self.drafter: Drafter | None = None
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def make(cls, model: nn.Module, sampler: Sampler,
+             speculative: NgramConfig | None) -> Generation:
+        batch = cls.empty(model, sampler)
+        batch.drafter = Drafter(speculative) if speculative is not None else None
+        return batch
+
+    def next(self) -> list[GenerationBatch.Response]:
+        """Each row's tokens of one pass (one, or more when drafts were kept), as mlx-lm's
+        responses; a row that ends mid-way drops the rest and leaves the batch."""
+        if not self.uids:
+            return []
+        drafting = self._drafts()
+        emitted: list[Emitted]
+        if drafting is None:
+            tokens, lps = self._step()
+            emitted = [[(t, lp)] for t, lp in zip(tokens, lps)]
+        else:
+            emitted = self._speculate(*drafting)
+        self.stats.passes += len(self.uids)
+        keep, responses = [], []
+        for i, row in enumerate(emitted):
+            finish = None
+            for at, (token, logprobs) in enumerate(row):
+                self.stats.tokens += 1
+                self.stats.accepted += at > 0  # a kept draft, emitted
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(token):
+                    finish = "stop"
+                if finish is not None:
+                    responses.append(self.Response(self.uids[i], token, logprobs, finish,
+                                                   self.extract_cache(i), self.tokens[i]))
+                    break
+                responses.append(self.Response(self.uids[i], token, logprobs, None, None,
+                                               None))
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        if self.drafter is not None:
+            self.drafter.keep(self.uids)
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        """mlx-lm's plain step (the next step's forward queued before this one's tokens are
+        read), with the batch's bias and penalties applied in one go."""
+        inputs: mx.array = self._next_tokens
+        self._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm inits it None
+        self._current_logprobs = self._next_logprobs
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        penalties = self._penalties()
+        if any(p and p.looks_back for p in penalties):
+            logits = apply(logits, penalties, window(self.tokens, inputs))
+        else:
+            logits = apply(logits, penalties, None)
+        logits, context = self._own(logits, range(len(self.uids)), inputs)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self._next_tokens = self._sample(logprobs, 1)
+        self._next_logprobs = list(logprobs)
+        mx.async_eval(self._next_tokens, self._next_logprobs, context)
+        mx.eval(inputs, self._current_logprobs)
+        tokens: list[int] = inputs.tolist()  # type: ignore[assignment]
+        for held, token in zip(self.tokens, tokens):
+            held.append(token)
+        return tokens, self._current_logprobs
+
+    def _drafts(self) -> tuple[list[int], list[list[int]]] | None:
+        """Each row's pending token and its drafts, or None for a plain step. Drafting
+        reads the pending tokens, so it waits for the step computed ahead."""
+        drafter = self.drafter
+        if drafter is None or not drafter.active(len(self.uids)):
+            return None
+        pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
+        drafts = [
+            drafter.draft(uid, self.tokens[i], pending[i],
+                          self.max_tokens[i] - self._num_tokens[i] - 1)
+            for i, uid in enumerate(self.uids)]
+        return (pending, drafts) if any(drafts) else None
+
+    def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Emitted]:
+        """One pass over every row's pending token and drafts; each row emits its pending
+        token and the drafts the target sampled too, and the target's next token becomes
+        its pending one."""
+        rows, width = len(pending), 1 + max(len(d) for d in drafts)
+        inputs = [[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
+        logits = self.model(mx.array(inputs), cache=self.prompt_cache)
+        logits = logits.reshape(rows * width, logits.shape[-1])
+        penalties = [p for p in self._penalties() for _ in range(width)]
+        looks_back = any(p and p.looks_back for p in penalties)
+        logits = apply(logits, penalties,
+                       [[*self.tokens[i], *inputs[i][:j + 1]]
+                        for i in range(rows) for j in range(width)] if looks_back else None)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs, width)
+        mx.eval(sampled, logprobs)
+        table: list[list[int]] = sampled.reshape(rows, width).tolist()  # type: ignore[assignment]
+        kept = accepted(drafts, table)
+        nexts = [table[i][n] for i, n in enumerate(kept)]
+        positions = [[logprobs[i * width + j] for j in range(n + 1)] for i, n in enumerate(kept)]
+        for i in range(rows):
+            if self._own_processors(i):
+                kept[i], nexts[i], positions[i] = self._verify_own(
+                    i, inputs[i], drafts[i], logits[i * width:(i + 1) * width])
+        emitted: list[Emitted] = []
+        for i, n in enumerate(kept):
+            emitted.append([(pending[i], self._next_logprobs[i])]
+                           + [(drafts[i][j], positions[i][j]) for j in range(n)])
+            self.tokens[i].extend(inputs[i][:n + 1])
+            if isinstance(sampler := self._sampler(i), SeededSampler):
+                sampler.advance(n + 1)
+        roll_back(self.prompt_cache, [width - 1 - n for n in kept])
+        self._next_tokens = mx.array(nexts)
+        self._next_logprobs = [positions[i][n] for i, n in enumerate(kept)]
+        self.stats.drafted += sum(len(d) for d in drafts)
+        return emitted
+
+    def _verify_own(self, i: int, inputs: list[int], draft: list[int],
+                    logits: mx.array) -> tuple[int, int, list[mx.array]]:
+        """Row `i`'s drafts checked one position at a time through its own processors: a
+        grammar or a budget is stateful, so it reads a token only once it is kept, exactly
+        as in a plain step. Returns the drafts kept, the target's next token and each
+        position's logprobs."""
+        own, sampler = self._own_processors(i), self._sampler(i)
+        positions = []
+        for j in range(len(draft) + 1):
+            context = self._token_context[i].update_and_fetch(mx.array(inputs[j:j + 1]))
+            row = logits[j:j + 1]
+            for processor in own:
+                row = processor(context, row)
+            row = row - mx.logsumexp(row, axis=-1, keepdims=True)
+            token = sampler.ahead(row, skip=j) if isinstance(sampler, SeededSampler) \
+                else sampler(row)
+            positions.append(row[0])
+            chosen = cast(int, token.item())
+            self.stats.rows_off_path += 1
+            if j == len(draft) or chosen != draft[j]:
+                return j, chosen, positions
+        raise AssertionError("unreachable: the last position always returns")
+
+    def _penalties(self) -> list[Penalties | None]:
+        return [next((p for p in ps or () if isinstance(p, Penalties)), None)
+                for ps in self.logits_processors or ()]
+
+    def _own_processors(self, i: int) -> list[LogitsProcessor]:
+        processors = self.logits_processors[i] if self.logits_processors else ()
+        return [p for p in processors or () if not isinstance(p, Penalties)]
+
+    def _own(self, logits: mx.array, rows: Sequence[int],
+             inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """Rows' own processors, one row at a time, with the token context mlx-lm keeps
+        for them (only rows that have some)."""
+        at, processed, context = [], [], []
+        for i in rows:
+            own = self._own_processors(i)
+            if not own:
+                continue
+            tokens = self._token_context[i].update_and_fetch(inputs[i:i + 1])
+            row = logits[i:i + 1]
+            for processor in own:
+                row = processor(tokens, row)
+            at.append(i)
+            processed.append(row)
+            context.append(tokens)
+        if at:
+            self.stats.rows_off_path += len(at)
+            logits[mx.array(at)] = mx.concatenate(processed)
+        return logits, context
+
+    def _sampler(self, i: int) -> Sampler:
+        sampler = self.samplers[i] if self.samplers else None
+        return self.fallback_sampler if sampler is None else sampler
+
+    def _sample(self, logprobs: mx.array, width: int) -> mx.array:
+        """Every row's next token(s): one call when all rows share a sampler (mlx-lm's rule,
+        which a sharded batch's samplers rely on), else row by row; `width` positions per
+        row, where a seeded sampler draws ahead without spending its keys."""
+        samplers = [self._sampler(i) for i in range(len(self.uids))]
+        if all(s is samplers[0] for s in samplers) and not isinstance(samplers[0],
+                                                                     SeededSampler):
+            return samplers[0](logprobs)
+        drawn = []
+        for i, sampler in enumerate(samplers):
+            rows = logprobs[i * width:(i + 1) * width]
+            seeded = isinstance(sampler, SeededSampler) and width > 1
+            drawn.append(sampler.ahead(rows) if seeded else sampler(rows))  # type: ignore
+        return mx.concatenate(drawn)

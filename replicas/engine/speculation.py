@@ -1,0 +1,98 @@
+"""Speculative decoding inside the batch: drafts per row, and what a verifying pass keeps.
+
+Each step, every row that may speculate proposes up to k tokens after its pending one
+(`replicas.engine.drafting`). One target pass runs all rows over their pending token and
+drafts (right-padded to the longest), the target samples every position with the row's
+own sampler, and a row keeps its drafts up to the first one the target did not sample,
+plus the target's token there. Drafts are deterministic guesses, so "sample, then compare"
+is exactly rejection sampling: a draft d is kept with probability p(d), and on a miss the
+target's token is a draw from p without d. Greedy output is the output without
+speculation, and seeded samplers draw position j with the key of the j-th next token.
+
+The rows' rejected positions are rolled out of the batch cache in one operation: trimmed
+where all rows rejected as many, else rolled into each row's left padding (mlx-lm's own
+`prepare(right_padding=...)`/`finalize()`, the move its prefill makes for ragged prompts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from replicas.engine.config import NgramConfig
+from replicas.engine.drafting import NgramIndex
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one batch's decoding, read for metrics (engine thread only)."""
+
+    # Rows' decoding passes: each target forward (plain or verifying) counts once per row
+    # in it, so tokens / passes is the tokens a sequence gets per pass, batch or not.
+    passes: int = 0
+    tokens: int = 0  # tokens emitted
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # draft tokens kept and emitted (not those past a row's end)
+    rows_off_path: int = 0  # row-steps whose logits went through a per-row Python call
+
+
+def can_roll_back(model: nn.Module) -> bool:
+    """Whether every layer's cache can drop a row's rejected positions: plain attention
+    KV can; a sliding window that wrapped, or a recurrent state (SSM, linear attention)
+    cannot, and such models decode one token per pass."""
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
+class Drafter:
+    """Prompt-lookup drafts for the rows of one batch, an index per row (by uid)."""
+
+    def __init__(self, config: NgramConfig) -> None:
+        self.config = config
+        self._indices: dict[int, NgramIndex] = {}
+
+    def active(self, rows: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or rows <= limit
+
+    def draft(self, uid: int, history: Sequence[int], pending: int, budget: int) -> list[int]:
+        """Row `uid`'s draft after `pending`: `history` is what its cache holds (it only
+        ever grows by what was kept), `budget` the most tokens it may still emit after
+        `pending`."""
+        index = self._indices.get(uid)
+        if index is None:
+            index = self._indices[uid] = NgramIndex(self.config)
+        index.extend(history[len(index):])
+        index.extend([pending])
+        return index.draft(min(self.config.num_speculative_tokens, budget))
+
+    def keep(self, uids: Sequence[int]) -> None:
+        """Forget the rows that left the batch."""
+        live = set(uids)
+        for uid in [u for u in self._indices if u not in live]:
+            del self._indices[uid]
+
+
+def accepted(drafts: Sequence[Sequence[int]], sampled: Sequence[Sequence[int]]) -> list[int]:
+    """Per row, how many leading drafts the target sampled too."""
+    kept = []
+    for draft, target in zip(drafts, sampled):
+        n = 0
+        while n < len(draft) and target[n] == draft[n]:
+            n += 1
+        kept.append(n)
+    return kept
+
+
+def roll_back(caches: list[Any], rejected: Sequence[int]) -> None:
+    """Drop each row's last `rejected[i]` positions from the batch cache."""
+    common = min(rejected)
+    ragged = [r - common for r in rejected]
+    for cache in caches:
+        if common:
+            cache.trim(common)
+        if any(ragged):
+            cache.prepare(right_padding=ragged)
+            cache.finalize()

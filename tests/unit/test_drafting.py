@@ -1,0 +1,81 @@
+"""Prompt-lookup drafts (`replicas.engine.drafting`, `speculation.Drafter`): the longest
+recurring suffix, its newest earlier occurrence, bounded, and the same however the
+sequence arrived."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from replicas.engine.config import NgramConfig
+from replicas.engine.drafting import NgramIndex
+from replicas.engine.speculation import Drafter, accepted
+
+
+def index(tokens: list[int], **config: int) -> NgramIndex:
+    built = NgramIndex(NgramConfig(**config))
+    built.extend(tokens)
+    return built
+
+
+def test_the_tokens_after_the_suffixs_earlier_occurrence() -> None:
+    assert index([1, 2, 3, 4, 5, 9, 1, 2, 3]).draft(4) == [4, 5, 9, 1]
+
+
+def test_the_longest_suffix_wins_over_a_newer_shorter_one() -> None:
+    # "2 3" last occurred before 7, but "1 2 3" only before 4.
+    tokens = [1, 2, 3, 4, 0, 2, 3, 7, 0, 1, 2, 3]
+    assert index(tokens, prompt_lookup_max=3, prompt_lookup_min=2).draft(2) == [4, 0]
+
+
+def test_the_newest_occurrence_of_the_same_suffix() -> None:
+    tokens = [5, 6, 1, 0, 5, 6, 2, 0, 5, 6]
+    assert index(tokens).draft(1) == [2]
+
+
+def test_nothing_below_the_shortest_suffix_and_bounded_by_the_limit() -> None:
+    assert index([1, 2, 3, 1], prompt_lookup_min=2).draft(4) == []
+    assert index([1, 2, 3, 1], prompt_lookup_min=1).draft(4) == [2, 3, 1]
+    assert index([1, 2, 3, 1], prompt_lookup_min=1).draft(1) == [2]
+    assert index([1, 2, 3, 1], prompt_lookup_min=1).draft(0) == []
+    assert index([]).draft(4) == []
+
+
+def test_growing_token_by_token_drafts_as_building_at_once() -> None:
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    grown = NgramIndex(NgramConfig(prompt_lookup_min=1))
+    for at, token in enumerate(tokens):
+        grown.extend([token])
+        assert grown.draft(4) == index(tokens[:at + 1], prompt_lookup_min=1).draft(4)
+
+
+def test_a_drafter_follows_what_the_cache_holds_and_forgets_rows_that_left() -> None:
+    drafter = Drafter(NgramConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    history = [7, 8, 9, 4, 7]
+    assert drafter.draft(uid=1, history=history, pending=8, budget=10) == [9, 4, 7]
+    # The pass kept 8 and two drafts; the target's next token is now pending.
+    history += [8, 9, 4]
+    assert drafter.draft(uid=1, history=history, pending=5, budget=10) == []
+    assert drafter.draft(uid=1, history=history + [5], pending=7, budget=1) == [8]
+    drafter.keep([2])
+    assert drafter.draft(uid=1, history=[1], pending=1, budget=3) == [1]  # a fresh index
+
+
+@pytest.mark.parametrize(("drafts", "sampled", "kept"), [
+    ([[4, 5, 6]], [[4, 5, 6, 7]], [3]),
+    ([[4, 5, 6]], [[4, 9, 6, 7]], [1]),
+    ([[4, 5, 6]], [[1, 5, 6, 7]], [0]),
+    ([[], [4]], [[3, 3], [4, 2]], [0, 1]),
+])
+def test_kept_drafts_stop_at_the_first_the_target_did_not_sample(
+        drafts: list[list[int]], sampled: list[list[int]], kept: list[int]) -> None:
+    assert accepted(drafts, sampled) == kept
+
+
+def test_config_refuses_an_empty_lookup_range() -> None:
+    with pytest.raises(ValueError):
+        NgramConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError):
+        NgramConfig(num_speculative_tokens=0)
