@@ -15,13 +15,13 @@ stream count), for each workload:
 Three engines, in an order that rotates each round: `raw` (plain
 `mlx_lm.generate.BatchGenerator`), `off` (`LocalBatch`, `EngineConfig.speculative` None) and
 `on` (`NgramConfig` from the flags). Rows are built as `replicas.engine.scheduling.row_for`
-builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are a
-numbered random sentence each (`--prompt-words`, no chat template: on this CPU prefill costs
-about what decode does per token, and it is not what is measured), all prefilled in one
-batch. Decode tok/s counts the tokens after the first step that produced any, over the time
-since (prefill and the first step left out). Tokens per pass and acceptance come from
-`LocalBatch.decode_counts()`. Greedy outputs must be equal raw vs off vs on, row by row: a
-difference stops the run (exit 1).
+builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are short
+chat messages, a numbered random sentence each (`--prompt-words`: on this CPU a prompt token
+costs about what a decoded one does, and prefill is not what is measured), new each round,
+all prefilled in one batch. Decode tok/s counts the tokens after the first step that
+produced any, over the time since (prefill and the first step left out). Tokens per pass and
+acceptance come from `LocalBatch.decode_counts()`. Greedy outputs must be equal raw vs off
+vs on, row by row: a difference stops the run (exit 1).
 
 The bias table, at `--bias-streams` rows (one of `--streams`; 0: none): greedy, one row
 with `logit_bias` {`--bias-token`: `--bias-value`}. "Before" is raw mlx-lm with that row's
@@ -92,10 +92,11 @@ Outputs = dict[int, list[int]]  # row index -> its tokens
 
 
 def prompts(loaded: Any, rows: int, words: int, seed: int) -> list[list[int]]:
-    """Distinct prompts (a numbered random sentence each), the same every round."""
+    """Distinct short chat prompts: a numbered random sentence each, as a user message."""
     rng = random.Random(seed)
-    return [list(loaded.tokenizer.encode(
-        f"{i}. " + " ".join(rng.choice(WORDS) for _ in range(words)))) for i in range(rows)]
+    return [list(loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{i}. " + " ".join(rng.choice(WORDS) for _ in range(words))}],
+        add_generation_prompt=True)) for i in range(rows)]
 
 
 def drive(step: Callable[[], list[Any]], done: Callable[[], bool], uids: list[int],

@@ -104,7 +104,7 @@ class NoGeneration:
         return []
 
     def decode_counts(self) -> DecodeCounts:
-        return DecodeCounts(False, 0, 0, 0, 0, 0)
+        return DecodeCounts(False, 0, 0, 0, 0, 0, 0)
 
     def finish(self, done: Sequence[Done]) -> None:
         return None

@@ -147,7 +147,7 @@ class LocalBatch:
     def decode_counts(self) -> DecodeCounts:
         d = self.decode_stats
         return DecodeCounts(self._speculative is not None, d.passes, d.tokens, d.drafted,
-                            d.accepted, d.rows_off_path)
+                            d.accepted, d.forced, d.rows_off_path)
 
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         """Add rows; each reuses the KV of its longest cached prompt prefix. Returns each

@@ -23,7 +23,7 @@ from mlx_lm.generate import GenerationBatch
 
 from replicas.engine.config import NgramConfig
 from replicas.engine.penalties import Penalties, apply, window
-from replicas.engine.sampling import LogitsProcessor, Sampler, SeededSampler
+from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SeededSampler
 from replicas.engine.speculation import DecodeStats, Drafter, accepted, roll_back
 
 Emitted = list[tuple[int, mx.array]]  # one row's tokens of a step, each with its logprobs
@@ -115,11 +115,22 @@ class Generation(GenerationBatch):
         if drafter is None or not drafter.active(len(self.uids)):
             return None
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
-        drafts = [
-            drafter.draft(uid, self.tokens[i], pending[i],
-                          self.max_tokens[i] - self._num_tokens[i] - 1)
-            for i, uid in enumerate(self.uids)]
+        limit = drafter.config.num_speculative_tokens
+        drafts = []
+        for i, uid in enumerate(self.uids):
+            budget = min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
+            drafts.append(self._forced(i, pending[i], budget)
+                          or drafter.draft(uid, self.tokens[i], pending[i], budget))
         return (pending, drafts) if any(drafts) else None
+
+    def _forced(self, i: int, pending: int, budget: int) -> list[int]:
+        """What row `i`'s own processors say must follow `pending` (grammar fast-forward):
+        certain where the n-grams only guess, so it comes first."""
+        for processor in self._own_processors(i):
+            if isinstance(processor, Drafting) and (forced := processor.draft(pending, budget)):
+                self.stats.forced += len(forced)
+                return forced
+        return []
 
     def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Emitted]:
         """One pass over every row's pending token and drafts; each row emits its pending

@@ -8,7 +8,7 @@ are not processors here: `replicas.engine.penalties` applies them to the whole b
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, List
+from typing import Callable, List, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -105,6 +105,14 @@ class SeededSampler:
         return mx.random.categorical(logprobs * self._inv_temp, key=key)
 
 
+@runtime_checkable
+class Drafting(Protocol):
+    """A request's processor that knows tokens that must come next (the pipeline's
+    controller: a grammar's forced tokens, a forced end of reasoning)."""
+
+    def draft(self, pending: int, limit: int) -> list[int]: ...
+
+
 class GuardedProcessors:
     """One request's logits processors, isolated from the rest of the batch.
 
@@ -116,6 +124,20 @@ class GuardedProcessors:
     def __init__(self, processors: list[LogitsProcessor]) -> None:
         self._processors = processors
         self.error: str | None = None
+
+    def draft(self, pending: int, limit: int) -> list[int]:
+        """The first draft a processor of the request offers (`Drafting`), none if it
+        fails: a draft is only a guess, so a failure costs nothing but the guess."""
+        if self.error is not None:
+            return []
+        for processor in self._processors:
+            if isinstance(processor, Drafting):
+                try:
+                    if drafted := processor.draft(pending, limit):
+                        return drafted[:limit]
+                except Exception:  # noqa: BLE001 - no draft; the step reports real errors
+                    return []
+        return []
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.error is not None:

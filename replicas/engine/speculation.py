@@ -35,6 +35,7 @@ class DecodeStats:
     passes: int = 0
     tokens: int = 0  # tokens emitted
     drafted: int = 0  # draft tokens verified
+    forced: int = 0  # of those, drafts a row's grammar forced (grammar fast-forward)
     accepted: int = 0  # draft tokens kept and emitted (not those past a row's end)
     rows_off_path: int = 0  # row-steps whose logits went through a per-row Python call
 

@@ -38,4 +38,5 @@ class DecodeCounts:
     tokens: int  # tokens emitted: tokens / passes is a sequence's tokens per pass
     drafted: int
     accepted: int
+    forced: int  # drafts a grammar forced
     rows_off_path: int  # row-steps whose logits took a per-row Python call

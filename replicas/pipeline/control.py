@@ -28,6 +28,7 @@ from replicas.pipeline.tracker import ChannelTracker
 class Grammar(Protocol):
     def consume(self, token_id: int) -> None: ...
     def mask(self, logits: mx.array) -> mx.array: ...
+    def forced_after(self, token_id: int, limit: int) -> list[int]: ...
     @property
     def is_complete(self) -> bool: ...
     @property
@@ -82,10 +83,14 @@ class RequestController:
         self.reasoning_tokens = 0
         self.forced = False
         self.error: str | None = None
+        self._read = 0  # generated tokens read
+        self._complete_at: int | None = None  # tokens read when the grammar completed
 
-    @property
-    def grammar_complete(self) -> bool:
-        return self._grammar is not None and self._grammar.is_complete
+    def grammar_complete(self, tokens: int) -> bool:
+        """Whether the grammar was complete once the first `tokens` generated tokens were
+        read: speculation lets the controller read a step's kept drafts before the output
+        sees the first of them, so "complete now" could end the output too early."""
+        return self._complete_at is not None and self._complete_at <= tokens
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.error is not None:
@@ -102,6 +107,20 @@ class RequestController:
         except Exception as exc:  # noqa: BLE001 - isolate this request from the batch
             self.error = f"{type(exc).__name__}: {exc}"
             return logits
+
+    def draft(self, pending: int, limit: int) -> list[int]:
+        """What must follow `pending` (the token sampled last, not yet read): the rest of
+        a forced end of reasoning, or what the grammar forces after it. Speculation's
+        drafts for this row; a plain step reads them one at a time all the same."""
+        if self.error is not None or limit <= 0:
+            return []
+        if self._forcing:  # `pending` is the first forced token
+            return list(self._forcing)[1:limit + 1]
+        if self._grammar is None or not self._grammar_on or self._first_step:
+            return []
+        if pending in self._end_ids:
+            return []
+        return self._grammar.forced_after(pending, limit)
 
     def replay(self, token: int) -> None:
         """A token a resumed request generated before (on another replica): the budget and
@@ -138,6 +157,10 @@ class RequestController:
                 if self._grammar.error is not None:
                     self.error = self._grammar.error
         self._first_step = False
+        self._read += 1
+        if self._complete_at is None and self._grammar is not None and \
+                self._grammar.is_complete:
+            self._complete_at = self._read
         if self._after_reasoning:
             if self._reasoning_ended and not ended_before:
                 self._grammar_on = True  # reasoning closed: the grammar owns the next token

@@ -37,6 +37,7 @@ class OutputProcessor:
         self._trail = logprobs
         self._echo = echo
         self._report = report_tokens
+        self._read = 0  # generated tokens read, replayed ones included
 
     def replay(self, token_ids: Sequence[int]) -> None:
         """A resumed request: what it generated before goes through every stateful stage
@@ -47,6 +48,7 @@ class OutputProcessor:
             if self.controller is not None:
                 self.controller.replay(token)
             self.decoder.feed(token)
+            self._read += 1
 
     def started(self, prompt_logprobs: Sequence[Picked] | None) -> list[OutputEvent]:
         """Completions' echo: the prompt's text first, with its tokens' logprobs if asked."""
@@ -64,6 +66,7 @@ class OutputProcessor:
 
     def _events(self, step: Generated) -> tuple[list[OutputEvent], bool]:
         decoder, ctrl, token = self.decoder, self.controller, step.token
+        self._read += 1
         if ctrl is not None and ctrl.error is not None:
             return [Failed(ErrorKind.INTERNAL, f"constraint failed: {ctrl.error}")], True
 
@@ -77,12 +80,12 @@ class OutputProcessor:
             decoder.count(token)
             if token in self._stop_token_ids:
                 return end(FinishReason.STOP_TOKEN, token), True
-            grammar_done = ctrl is not None and ctrl.grammar_complete
+            grammar_done = ctrl is not None and ctrl.grammar_complete(self._read)
             return end(FinishReason.GRAMMAR_COMPLETE if grammar_done else FinishReason.EOS), True
         events = decoder.feed(token)
         if decoder.matched_stop is not None:
             return events + end(FinishReason.STOP_SEQUENCE), True
-        if ctrl is not None and ctrl.grammar_complete:
+        if ctrl is not None and ctrl.grammar_complete(self._read):
             return events + end(FinishReason.GRAMMAR_COMPLETE), True
         if step.ended_by == "length":
             return events + end(FinishReason.LENGTH), True

@@ -282,3 +282,20 @@ def test_logits_processor_consumes_only_tokens_after_the_prompt() -> None:
         masked = processor(mx.array(history), logits)
     assert processor.matcher.error is None and processor.matcher.is_complete
     assert set(np.flatnonzero(np.isfinite(np.array(masked)[0]))) == set(tok.eos_token_ids)
+
+
+# --- grammar fast-forward: drafts of what the grammar forces -----------------------------
+
+def test_forced_after_drafts_what_the_grammar_forces_and_leaves_the_state_alone() -> None:
+    choice = matcher_for(GuidedSpec("choice", ("green apple", "red")))
+    hf = build_hf_tokenizer()
+    green, *rest = hf.encode("green apple")
+    before = allowed_ids(choice)
+    forced = choice.forced_after(green, 10)
+    assert decode([green, *forced]) == "green apple" and forced == rest
+    assert allowed_ids(choice) == before  # nothing consumed
+    assert choice.forced_after(green, 1) == rest[:1]
+    assert choice.forced_after(hf.encode("x")[0], 5) == []  # a token it forbids: no draft
+    assert choice.error is None
+    choice.consume(green)
+    assert choice.forced_after(rest[0], 10) == rest[1:]

@@ -487,7 +487,7 @@ def test_controller_runs_the_tool_grammar_after_reasoning_through_the_tool_chann
     controller = controller_for(THINK_AND_TOOLS, Channel.REASONING, g)
     reasoning = "I should call get_weather with any text { here"
     drive(controller, f"{reasoning}</think>" + call_text("hermes", "get_weather", PARIS))
-    assert controller.grammar_complete
+    assert controller.grammar_complete(1 << 30)
     # Reasoning text plus the token that closed it; none of the call's tokens.
     assert controller.reasoning_tokens == len(variant("tokens")[0].encode(reasoning)) + 1
 
@@ -521,5 +521,5 @@ def test_harmony_grammar_starts_when_the_analysis_message_ends() -> None:
                                 grammar_start="reasoning_end")
     analysis = "The user wants weather"
     drive(controller, f"{analysis}<|end|>" + call_text("harmony", "get_weather", PARIS))
-    assert controller.grammar_complete
+    assert controller.grammar_complete(1 << 30)
     assert controller.reasoning_tokens == len(variant("tokens")[0].encode(analysis))

@@ -114,11 +114,11 @@ def test_speculation_is_counted_only_where_a_model_speculates(
         recorders: dict[str, _Recorder]) -> None:
     engine = metrics.EngineMetrics("m")
     none = TimingSamples((), ())
-    engine.record(_stats(decode=DecodeCounts(False, 10, 10, 0, 0, 0)), none)
+    engine.record(_stats(decode=DecodeCounts(False, 10, 10, 0, 0, 0, 0)), none)
     assert not any(recorders[n].calls for n in metrics.SPECULATIVE_METRICS)
     engine = metrics.EngineMetrics("s")
-    engine.record(_stats(decode=DecodeCounts(True, 10, 25, 20, 15, 0)), none)
-    engine.record(_stats(decode=DecodeCounts(True, 12, 28, 22, 16, 0)), none)
+    engine.record(_stats(decode=DecodeCounts(True, 10, 25, 20, 15, 0, 0)), none)
+    engine.record(_stats(decode=DecodeCounts(True, 12, 28, 22, 16, 0, 0)), none)
     passes, tokens, drafted, kept = (recorders[n].calls for n in metrics.SPECULATIVE_METRICS)
     assert [c[1] for c in passes] == [10, 2] and [c[1] for c in tokens] == [25, 3]
     assert [c[1] for c in drafted] == [20, 2] and [c[1] for c in kept] == [15, 1]

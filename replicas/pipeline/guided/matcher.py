@@ -52,6 +52,18 @@ class GuidedMatcher:
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
         return apply_token_bitmask(logits, mx.array(words).reshape(1, -1))
 
+    def forced_after(self, token_id: int, limit: int) -> list[int]:
+        """The tokens the grammar forces once `token_id` is consumed (JSON keys and
+        punctuation, a call's fixed markup), at most `limit`, the state left as it was:
+        drafts for speculation, which the target then verifies under this grammar's mask."""
+        m = self._matcher
+        if limit <= 0 or m.is_error() or m.try_consume_tokens([token_id]) != 1:
+            return []
+        try:
+            return list(m.compute_ff_tokens())[:limit]
+        finally:
+            m.rollback(1)
+
     @property
     def is_complete(self) -> bool:
         """The grammar is satisfied and admits no more text: the request ends now."""
