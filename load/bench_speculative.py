@@ -15,20 +15,21 @@ stream count), for each workload:
 Three engines, in an order that rotates each round: `raw` (plain
 `mlx_lm.generate.BatchGenerator`), `off` (`LocalBatch`, `EngineConfig.speculative` None) and
 `on` (`NgramConfig` from the flags). Rows are built as `replicas.engine.scheduling.row_for`
-builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are short
-chat messages, a numbered random sentence each (`--prompt-words`: on this CPU a prompt token
-costs about what a decoded one does, and prefill is not what is measured), new each round,
-all prefilled in one batch. Decode tok/s counts the tokens after the first step that
-produced any, over the time since (prefill and the first step left out). Tokens per pass and
-acceptance come from `LocalBatch.decode_counts()`. Greedy outputs must be equal raw vs off
-vs on, row by row: a difference stops the run (exit 1).
+builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are a
+numbered random sentence each (`--prompt-words`), new each round (the engines of a round
+share them), all prefilled in one batch. Decode tok/s counts the tokens after the first step
+that produced any, over the time since (prefill and the first step left out). Tokens per
+pass and acceptance come from `LocalBatch.decode_counts()`. Greedy outputs must be equal raw
+vs off vs on, row by row: a difference stops the run (exit 1).
 
-The bias table, at `--bias-streams` rows (one of `--streams`; 0: none): greedy, one row
-with `logit_bias` {`--bias-token`: `--bias-value`}. "Before" is raw mlx-lm with that row's
+The bias tables: `--bias-streams` greedy rows (one of `--streams`; 0: none), one of them with
+`logit_bias` {`--bias-token`: `--bias-value`}. "Before" is raw mlx-lm with that row's
 `make_logits_processors(logit_bias=...)` (mlx-lm's per-row Python loop), "after" is
 `LocalBatch`, speculation off, with the row's `Penalties` (one vectorized op for the batch);
-each biased run is paired with the same engine's unbiased run of the greedy table, run just
-before it. Biased outputs must be equal raw vs Orchard.
+each biased run right after the same engine's unbiased one. On `--model`, the unbiased runs
+are the greedy table's own; then again on `--bias-model` (default `builtin:ceiling`, next to
+no compute per token, where a step's Python shows), `--bias-model-tokens` per row. Biased
+outputs must be equal raw vs Orchard.
 
 Every figure is a median over `--rounds` (at least 3) with min-max; ratios are medians of the
 per-round ratios. Writes load/out/bench_speculative.json.
@@ -37,6 +38,7 @@ per-round ratios. Writes load/out/bench_speculative.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -65,7 +67,9 @@ from replicas.sources import load_source  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "load" / "out"
 ENGINES = ("raw", "off", "on")
+BIAS_KEYS = ("raw", "raw+bias", "off", "off+bias")
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
+ENGINE_FILES = ("batch.py", "generation.py", "speculation.py", "drafting.py", "penalties.py")
 WORDS = ("the river runs past the old mill where children play in summer and the "
          "lighthouse keeper writes letters about storms ships and the quiet sea").split()
 
@@ -77,7 +81,7 @@ class Run:
     tokens: int  # emitted after the first step that emitted any
     seconds: float  # since that step
     total_tokens: int
-    passes: int = 0  # Orchard only: `decode_counts()` over the whole run
+    passes: int = 0  # Orchard only, from `decode_counts()` over the whole run
     counted: int = 0  # tokens `decode_counts()` saw
     drafted: int = 0
     accepted: int = 0
@@ -92,11 +96,11 @@ Outputs = dict[int, list[int]]  # row index -> its tokens
 
 
 def prompts(loaded: Any, rows: int, words: int, seed: int) -> list[list[int]]:
-    """Distinct short chat prompts: a numbered random sentence each, as a user message."""
+    """Distinct short prompts, a numbered random sentence each (no chat template: on this
+    CPU a prompt token costs about what a decoded one does, and prefill is not measured)."""
     rng = random.Random(seed)
-    return [list(loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{i}. " + " ".join(rng.choice(WORDS) for _ in range(words))}],
-        add_generation_prompt=True)) for i in range(rows)]
+    return [list(loaded.tokenizer.encode(
+        f"{i}. " + " ".join(rng.choice(WORDS) for _ in range(words)))) for i in range(rows)]
 
 
 def drive(step: Callable[[], list[Any]], done: Callable[[], bool], uids: list[int],
@@ -182,9 +186,18 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def fmt(values: list[float], digits: int = 1, width: int = 19) -> str:
+def fmt(values: list[float], digits: int = 1, width: int = 21) -> str:
     s = spread(values)
+    digits = 0 if s["median"] >= 1000 else digits
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})".rjust(width)
+
+
+def engine_digest() -> str:
+    """The engine files this measures, hashed: the run's JSON says which tree it saw."""
+    digest = hashlib.sha256()
+    for name in ENGINE_FILES:
+        digest.update((ROOT / "replicas" / "engine" / name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,13 +216,59 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-words", type=int, default=4,
                         help="random words per prompt (about 2.7 tokens each)")
     parser.add_argument("--bias-streams", type=int, default=32,
-                        help="rows of the logit_bias table, one of --streams (0: no table)")
+                        help="rows of the logit_bias tables, one of --streams (0: no tables)")
     parser.add_argument("--bias-token", type=int, default=5)
     parser.add_argument("--bias-value", type=float, default=2.0)
+    parser.add_argument("--bias-model", default="builtin:ceiling",
+                        help="a second bias table on this model ('none': only --model's)")
+    parser.add_argument("--bias-model-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0,
                         help="the prompts' words (round r uses seed + r)")
     parser.add_argument("--out", type=Path, default=OUT / "bench_speculative.json")
     return parser
+
+
+def engine(loaded: Any, key: str, batch: list[list[int]], workload: str, tokens: int,
+           spec: NgramConfig, bias: dict[int, float]) -> tuple[Run, Outputs]:
+    """`key`: raw, off or on, "+bias" for row 0 biased."""
+    name, biased = key.removesuffix("+bias"), key.endswith("+bias")
+    temperature = TEMPERATURE[workload]
+    if name == "raw":
+        return run_raw(loaded, batch, tokens, temperature, bias if biased else None)
+    return run_orchard(loaded, batch, tokens, temperature, spec if name == "on" else None,
+                       bias if biased else None)
+
+
+def show(r: int, n: int, label: str, key: str, run: Run) -> None:
+    extra = (f"  {run.counted / run.passes:.2f} tok/pass, accepted {run.accepted}/"
+             f"{run.drafted}" if run.passes else "")
+    print(f"  round {r + 1} x{n:<3}{label:<8}{key:<9}{run.tps:>9.1f} tok/s{extra}", flush=True)
+
+
+def differs(what: str, lines: list[str]) -> int:
+    print(f"GREEDY OUTPUT DIFFERS ({what}):\n" + "\n".join(lines), flush=True)
+    return 1
+
+
+def bias_table(title: str, runs: dict[str, list[Run]]) -> dict[str, Any]:
+    tps = {k: [x.tps for x in runs[k]] for k in BIAS_KEYS}
+    raw_ratio = [b / a for a, b in zip(tps["raw"], tps["raw+bias"])]
+    off_ratio = [b / a for a, b in zip(tps["off"], tps["off+bias"])]
+    orch_raw = [a / b for a, b in zip(tps["off+bias"], tps["raw+bias"])]
+    off_path = {k: sum(x.rows_off_path for x in runs[k]) for k in ("off", "off+bias")}
+    print(f"\n{title}")
+    print(f"{'engine':<30}{'unbiased tok/s':>21}{'1 row biased':>21}{'biased/unbiased':>21}")
+    print(f"{'before: raw mlx-lm (per row)':<30}{fmt(tps['raw'])}{fmt(tps['raw+bias'])}"
+          f"{fmt(raw_ratio, 2)}")
+    print(f"{'after: Orchard (batched)':<30}{fmt(tps['off'])}{fmt(tps['off+bias'])}"
+          f"{fmt(off_ratio, 2)}")
+    print(f"Orchard/raw, both with the biased row: {fmt(orch_raw, 2).strip()}; Orchard's rows "
+          f"through a per-row Python call: {off_path['off+bias']} (unbiased {off_path['off']}); "
+          "biased greedy outputs: raw == Orchard, every row")
+    return {"raw_biased_over_unbiased": spread(raw_ratio),
+            "orchard_biased_over_unbiased": spread(off_ratio),
+            "orchard_over_raw_biased": spread(orch_raw),
+            "tps": {k: spread(v) for k, v in tps.items()}, "rows_off_path": off_path}
 
 
 def main() -> int:
@@ -223,138 +282,133 @@ def main() -> int:
     if args.bias_streams and args.bias_streams not in args.streams:
         raise SystemExit("--bias-streams must be one of --streams (or 0)")
     if args.bias_streams and "greedy" not in args.workloads:
-        raise SystemExit("the bias table runs in the greedy workload")
+        raise SystemExit("the bias table on --model runs in the greedy workload")
     spec = NgramConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min)
+    bias = {args.bias_token: args.bias_value}
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     print(f"command: {command}", flush=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
+    digest = engine_digest()
     clock = time.monotonic()
     loaded = load_source(args.model)
-    # Each round its own prompts (the engines of a round share them), so a single stream's
-    # figures are not one prompt's.
+    cheap = (load_source(args.bias_model)
+             if args.bias_streams and args.bias_model != "none" else None)
     batches = [{n: prompts(loaded, n, args.prompt_words, args.seed + r) for n in args.streams}
                for r in range(args.rounds)]
     print("prompt tokens per row: " + ", ".join(
         f"x{n} {min(len(p) for b in batches for p in b[n])}-"
         f"{max(len(p) for b in batches for p in b[n])}" for n in args.streams), flush=True)
-    bias = {args.bias_token: args.bias_value}
 
-    def engine(key: str, r: int, n: int, workload: str, tokens: int) -> tuple[Run, Outputs]:
-        """`key`: an engine, "+bias" for row 0 biased; round `r`'s prompts."""
-        name, biased = key.removesuffix("+bias"), key.endswith("+bias")
-        temperature, batch = TEMPERATURE[workload], batches[r][n]
-        if name == "raw":
-            return run_raw(loaded, batch, tokens, temperature, bias if biased else None)
-        return run_orchard(loaded, batch, tokens, temperature,
-                           spec if name == "on" else None, bias if biased else None)
-
-    # Warm-up: each engine at each size, a few tokens (first-use costs out of round 1).
-    for n in args.streams:
-        for name in ENGINES:
-            engine(name, 0, n, "greedy", 4)
+    # Warm-up: each engine at the smallest size, a few tokens (first-use costs).
+    for name in ENGINES:
+        engine(loaded, name, batches[0][min(args.streams)], "greedy", 4, spec, bias)
 
     runs: dict[str, dict[int, dict[str, list[Run]]]] = {
         w: {n: {e: [] for e in ENGINES} for n in args.streams} for w in args.workloads}
-    bias_runs: dict[str, list[Run]] = {k: [] for k in ("raw", "raw+bias", "off", "off+bias")}
+    bias_runs: dict[str, list[Run]] = {k: [] for k in BIAS_KEYS}
+    cheap_runs: dict[str, list[Run]] = {k: [] for k in BIAS_KEYS}
     for r in range(args.rounds):
         for n in args.streams:
             for workload in args.workloads:
                 with_bias = workload == "greedy" and n == args.bias_streams
-                # A biased run right after its engine's unbiased one; the order of the
-                # engines rotates each round, so the machine's drift is spread over them.
+                # A biased run right after its engine's unbiased one; the engines' order
+                # rotates each round, so the machine's drift is spread over them.
                 units = [(e, f"{e}+bias") if with_bias and e != "on" else (e,) for e in ENGINES]
                 units = units[r % 3:] + units[:r % 3]
                 outs: dict[str, Outputs] = {}
                 for key in (k for unit in units for k in unit):
-                    run, outs[key] = engine(key, r, n, workload, budget[n])
+                    run, outs[key] = engine(loaded, key, batches[r][n], workload, budget[n],
+                                            spec, bias)
                     if key in ENGINES:
                         runs[workload][n][key].append(run)
-                    if key in bias_runs and with_bias:
+                    if with_bias and key in bias_runs:
                         bias_runs[key].append(run)
-                    extra = (f"  {run.counted / run.passes:.2f} tok/pass, accepted "
-                             f"{run.accepted}/{run.drafted}" if run.passes else "")
-                    print(f"  round {r + 1} x{n:<3}{workload:<8}{key:<9}{run.tps:>8.1f} tok/s"
-                          f"{extra}", flush=True)
+                    show(r, n, workload, key, run)
                 if workload != "greedy":
                     continue
                 failures = (mismatch(f"round {r + 1} x{n} raw vs off", outs["raw"], outs["off"])
                             + mismatch(f"round {r + 1} x{n} off vs on", outs["off"], outs["on"]))
                 if with_bias:
-                    failures += mismatch(f"round {r + 1} x{n} biased raw vs biased Orchard",
+                    failures += mismatch(f"round {r + 1} x{n} biased, raw vs Orchard",
                                          outs["raw+bias"], outs["off+bias"])
                 if failures:
-                    print("GREEDY OUTPUT DIFFERS (speculation, the batch or the bias changed "
-                          "what was decoded):\n" + "\n".join(failures), flush=True)
-                    return 1
+                    return differs("speculation, the batch or the bias changed what was "
+                                   "decoded", failures)
+        if cheap is not None:
+            batch = prompts(cheap, args.bias_streams, args.prompt_words, args.seed + r)
+            pairs = [("raw", "raw+bias"), ("off", "off+bias")]
+            outs = {}
+            for key in (k for unit in (pairs if r % 2 == 0 else pairs[::-1]) for k in unit):
+                run, outs[key] = engine(cheap, key, batch, "greedy", args.bias_model_tokens,
+                                        spec, bias)
+                cheap_runs[key].append(run)
+                show(r, args.bias_streams, "bias", key, run)
+            failures = (mismatch(f"round {r + 1} {args.bias_model} raw vs off", outs["raw"],
+                                 outs["off"])
+                        + mismatch(f"round {r + 1} {args.bias_model} biased, raw vs Orchard",
+                                   outs["raw+bias"], outs["off+bias"]))
+            if failures:
+                return differs(f"on {args.bias_model}", failures)
 
     minutes = (time.monotonic() - clock) / 60
     print(f"\nmodel {args.model} ({loaded.path.name}), {args.rounds} rounds, speculation "
           f"num_speculative_tokens {spec.num_speculative_tokens}, prompt lookup "
           f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max}; started {started}, "
           f"{minutes:.1f} min; load average now {os.getloadavg()[0]:.2f} on "
-          f"{os.cpu_count()} CPUs; mlx {version('mlx')} on {mx.default_device()}")
+          f"{os.cpu_count()} CPUs; mlx {version('mlx')} on {mx.default_device()}, mlx-lm "
+          f"{version('mlx-lm')}; engine files {digest}"
+          f"{'' if engine_digest() == digest else ' (CHANGED during the run)'}")
     summary: dict[str, Any] = {}
     for workload in args.workloads:
         print(f"\n{workload} (temperature {TEMPERATURE[workload]:g}): decode tok/s, median "
               f"(min-max) of {args.rounds} rounds; ratios: median (min-max) of per-round ratios")
-        print(f"{'streams':>7}{'tokens':>7}" + "".join(f"{e + ' tok/s':>19}" for e in ENGINES)
-              + f"{'off/raw':>19}{'on/raw':>19}{'on/off':>19}"
-              + f"{'tok/pass off-on':>17}{'accept':>8}")
+        print(f"{'streams':>7}{'tokens':>7}" + "".join(f"{e + ' tok/s':>21}" for e in ENGINES)
+              + f"{'off/raw':>21}{'on/raw':>21}{'on/off':>21}{'tok/pass off-on':>17}"
+              + f"{'accept':>8}")
         summary[workload] = {}
         for n in args.streams:
             by = runs[workload][n]
             tps = {e: [x.tps for x in by[e]] for e in ENGINES}
-            ratio = {k: [a.tps / b.tps for a, b in zip(by[x], by[y])]
+            ratio = {k: [a / b for a, b in zip(tps[x], tps[y])]
                      for k, x, y in (("off/raw", "off", "raw"), ("on/raw", "on", "raw"),
                                      ("on/off", "on", "off"))}
             per_pass = {e: sum(x.counted for x in by[e]) / max(1, sum(x.passes for x in by[e]))
                         for e in ("off", "on")}
             drafted = sum(x.drafted for x in by["on"])
-            acceptance = sum(x.accepted for x in by["on"]) / drafted if drafted else 0.0
+            accepted = sum(x.accepted for x in by["on"])
+            acceptance = accepted / drafted if drafted else 0.0
             print(f"{n:>7}{budget[n]:>7}" + "".join(fmt(tps[e]) for e in ENGINES)
                   + "".join(fmt(ratio[k], 2) for k in ratio)
-                  + f"{per_pass['off']:>8.2f}-{per_pass['on']:<8.2f}"
-                  + f"{acceptance:>8.1%}")
+                  + f"{per_pass['off']:>8.2f}-{per_pass['on']:<8.2f}{acceptance:>8.1%}")
             summary[workload][str(n)] = {
                 "max_tokens": budget[n], "tps": {e: spread(v) for e, v in tps.items()},
                 "ratios": {k: spread(v) for k, v in ratio.items()},
-                "tokens_per_pass": per_pass,
-                "drafted": drafted, "accepted": sum(x.accepted for x in by["on"]),
+                "tokens_per_pass": per_pass, "drafted": drafted, "accepted": accepted,
                 "acceptance": acceptance}
     print("tok/pass: decode_counts() tokens / passes (a pass counted once per row in it: a "
           "sequence's tokens per target pass), off and on; accept: accepted / drafted; both "
           "over all rounds.")
-    print(f"greedy outputs: raw == off == on, every row, every round")
+    if "greedy" in args.workloads:
+        print("greedy outputs: raw == off == on, every row, every round")
 
     if args.bias_streams:
-        raw_ratio = [b.tps / a.tps for a, b in zip(bias_runs["raw"], bias_runs["raw+bias"])]
-        off_ratio = [b.tps / a.tps for a, b in zip(bias_runs["off"], bias_runs["off+bias"])]
-        off_path = {k: sum(x.rows_off_path for x in bias_runs[k]) for k in ("off", "off+bias")}
-        print(f"\nlogit_bias {bias} on 1 of {args.bias_streams} greedy rows, "
-              f"{budget[args.bias_streams]} tokens each, speculation off: decode tok/s, median "
-              f"(min-max); biased/unbiased: median (min-max) of per-round ratios")
-        print(f"{'engine':<30}{'unbiased tok/s':>19}{'1 row biased':>19}{'biased/unbiased':>19}")
-        print(f"{'before: raw mlx-lm (per row)':<30}{fmt([x.tps for x in bias_runs['raw']])}"
-              f"{fmt([x.tps for x in bias_runs['raw+bias']])}{fmt(raw_ratio, 2)}")
-        print(f"{'after: Orchard (batched)':<30}{fmt([x.tps for x in bias_runs['off']])}"
-              f"{fmt([x.tps for x in bias_runs['off+bias']])}{fmt(off_ratio, 2)}")
-        orch_raw = [a.tps / b.tps for a, b in zip(bias_runs["off+bias"], bias_runs["raw+bias"])]
-        print(f"Orchard/raw with the biased row: {fmt(orch_raw, 2).strip()}; Orchard's rows "
-              f"through a per-row Python call: {off_path['off+bias']} (unbiased "
-              f"{off_path['off']}); biased greedy outputs: raw == Orchard, every row")
-        summary["bias"] = {"raw_biased_over_unbiased": spread(raw_ratio),
-                           "orchard_biased_over_unbiased": spread(off_ratio),
-                           "orchard_over_raw_biased": spread(orch_raw),
-                           "tps": {k: spread([x.tps for x in v]) for k, v in bias_runs.items()},
-                           "rows_off_path": off_path}
+        summary["bias"] = bias_table(
+            f"logit_bias {bias} on 1 of {args.bias_streams} greedy rows of {args.model}, "
+            f"{budget[args.bias_streams]} tokens each, speculation off: decode tok/s, median "
+            "(min-max); biased/unbiased: median (min-max) of per-round ratios", bias_runs)
+    if cheap is not None:
+        summary["bias_cheap_model"] = bias_table(
+            f"the same on {args.bias_model} ({args.bias_model_tokens} tokens per row, next to "
+            "no compute per token)", cheap_runs)
     print(f"\ncommand: {command}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "command": command, "started": started, "minutes": minutes,
+        "command": command, "started": started, "minutes": minutes, "engine_files": digest,
         "args": vars(args) | {"out": str(args.out)}, "summary": summary,
         "runs": {w: {str(n): {e: [asdict(x) for x in v] for e, v in by.items()}
                      for n, by in ws.items()} for w, ws in runs.items()},
         "bias_runs": {k: [asdict(x) for x in v] for k, v in bias_runs.items()},
+        "bias_model_runs": {k: [asdict(x) for x in v] for k, v in cheap_runs.items()},
     }, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -5,6 +5,7 @@ fast-forward), come out exactly as without speculation, alone and batched."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any, Iterator
 
@@ -98,3 +99,22 @@ def test_eight_at_once_are_each_the_output_alone(plain: ModelReplica,
     batch = requests()[-8:]
     alone = [output(stream_events(plain, r)) for r in batch]
     assert together(fast, batch) == alone
+
+
+def _logprobs(events: list[OutputEvent]) -> list[Any]:
+    return [lp for e in events for lp in getattr(e, "logprobs", ())]
+
+
+@pytest.mark.parametrize("sid", ["tea-steps", "tool-parallel", "sum-think"])
+def test_logprobs_ride_with_kept_drafts(plain: ModelReplica, fast: ModelReplica,
+                                        sid: str) -> None:
+    """Each token's logprob and top alternatives, kept drafts included: the same tokens,
+    and numbers within 1e-3 (a verifying pass computes the drafts' positions together)."""
+    request = script_request(sid, sampling=dataclasses.replace(
+        script_request(sid).sampling, logprobs=3))
+    want, got = _logprobs(stream_events(plain, request)), _logprobs(stream_events(fast, request))
+    assert [lp.token_id for lp in got] == [lp.token_id for lp in want] and want
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-3)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-3)
