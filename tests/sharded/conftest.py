@@ -37,6 +37,7 @@ SMALL_BUDGET_TOKENS = 600
 SMALL_BUDGET = SMALL_BUDGET_TOKENS * 512
 SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench"}
 HEARTBEAT_TIMEOUT_S = 5.0
+QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32
 RESUME_WAIT_S = 300.0
 
 
@@ -53,6 +54,10 @@ def app_args() -> dict[str, Any]:
     models.append(sharded("bench-x2", SOURCES["bench"], "tensor"))
     models.append({**sharded("tiny-m2", SOURCES["tiny"], "tensor"), "max_model_len": 4096,
                    "memory": {"budget_bytes": SMALL_BUDGET}})
+    # An 8-bit KV cache, whole and by tensor (each rank quantizes its own KV heads).
+    models.append({"id": "tiny-q8", "source": SOURCES["tiny"], "placement": {"pin": False},
+                   "engine": QUANTIZED})
+    models.append({**sharded("tiny-q8-x2", SOURCES["tiny"], "tensor"), "engine": QUANTIZED})
     # A lost shard's streams resume on the replacement, which loads in a minute or two here.
     return {"cluster": {"placement": {"pin": True, "require_metal": False}}, "models": models,
             "ingress": {"resume_wait_s": RESUME_WAIT_S}}

@@ -102,6 +102,14 @@ def test_echo_scores_the_prompt_on_every_rank(client: openai.OpenAI, whole: str,
         generate(client, whole, PROMPTS[0], stream=False)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_quantized_kv_cache_shards_as_the_whole_model(client: openai.OpenAI,
+                                                        stream: bool) -> None:
+    for prompt in PROMPTS:
+        assert generate(client, "tiny-q8-x2", prompt, stream) == \
+            generate(client, "tiny-q8", prompt, stream=False)
+
+
 def test_shards_are_spread_one_per_node(sharded_cluster: LocalCluster) -> None:
     nodes = set(sharded_cluster.node_ids().values())
     app = sharded_cluster.app()
