@@ -1,6 +1,8 @@
-"""Speculative decoding by prompt lookup, and `logit_bias` on the batched path, in-process:
-raw mlx-lm's `BatchGenerator` vs Orchard's batch (`replicas.engine.batch.LocalBatch`) with
-speculation off and on, same model, prompts and `max_tokens`.
+"""Speculative decoding by prompt lookup, and batched logit_bias: raw mlx-lm vs Orchard.
+
+In-process: raw mlx-lm's `BatchGenerator` vs Orchard's batch
+(`replicas.engine.batch.LocalBatch`) with speculation off and on, same model, prompts and
+`max_tokens`.
 
     python load/bench_speculative.py [--model builtin:bench] [--streams 1 8 32] [--rounds 3]
 
@@ -69,7 +71,8 @@ OUT = ROOT / "load" / "out"
 ENGINES = ("raw", "off", "on")
 BIAS_KEYS = ("raw", "raw+bias", "off", "off+bias")
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
-ENGINE_FILES = ("batch.py", "generation.py", "speculation.py", "drafting.py", "penalties.py")
+ENGINE_FILES = ("batch.py", "generation.py", "speculation.py", "drafting.py", "penalties.py",
+                "sampling.py", "config.py", "stats.py")
 WORDS = ("the river runs past the old mill where children play in summer and the "
          "lighthouse keeper writes letters about storms ships and the quiet sea").split()
 
@@ -86,6 +89,7 @@ class Run:
     drafted: int = 0
     accepted: int = 0
     rows_off_path: int = 0
+    wall: float = 0.0  # the whole run, prefill included
 
     @property
     def tps(self) -> float:
@@ -205,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="builtin:bench")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32],
                         help="rows decoding together")
-    parser.add_argument("--max-tokens", type=int, nargs="+", default=[64, 24, 12],
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[64, 16, 12],
                         help="tokens per row: one value, or one per --streams entry")
     parser.add_argument("--workloads", nargs="+", choices=sorted(TEMPERATURE),
                         default=["greedy", "sampled"])
@@ -213,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
-    parser.add_argument("--prompt-words", type=int, default=4,
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="no drafts while more rows than this decode (default: never)")
+    parser.add_argument("--prompt-words", type=int, default=2,
                         help="random words per prompt (about 2.7 tokens each)")
     parser.add_argument("--bias-streams", type=int, default=32,
                         help="rows of the logit_bias tables, one of --streams (0: no tables)")
@@ -233,10 +239,16 @@ def engine(loaded: Any, key: str, batch: list[list[int]], workload: str, tokens:
     """`key`: raw, off or on, "+bias" for row 0 biased."""
     name, biased = key.removesuffix("+bias"), key.endswith("+bias")
     temperature = TEMPERATURE[workload]
+    start = time.perf_counter()
     if name == "raw":
-        return run_raw(loaded, batch, tokens, temperature, bias if biased else None)
-    return run_orchard(loaded, batch, tokens, temperature, spec if name == "on" else None,
-                       bias if biased else None)
+        run, outputs = run_raw(loaded, batch, tokens, temperature, bias if biased else None)
+    else:
+        run, outputs = run_orchard(loaded, batch, tokens, temperature,
+                                   spec if name == "on" else None, bias if biased else None)
+    run.wall = time.perf_counter() - start
+    if run.total_tokens != len(batch) * tokens:  # unequal work would skew every ratio
+        raise SystemExit(f"{key}: {run.total_tokens} tokens, not {len(batch)} x {tokens}")
+    return run, outputs
 
 
 def show(r: int, n: int, label: str, key: str, run: Run) -> None:
@@ -283,7 +295,8 @@ def main() -> int:
         raise SystemExit("--bias-streams must be one of --streams (or 0)")
     if args.bias_streams and "greedy" not in args.workloads:
         raise SystemExit("the bias table on --model runs in the greedy workload")
-    spec = NgramConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min)
+    spec = NgramConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min,
+                       args.disable_by_batch_size)
     bias = {args.bias_token: args.bias_value}
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     print(f"command: {command}", flush=True)
@@ -353,7 +366,9 @@ def main() -> int:
     minutes = (time.monotonic() - clock) / 60
     print(f"\nmodel {args.model} ({loaded.path.name}), {args.rounds} rounds, speculation "
           f"num_speculative_tokens {spec.num_speculative_tokens}, prompt lookup "
-          f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max}; started {started}, "
+          f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+          + (f", off above {spec.disable_by_batch_size} rows" if spec.disable_by_batch_size
+             is not None else "") + f"; started {started}, "
           f"{minutes:.1f} min; load average now {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} CPUs; mlx {version('mlx')} on {mx.default_device()}, mlx-lm "
           f"{version('mlx-lm')}; engine files {digest}"

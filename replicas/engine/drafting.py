@@ -43,7 +43,10 @@ class NgramIndex:
             seq.append(token)
 
     def draft(self, limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the longest recurring suffix, newest match."""
+        """Up to `limit` tokens that followed the longest recurring suffix, newest match.
+        A match that ends close behind the newest token is a loop (a repeated token, a
+        repeated line): its continuation runs into the present, and goes on around the
+        loop, as the sequence would if it kept repeating."""
         seq = self._tokens
         if limit <= 0 or not seq:
             return []
@@ -51,5 +54,6 @@ class NgramIndex:
         for n in range(min(high, len(seq)), low - 1, -1):
             end = self._ends.get(tuple(seq[-n:]))
             if end is not None:
-                return seq[end + 1:end + 1 + limit]
+                after = seq[end + 1:]  # never empty: the match ends before the newest
+                return [after[i % len(after)] for i in range(limit)]
         return []

@@ -34,9 +34,16 @@ def test_the_newest_occurrence_of_the_same_suffix() -> None:
     assert index(tokens).draft(1) == [2]
 
 
+def test_a_loop_is_followed_around_past_the_newest_token() -> None:
+    # "9 9" last ended one position back: the sequence repeats 9 with period 1.
+    assert index([4, 9, 9, 9]).draft(4) == [9, 9, 9, 9]
+    # "5 6" ended three back: the continuation is the loop 7 5 6, around again.
+    assert index([1, 5, 6, 7, 5, 6]).draft(5) == [7, 5, 6, 7, 5]
+
+
 def test_nothing_below_the_shortest_suffix_and_bounded_by_the_limit() -> None:
     assert index([1, 2, 3, 1], prompt_lookup_min=2).draft(4) == []
-    assert index([1, 2, 3, 1], prompt_lookup_min=1).draft(4) == [2, 3, 1]
+    assert index([1, 2, 3, 1], prompt_lookup_min=1).draft(4) == [2, 3, 1, 2]
     assert index([1, 2, 3, 1], prompt_lookup_min=1).draft(1) == [2]
     assert index([1, 2, 3, 1], prompt_lookup_min=1).draft(0) == []
     assert index([]).draft(4) == []
@@ -60,7 +67,7 @@ def test_a_drafter_follows_what_the_cache_holds_and_forgets_rows_that_left() -> 
     assert drafter.draft(uid=1, history=history, pending=5, budget=10) == []
     assert drafter.draft(uid=1, history=history + [5], pending=7, budget=1) == [8]
     drafter.keep([2])
-    assert drafter.draft(uid=1, history=[1], pending=1, budget=3) == [1]  # a fresh index
+    assert drafter.draft(uid=1, history=[1], pending=1, budget=3) == [1, 1, 1]  # fresh
 
 
 @pytest.mark.parametrize(("drafts", "sampled", "kept"), [
