@@ -100,7 +100,8 @@ class ModelSettings(_Strict):
     prompt_cache: PromptCacheSettings = Field(default_factory=PromptCacheSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
     speculative: SpeculativeSettings | None = Field(
-        None, description="Speculative decoding (README: Speculative decoding); unset: off.")
+        None, description="Speculative decoding and grammar fast-forward (README: Faster "
+        "decoding); unset: off.")
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     placement: PlacementSettings | None = Field(
         None, description="Keys set here override `cluster.placement` for this model.")

@@ -48,11 +48,11 @@ class EngineSettings(_Strict):
                                  description="A batch step running longer than this fails "
                                  "the replica's health check, and Serve replaces it.")
     kv_bits: Literal[4, 8] | None = Field(
-        None, description="Quantize the KV cache to 4 or 8 bits (about 0.28x / 0.53x the "
+        default_factory=_engine_default("kv_bits"), description="Quantize the KV cache to 4 or 8 bits (about 0.28x / 0.53x the "
         "bytes of a 16-bit cache with groups of 64): more sequences and longer contexts in "
         "the same memory, at some cost in accuracy. Unset: the model's dtype.")
     kv_group_size: Literal[32, 64, 128] = Field(
-        64, description="Values sharing one scale and bias in the quantized KV cache.")
+        default_factory=_engine_default("kv_group_size"), description="Values sharing one scale and bias in the quantized KV cache.")
 
     @model_validator(mode="after")
     def _batch_holds_a_prefill(self) -> "EngineSettings":

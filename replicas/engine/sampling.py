@@ -26,6 +26,7 @@ from replicas.engine.logprobs import MAX_TOP_LOGPROBS
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
+
 def validate(params: SamplingParams, vocab_size: int) -> None:
     """Reject values the samplers cannot honour, before the request reaches the engine."""
     if params.temperature < 0:

@@ -162,6 +162,8 @@ def test_engine_and_replica_defaults_come_from_the_replica_side() -> None:
         "prefill_batch_size": engine.prefill_batch_size,
         "prefill_step_size": engine.prefill_step_size,
         "stuck_after_s": engine.stuck_after_s,
+        "kv_bits": engine.kv_bits,
+        "kv_group_size": engine.kv_group_size,
     }
     assert defaults.stream_flush_ms == ReplicaOptions("m", "s").flush_interval_s * 1000
     options = replica_options(defaults)
