@@ -167,6 +167,9 @@ class Generation(GenerationBatch):
         self._next_tokens = mx.array(nexts)
         self._next_logprobs = [positions[i][n] for i, n in enumerate(kept)]
         self.stats.drafted += sum(len(d) for d in drafts)
+        if self.drafter is not None:
+            for uid, draft, n in zip(self.uids, drafts, kept):
+                self.drafter.observe(uid, len(draft), n)
         return emitted
 
     def _verify_own(self, i: int, inputs: list[int], draft: list[int],

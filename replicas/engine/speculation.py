@@ -53,6 +53,9 @@ class Drafter:
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
         self._indices: dict[int, NgramIndex] = {}
+        # Each row's recent share of drafts kept: a row whose guesses miss drafts fewer,
+        # since every drafted position costs compute whether it is kept or not.
+        self._kept: dict[int, float] = {}
 
     def active(self, rows: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -67,13 +70,20 @@ class Drafter:
             index = self._indices[uid] = NgramIndex(self.config)
         index.extend(history[len(index):])
         index.extend([pending])
-        return index.draft(min(self.config.num_speculative_tokens, budget))
+        most = self.config.num_speculative_tokens
+        return index.draft(min(max(1, round(most * self._kept.get(uid, 1.0))), budget))
+
+    def observe(self, uid: int, drafted: int, kept: int) -> None:
+        """A pass kept `kept` of the row's `drafted` guesses."""
+        if drafted:
+            self._kept[uid] = 0.5 * self._kept.get(uid, 1.0) + 0.5 * kept / drafted
 
     def keep(self, uids: Sequence[int]) -> None:
         """Forget the rows that left the batch."""
         live = set(uids)
         for uid in [u for u in self._indices if u not in live]:
             del self._indices[uid]
+            self._kept.pop(uid, None)
 
 
 def accepted(drafts: Sequence[Sequence[int]], sampled: Sequence[Sequence[int]]) -> list[int]:

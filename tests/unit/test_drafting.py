@@ -86,3 +86,26 @@ def test_config_refuses_an_empty_lookup_range() -> None:
         NgramConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError):
         NgramConfig(num_speculative_tokens=0)
+
+
+def test_a_row_whose_drafts_miss_drafts_fewer_and_recovers_when_they_hit() -> None:
+    drafter = Drafter(NgramConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    history = [1, 2, 3, 4, 5] * 4
+
+    def next_draft(uid: int = 1) -> list[int]:
+        """The next pass's draft: the pending token joins the history each time, as a
+        pass that kept none of the drafts leaves it."""
+        pending = history[-5]
+        drafted = drafter.draft(uid=uid, history=history, pending=pending, budget=10)
+        history.append(pending)
+        return drafted
+
+    assert len(next_draft()) == 4
+    for _ in range(3):
+        drafter.observe(1, drafted=4, kept=0)
+    assert len(next_draft()) == 1  # never none: a row keeps a chance to recover
+    for _ in range(3):
+        drafter.observe(1, drafted=1, kept=1)
+    assert len(next_draft()) == 4
+    drafter.observe(2, drafted=0, kept=0)  # a pass without drafts teaches nothing
+    assert len(drafter.draft(uid=2, history=[7, 8, 7], pending=8, budget=10)) == 4
