@@ -93,10 +93,8 @@ class Generation(GenerationBatch):
         self._current_logprobs = self._next_logprobs
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         penalties = self._penalties()
-        if any(p and p.looks_back for p in penalties):
-            logits = apply(logits, penalties, window(self.tokens, inputs))
-        else:
-            logits = apply(logits, penalties, None)
+        looks_back = any(p and p.looks_back for p in penalties)
+        logits = apply(logits, penalties, window(self.tokens, inputs) if looks_back else None)
         logits, context = self._own(logits, range(len(self.uids)), inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self._next_tokens = self._sample(logprobs, 1)

@@ -44,6 +44,11 @@ def stream_chat(client: openai.OpenAI, **args: Any) -> tuple[str, str, Any]:
 
 @pytest.mark.parametrize("sid", ["cities", "unicode", "feathers-think", "riddle-nothink"])
 def test_chat_streaming_equals_non_streaming(client: openai.OpenAI, sid: str) -> None:
+    check_chat_script(client, sid)
+
+
+def check_chat_script(client: openai.OpenAI, sid: str) -> None:
+    """The script's answer and reasoning, exactly, streamed and not, ending with `stop`."""
     full = client.chat.completions.create(**chat_args(sid))
     content, reasoning, final = stream_chat(client, **chat_args(sid))
     message = full.choices[0].message

@@ -33,14 +33,14 @@ from tests.e2e.test_anthropic_http import PLAIN
 from tests.e2e.test_anthropic_http import args as anthropic_text_args
 from tests.e2e.test_anthropic_http import text_of
 from tests.e2e.test_features_http import SCHEMA as PROFILE_SCHEMA
-from tests.e2e.test_openai_http import chat_args, stream_chat
+from tests.e2e.test_openai_http import chat_args, check_chat_script, stream_chat
 from tests.e2e.test_responses_http import (
     calls,
     check_streamed,
     reasoning_text,
     response_args,
 )
-from tests.e2e.test_tools_http import UNIT_TOOL, anthropic_args, calls_of, uses_of
+from tests.e2e.test_tools_http import UNIT_TOOL, anthropic_args, calls_of, stream_calls, uses_of
 from tests.e2e.test_tools_http import chat_args as tool_chat_args
 from tests.observability.test_observability_http import App, _samples, _total
 from tests.serve_process import ROOT, config_copy, free_port, serve_run
@@ -106,13 +106,7 @@ def claude(app: App) -> anthropic.Anthropic:
 @pytest.mark.parametrize("sid", ["cities", "tea-steps", "unicode", "sum-think",
                                  "feathers-think", "riddle-nothink"])
 def test_chat_scripts_are_exact_streamed_or_not(oai: openai.OpenAI, sid: str) -> None:
-    s = script(sid)
-    full = oai.chat.completions.create(**chat_args(sid))
-    content, reasoning, final = stream_chat(oai, **chat_args(sid))
-    message = full.choices[0].message
-    assert message.content == content == s.answer
-    assert (getattr(message, "reasoning_content", None) or "") == reasoning == (s.reasoning or "")
-    assert full.choices[0].finish_reason == final.finish_reason == "stop"
+    check_chat_script(oai, sid)
 
 
 def test_completion_script_is_exact_streamed_or_not(oai: openai.OpenAI) -> None:
@@ -162,17 +156,10 @@ def test_chat_tool_calls_are_exact_streamed_or_not(oai: openai.OpenAI, sid: str)
     assert full.choices[0].finish_reason == "tool_calls"
     assert calls_of(full.choices[0].message) == list(s.expected_calls)
     assert (full.choices[0].message.content or "").rstrip("\n") == s.answer_text
-    with oai.chat.completions.stream(**tool_chat_args(sid)) as stream:
-        pieces: dict[int, list[str]] = {}
-        for event in stream:
-            if event.type == "chunk" and event.chunk.choices:
-                for delta in event.chunk.choices[0].delta.tool_calls or []:
-                    piece = delta.function.arguments if delta.function else None
-                    pieces.setdefault(delta.index, []).append(piece or "")
-        final = stream.get_final_completion().choices[0]
+    final, pieces = stream_calls(oai, **tool_chat_args(sid))
     assert final.finish_reason == "tool_calls"
     assert calls_of(final.message) == list(s.expected_calls)
-    assert ["".join(pieces[i]) for i in sorted(pieces)] == [a for _, a in s.expected_calls]
+    assert pieces == [a for _, a in s.expected_calls]
     assert (getattr(final.message, "reasoning_content", None) or "") == (s.reasoning or "")
 
 

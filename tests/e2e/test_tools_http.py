@@ -41,6 +41,20 @@ def chat_args(sid: str, **extra: Any) -> dict[str, Any]:
     return args
 
 
+def stream_calls(oai: openai.OpenAI, **args: Any) -> tuple[Any, list[str]]:
+    """A streamed chat completion's final choice, and each call's argument pieces joined
+    as they arrived (one string per call, by index)."""
+    with oai.chat.completions.stream(**args) as stream:
+        pieces: dict[int, list[str]] = {}
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices:
+                for delta in event.chunk.choices[0].delta.tool_calls or []:
+                    piece = delta.function.arguments if delta.function else None
+                    pieces.setdefault(delta.index, []).append(piece or "")
+        final = stream.get_final_completion().choices[0]
+    return final, ["".join(pieces[i]) for i in sorted(pieces)]
+
+
 def calls_of(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
@@ -138,18 +152,11 @@ def test_openai_forced_choice_makes_a_call_the_model_would_not(
     assert full.choices[0].finish_reason == "tool_calls", full
     check_forced(calls_of(full.choices[0].message), allowed, by_name)
 
-    with oai.chat.completions.stream(**chat_args(sid, tools=tools, tool_choice=choice)) as stream:
-        pieces: dict[int, list[str]] = {}
-        for event in stream:
-            if event.type == "chunk" and event.chunk.choices:
-                for delta in event.chunk.choices[0].delta.tool_calls or []:
-                    piece = delta.function.arguments if delta.function else None
-                    pieces.setdefault(delta.index, []).append(piece or "")
-        final = stream.get_final_completion().choices[0]
+    final, pieces = stream_calls(oai, **chat_args(sid, tools=tools, tool_choice=choice))
     assert final.finish_reason == "tool_calls", final
     check_forced(calls_of(final.message), allowed, by_name)
     # The deltas themselves add up to the same complete calls.
-    assert ["".join(pieces[i]) for i in sorted(pieces)] == [a for _, a in calls_of(final.message)]
+    assert pieces == [a for _, a in calls_of(final.message)]
 
 
 def test_openai_choice_none_never_calls(oai: openai.OpenAI) -> None:
