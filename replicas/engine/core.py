@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence, TypeVar
 
 from replicas.contract import ErrorKind, Failed, OutputEvent
+from replicas.engine import failpoints
 from replicas.engine.batch import Batch, Done
 from replicas.engine.calls import Call, Cancel, Command, Commands, take_commands
 from replicas.engine.config import EngineConfig
@@ -81,9 +82,11 @@ StepCallback = Callable[[float, int], None]
 
 class Engine:
     def __init__(self, opener: Opener, config: EngineConfig,
-                 on_step: StepCallback | None = None) -> None:
+                 on_step: StepCallback | None = None, name: str = "") -> None:
+        """`name`: the model id, which scopes test-only failpoints (`failpoints`)."""
         self._opener = opener
         self._config = config
+        self._name = name
         self._on_step = on_step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -347,6 +350,8 @@ class Engine:
             return
         started = time.perf_counter()
         try:
+            if failpoints.ENABLED:  # test-only fault injection: off unless ORCHARD_FAILPOINTS
+                failpoints.hit("step", self._name)
             responses = self._batch.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the replica
             self._batch_failed(exc)

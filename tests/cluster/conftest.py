@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import httpx
 import pytest
@@ -53,9 +53,11 @@ def _exe(name: str) -> str:
 
 
 class LocalCluster:
-    def __init__(self, root: Path, head_slots: int = 0) -> None:
+    def __init__(self, root: Path, head_slots: int = 0,
+                 env: Mapping[str, str] | None = None) -> None:
         """`head_slots`: units of apple_silicon the head advertises too (none by default, so
-        pinned models land on the worker; a sharded replica spreads over both)."""
+        pinned models land on the worker; a sharded replica spreads over both). `env`: more
+        variables for both nodes, which every Ray process of theirs inherits (actors too)."""
         self.root = root
         self.head_slots = head_slots
         self.logs = root / "logs"
@@ -64,7 +66,7 @@ class LocalCluster:
         (root / "token").write_text(self.token)
         self.env = dict(
             os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(root / "token"),
-            RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+            RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT)) | dict(env or {})
         self.head: subprocess.Popen[bytes] | None = None
         self.worker: subprocess.Popen[bytes] | None = None
 

@@ -9,7 +9,8 @@ whose greedy output must be identical, and `bench` (bfloat16) sharded by tensor.
 parallelism sums each layer's partial products in another order; in bfloat16 that moves a
 logit by a rounding step, which flips the random-weight bench model's near-ties within a
 few dozen tokens, so bench is checked for self-consistency and used where only a long
-stream matters (a lost shard).
+stream matters (a lost shard). Test-only failpoints (`replicas.engine.failpoints`) are on in
+this cluster: a test arms one to make a step fail where it chooses.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 import pytest
 
 from replicas.builtin import ensure_builtin
+from replicas.engine.failpoints import ENV
 from tests.cluster.conftest import LocalCluster
 
 # (reference id, sharded id, sharding): greedy text must match.
@@ -68,8 +70,10 @@ def sharded_cluster() -> Iterator[LocalCluster]:
     for name in SOURCES:
         ensure_builtin(name)  # once here, not in every replica
     root = Path(tempfile.mkdtemp(prefix="orc-", dir="/tmp"))
+    # Test-only fault injection (`replicas.engine.failpoints`): on in this cluster alone.
+    (root / "failpoints").mkdir()
     # Every sharded replica takes one unit on each node; a replaced one briefly needs two.
-    local = LocalCluster(root, head_slots=8)
+    local = LocalCluster(root, head_slots=8, env={ENV: str(root / "failpoints")})
     try:
         local.start()
         local.deploy(app_args())

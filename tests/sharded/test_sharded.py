@@ -2,8 +2,9 @@
 
 Greedy text from a sharded replica must equal the whole model's, streamed and not; stops,
 reasoning, guided JSON and tool calls work on it; concurrent streams keep their own
-answers; a lost or frozen shard fails the whole replica, Serve replaces it, and its streams
-resume on the replacement (issue 32).
+answers; a lost or frozen shard, or a failed step on rank 0, fails the whole replica, Serve
+replaces it, its streams resume on the replacement, and nothing of the old group is left
+behind: no process, no port (issue 32).
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
 from replicas.builtin import script
-from tests.cluster.conftest import BASE_URL, DASHBOARD, GCS_PORT, ROOT, LocalCluster
+from replicas.engine import failpoints
+from tests.cluster.conftest import BASE_URL, GCS_PORT, ROOT, LocalCluster
 from tests.reliability.wire import never_end_bias
+from tests.sharded.group import alive, assert_replaced, group_of, running_replicas, \
+    shard_actors
 from tests.sharded.conftest import HEARTBEAT_TIMEOUT_S, PAIRS, RESUME_WAIT_S, SMALL_BUDGET, \
     SMALL_BUDGET_TOKENS
 
@@ -115,7 +119,7 @@ def test_shards_are_spread_one_per_node(sharded_cluster: LocalCluster) -> None:
     app = sharded_cluster.app()
     for sharded in [s for _, s, _ in PAIRS] + ["bench-x2"]:
         (replica,) = app["deployments"][f"model:{sharded}"]["replicas"]
-        workers = _shard_actors(sharded_cluster, sharded)
+        workers = shard_actors(sharded_cluster, sharded)
         assert len(workers) == 1, workers
         # Rank 0 (the Serve replica) and rank 1 (its actor) on the two different nodes.
         assert {replica["node_id"], workers[0]["node_id"]} == nodes
@@ -271,9 +275,52 @@ def test_a_lost_or_frozen_shard_fails_the_replica_and_its_stream_resumes(
         sharded_cluster: LocalCluster, client: openai.OpenAI, fault: str) -> None:
     """Kill rank 1, or freeze it (a Mac asleep): the replica fails as a whole (a frozen one
     misses its heartbeats), Serve replaces it with every rank, and the stream that was
-    running goes on on the replacement: one stream, every token, no error."""
+    running goes on on the replacement: one stream, every token, no error. Nothing of the
+    old group is left: no process (the frozen rank was killed with it), no port."""
     model = "bench-x2"  # random weights never pick EOS: the stream runs until max_tokens
-    (worker,) = _shard_actors(sharded_cluster, model)
+    _wait_serving(client, model)
+    old = group_of(sharded_cluster, model)
+    _stream_through_fault(client, model, lambda: os.kill(old.pids[1], getattr(signal, fault)))
+    assert_replaced(sharded_cluster, model, old)
+
+
+def test_a_failed_step_on_rank_0_fails_the_replica_and_its_stream_resumes(
+        sharded_cluster: LocalCluster, client: openai.OpenAI) -> None:
+    """A batch step that raises on rank 0 (a test-only failpoint: `replicas.engine.failpoints`)
+    takes the real path of a failed step: a sharded batch cannot start over (rank 1 may be
+    mid-step), so the engine stops at once, its requests get the replica's fault, the health
+    check fails and Serve replaces the replica with every rank. The stream resumes on the
+    replacement, and both old ranks' processes and ports are gone."""
+    model = "bench-x2"
+    _wait_serving(client, model)
+    old = group_of(sharded_cluster, model)
+    armed = Path(sharded_cluster.env[failpoints.ENV])
+    with open(f"/proc/{old.pids[0]}/environ", "rb") as environ:  # Ray workers inherit it
+        assert f"{failpoints.ENV}={armed}".encode() in environ.read().split(b"\0")
+    _stream_through_fault(client, model, lambda: failpoints.arm(armed, "step", model))
+    # Fired once, by the old rank 0: the replacement found the failpoint claimed.
+    assert [p.name for p in armed.glob(f"step.{model}*")] == \
+        [f"step.{model}.fired.{old.pids[0]}"]
+    assert_replaced(sharded_cluster, model, old)
+
+
+def _wait_serving(client: openai.OpenAI, model: str) -> None:
+    """Until `model` answers: a test before may have left it replacing a shard."""
+    ask: dict[str, Any] = {"model": model, "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "Hi"}]}
+    deadline = time.monotonic() + RESUME_WAIT_S
+    while True:
+        try:
+            client.chat.completions.create(**ask)
+            return
+        except openai.APIError:
+            assert time.monotonic() < deadline, f"{model} did not serve again"
+            time.sleep(2)
+
+
+def _stream_through_fault(client: openai.OpenAI, model: str,
+                          fault: Callable[[], object]) -> None:
+    """One 600-token stream, `fault` injected mid-stream: it must still end whole."""
     stream = client.chat.completions.create(
         model=model, temperature=0, max_tokens=600, stream=True,
         stream_options={"include_usage": True},
@@ -286,15 +333,8 @@ def test_a_lost_or_frozen_shard_fails_the_replica_and_its_stream_resumes(
         if chunk.choices:
             reason = chunk.choices[0].finish_reason or reason
         if received == 5:  # mid-stream: the first chunks are out
-            os.kill(worker["pid"], getattr(signal, fault))
+            fault()
     assert usage is not None and usage.completion_tokens == 600 and reason == "length"
-    (replacement,) = _shard_actors(sharded_cluster, model)
-    assert replacement["pid"] != worker["pid"]
-    # Nothing of the old replica is left: the frozen rank was killed with it.
-    deadline = time.monotonic() + 60
-    while _alive(worker["pid"]):
-        assert time.monotonic() < deadline, f"rank 1 (pid {worker['pid']}) outlived its replica"
-        time.sleep(1)
 
 
 def test_an_idle_frozen_shard_is_found_by_its_heartbeat(
@@ -305,51 +345,19 @@ def test_an_idle_frozen_shard_is_found_by_its_heartbeat(
     (10 s apart), instead of the first request hours later finding a wedged group; the
     frozen process goes with it."""
     model = "bench-x2"
-    ask = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
-    deadline = time.monotonic() + RESUME_WAIT_S  # the model may still be replacing a shard
-    while True:
-        try:
-            client.chat.completions.create(**ask)
-            break
-        except openai.APIError:
-            assert time.monotonic() < deadline, f"{model} did not serve again"
-            time.sleep(2)
-    running = _running_replicas(sharded_cluster, model)
-    (worker,) = _shard_actors(sharded_cluster, model)
+    _wait_serving(client, model)  # the model may still be replacing a shard
+    running = set(running_replicas(sharded_cluster, model))
+    (worker,) = shard_actors(sharded_cluster, model)
     frozen = time.monotonic()
     os.kill(worker["pid"], signal.SIGSTOP)
     bound = HEARTBEAT_TIMEOUT_S + SERVE_FAILED_CHECKS * SERVE_HEALTH_PERIOD_S + CONTROL_LOOP_S
-    while running & _running_replicas(sharded_cluster, model):
+    while running & set(running_replicas(sharded_cluster, model)):
         waited = time.monotonic() - frozen
         assert waited < bound, f"rank 1 frozen {waited:.0f} s; its replica still serves"
         time.sleep(0.5)
     found = time.monotonic() - frozen
     assert found >= HEARTBEAT_TIMEOUT_S  # no sooner: nothing else could have noticed
     print(f"frozen idle shard: replica out of service after {found:.1f} s (bound {bound:g} s)")
-    while _alive(worker["pid"]):  # and the frozen process is ended, not left behind
+    while alive(worker["pid"]):  # and the frozen process is ended, not left behind
         assert time.monotonic() - frozen < TEARDOWN_S, "the frozen rank outlived its replica"
         time.sleep(1)
-
-
-def _running_replicas(cluster: LocalCluster, model: str) -> set[str]:
-    deployment = cluster.app()["deployments"][f"model:{model}"]
-    return {r["replica_id"] for r in deployment["replicas"] if r["state"] == "RUNNING"}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie is gone but for its parent's wait
-        return stat.read().split(") ")[-1][:1] != "Z"
-
-
-def _shard_actors(cluster: LocalCluster, model: str) -> list[dict[str, Any]]:
-    """The live rank-1 actors of `model`'s replicas (named by `deployments.shards`)."""
-    r = httpx.get(f"{DASHBOARD}/api/v0/actors?limit=1000&detail=true", timeout=30,
-                  headers={"Authorization": f"Bearer {cluster.token}"})
-    r.raise_for_status()
-    actors = r.json()["data"]["result"]["result"]
-    return [a for a in actors if a["state"] == "ALIVE"
-            and (a.get("name") or "").startswith(f"orchard-shard:{model}:")]
