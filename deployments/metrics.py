@@ -64,6 +64,10 @@ DISK_METRICS = ("orchard_prefix_cache_disk_hits_total", "orchard_prefix_cache_di
 # speculates exports them.
 SPECULATIVE_METRICS = ("orchard_spec_target_passes_total", "orchard_spec_output_tokens_total",
                        "orchard_spec_draft_tokens_total", "orchard_spec_accepted_tokens_total")
+# Prefix KV pulled from another replica (`replicas.kv_pull`): tries by outcome, the prompt
+# tokens it saved from prefill, the bytes moved and the time each pull took.
+PULL_METRICS = ("orchard_kv_pulls_total", "orchard_kv_pulled_tokens_total",
+                "orchard_kv_pulled_bytes_total", "orchard_kv_pull_seconds")
 # A vision model: the images its tower encoded, and the time per prompt.
 IMAGE_METRICS = ("orchard_images_total", "orchard_image_encode_seconds")
 
@@ -135,6 +139,32 @@ def stream_resumes() -> Callable[[str], None]:
                       "replica after theirs died, froze or lost a shard.",
                       tag_keys=_keys("model"))
     return lambda model: counter.inc(1, {"model": model})
+
+
+PullRecorder = Callable[[str, int, int, float], None]
+
+
+def kv_pulls(model: str) -> PullRecorder:
+    """Counts a replica's prefix pulls: `(outcome, tokens saved, bytes, seconds)`."""
+    tags = {"model": model}
+    tries = Counter("orchard_kv_pulls_total", "Prefix KV pulls a replica tried, by outcome "
+                    "(pulled, declined, failed, recomputed: a prefill was estimated faster).",
+                    tag_keys=_keys("model", "outcome"))
+    tokens = Counter("orchard_kv_pulled_tokens_total", "Prompt tokens whose KV was pulled "
+                     "from another replica instead of prefilled.", tag_keys=_keys("model"))
+    moved = Counter("orchard_kv_pulled_bytes_total", "Bytes of KV pulled from other replicas.",
+                    tag_keys=_keys("model"))
+    took = Histogram("orchard_kv_pull_seconds", "Time from asking for a prefix's KV to "
+                     "holding it.", boundaries=LATENCY_BUCKETS, tag_keys=_keys("model"))
+
+    def record(outcome: str, saved: int, nbytes: int, seconds: float) -> None:
+        tries.inc(1, {**tags, "outcome": outcome})
+        if outcome == "pulled":
+            tokens.inc(saved, tags)
+            moved.inc(nbytes, tags)
+            took.observe(seconds, tags)
+
+    return record
 
 
 class EngineMetrics:

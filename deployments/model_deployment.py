@@ -9,6 +9,7 @@ from contextlib import aclosing
 from typing import Any, AsyncGenerator
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from deployments.cluster import require_metal
 from deployments.config import (
@@ -18,7 +19,9 @@ from deployments.config import (
     replica_max_stops,
 )
 from deployments.headroom import ReplicaRoom
+from deployments.metrics import kv_pulls
 from deployments.observability import engine_poller
+from deployments.prefix_router import PREFIXES
 from deployments.shards import ShardGroup
 from replicas.contract import (
     EmbeddingRequest,
@@ -29,6 +32,8 @@ from replicas.contract import (
     TokenizerInfo,
 )
 from replicas.engine.config import EngineConfig
+from replicas.engine.kv_transfer import PrefixKV, PrefixPull
+from replicas.kv_pull import Fetch
 from replicas.replica import ModelReplica, ReplicaOptions
 
 
@@ -61,6 +66,7 @@ def replica_options(settings: ModelSettings,
         load_timeout_s=settings.load_timeout_s,
         flush_interval_s=settings.stream_flush_ms / 1000,
         max_chunks_per_s=settings.stream_chunks_per_s,
+        pull=settings.routing.pull.options() if settings.routing.pull else None,
         embeddings=settings.embeddings,
         embedding_dimensions=settings.embedding_dimensions,
         kind=settings.kind,
@@ -88,7 +94,11 @@ class ReplicaOwner:
             self._shards = ShardGroup(config)
             options = dataclasses.replace(options, shard=self._shards.start(
                 mode, options.engine, layer_count(found)))
-        self._replica = ModelReplica(options, self._shards.wake if self._shards else None)
+        record = kv_pulls(config.id) if observability.metrics else None
+        self._replica = ModelReplica(
+            options, self._shards.wake if self._shards else None,
+            on_pull=(lambda r: record(r.outcome, r.tokens, r.nbytes, r.seconds)) if record
+            else None)
         if self._shards is not None:
             self._shards.watch(self._replica.abort, self._replica.stalled_for)
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
@@ -108,6 +118,7 @@ class ReplicaOwner:
         name = serve.get_replica_context().replica_id.to_full_id_str()
         steps, sync_s = self._replica.sync_totals()
         return {"replica": name, "pid": os.getpid(), **dataclasses.asdict(self._replica.stats()),
+                "pulls": self._replica.pull_totals(),
                 "shards": self._shards.size if self._shards else 1,
                 "pipeline_layers": self._shards.layers if self._shards else None,
                 "sync_steps": steps, "sync_seconds": sync_s}
@@ -130,12 +141,39 @@ class ModelDeployment(ReplicaOwner):
                  observability: dict[str, Any] | None = None) -> None:
         super().__init__(ModelSettings.model_validate(settings), request_max_stops,
                          ObservabilitySettings.model_validate(observability or {}))
+        self._own: DeploymentHandle | None = None  # this deployment's handle, for pulls
 
-    async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
+    async def stream(self, request: GenerationRequest, prefix_holders: tuple[str, ...] = ()
+                     ) -> AsyncGenerator[list[OutputEvent], None]:
+        """`prefix_holders`: the replicas the router knows hold the prompt's prefix (the
+        cluster prefix directory), added to the call by the router (`HOLDERS`)."""
         yield []  # accepted: the ingress bounds its wait for a replica on this (model_clients)
-        async with aclosing(self._replica.stream(request)) as events:  # closed with us: cancels
+        fetch = self._fetch_from(prefix_holders)
+        async with aclosing(self._replica.stream(request, fetch)) as events:  # closed with us: cancels
             async for batch in events:
                 yield batch
+
+    def _fetch_from(self, holders: tuple[str, ...]) -> Fetch | None:
+        """How to ask the first of `holders` for a prefix's KV: a call of its
+        `export_prefix` through this deployment's own handle, which the router sends to
+        that replica; the KV comes back through Ray's object store. None: held here."""
+        context = serve.get_replica_context()
+        if not holders or context.replica_id.to_full_id_str() in holders:
+            return None
+        if self._own is None:
+            self._own = serve.get_deployment_handle(context.deployment, context.app_name)
+        own, holder = self._own, holders[0]
+
+        async def fetch(tokens: tuple[int, ...], at_least: int) -> PrefixKV | None:
+            answer: PrefixKV | None = await own.export_prefix.remote(
+                PrefixPull(tokens, at_least, holder))
+            return answer
+
+        return fetch
+
+    async def export_prefix(self, pull: PrefixPull) -> PrefixKV | None:
+        """Another replica's pull: the KV of the longest prefix of its prompt held here."""
+        return await self._replica.export_prefix(pull)
 
     async def tokenize(self, request: GenerationRequest,
                        add_special_tokens: bool = True) -> tuple[int, ...] | Failed:
@@ -147,14 +185,17 @@ class ModelDeployment(ReplicaOwner):
     def tokenizer_info(self) -> TokenizerInfo:
         return self._replica.tokenizer_info()
 
-    def record_routing_stats(self) -> dict[str, int]:
+    def record_routing_stats(self) -> dict[str, Any]:
         """Serve asks every `routing.stats_period_s`; the request router weighs replicas by
-        it and sheds what none has KV room for (`deployments.headroom`)."""
+        it and sheds what none has KV room for (`deployments.headroom`), and sends a
+        request where its prefix is cached (`PREFIXES`: this replica's entry in the
+        cluster prefix directory)."""
+        stats: dict[str, Any] = {PREFIXES: self._replica.held_prefixes()}
         memory = self._replica.stats().memory
-        if memory is None:
-            return {}
-        return ReplicaRoom.of(memory, self._replica.options.engine.max_memory_waiting,
-                              time.time_ns() // 1_000_000).stats()
+        if memory is not None:
+            stats.update(ReplicaRoom.of(memory, self._replica.options.engine.max_memory_waiting,
+                                        time.time_ns() // 1_000_000).stats())
+        return stats
 
     async def embed(self, request: EmbeddingRequest
                     ) -> AsyncGenerator[EmbeddingResult | Failed | None, None]:

@@ -11,98 +11,42 @@ holding a string or a list of dicts, while `GenerationRequest.prompt` is a froze
 length. It also blocks the router's event loop on `ray.get` calls to a shared prefix-tree
 actor for every request, and has no notion of a client's session key.
 
-Keys, in order of preference:
+Keys (`replicas.routing_keys`), in order of preference:
 - the client's session (`GenerationRequest.session_key`): all its requests share one key;
   a key not seen yet prefers a replica by rendezvous hashing, which every ingress replica
   computes alike;
 - else a hash chain over the prompt's leading units (messages of a chat, blocks of text or
-  tokens), seeded with the tools (they render before the messages). A request records the
-  hash of its whole prompt, and of its prompt less the last message, against the replica
-  it went to; the next turn of the conversation extends that prompt, so its chain contains
-  the recorded hash, and a retry with an edited last message contains the second.
+  tokens). The deepest key of the chain that a replica reports holding (the cluster prefix
+  directory: `PREFIXES` in its routing stats, `replicas.engine.prefix_directory`) names
+  the holder; where none does, the deepest key this router recorded against the replica
+  it sent that request to (the whole prompt, and the prompt less its last message).
 
-State is an LRU of at most `routing.max_keys` keys per ingress replica. A key whose replica
-left is ignored (and dropped) at lookup.
+State is an LRU of at most `routing.max_keys` keys per ingress replica, beside the
+replicas' reports. A key whose replica left is ignored (and dropped) at lookup.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence
+from typing import Any, Collection, List, Mapping, Optional, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.headroom import Ledger, MemoryShed, Room, prompt_tokens
-from replicas.contract import ChatMessage, ChatPrompt, GenerationRequest, TextPrompt
+from replicas.contract import GenerationRequest
+from replicas.routing_keys import RoutingKeys, digest, routing_keys
 
 log = logging.getLogger(__name__)
 
-TEXT_BLOCK_CHARS = 512  # a completions prompt is chained in blocks of this many characters
-TOKEN_BLOCK = 128  # and a token prompt in blocks of this many tokens
-_ROUTED_METHOD = "stream"  # token counting uses no cache: it neither follows nor sets affinity
-
-
-@dataclass(frozen=True)
-class RoutingKeys:
-    """`chain`: lookup keys, deepest first; `record`: the keys a routed request leaves."""
-
-    chain: tuple[bytes, ...]
-    record: tuple[bytes, ...]
-    session: bool = False
-
-
-def routing_keys(request: GenerationRequest, policy: str) -> RoutingKeys | None:
-    """The request's keys under `policy` (`prefix` or `session`); None: no affinity."""
-    if request.session_key:
-        key = b"s:" + request.session_key.encode("utf-8", "replace")
-        return RoutingKeys((key,), (key,), session=True)
-    if policy != "prefix":
-        return None
-    seed = _digest(b"t", repr(request.tools).encode())
-    chain = list(_chain(seed, _units(request)))
-    if not chain:
-        return None
-    # The whole prompt, and (past a first exchange) the prompt before its last message:
-    # not shallower, or every conversation sharing a system prompt would follow the first.
-    record = (chain[-1],) + ((chain[-2],) if len(chain) >= 3 else ())
-    return RoutingKeys(tuple(reversed(chain)), record)
-
-
-def _units(request: GenerationRequest) -> Iterable[bytes]:
-    prompt = request.prompt
-    if isinstance(prompt, ChatPrompt):
-        return (_message_bytes(m) for m in prompt.messages)
-    if isinstance(prompt, TextPrompt):
-        text = prompt.text.encode("utf-8", "replace")
-        step = TEXT_BLOCK_CHARS
-        return (text[i:i + step] for i in range(0, len(text) - step + 1, step))
-    ids = prompt.token_ids
-    return (repr(ids[i:i + TOKEN_BLOCK]).encode()
-            for i in range(0, len(ids) - TOKEN_BLOCK + 1, TOKEN_BLOCK))
-
-
-def _message_bytes(message: ChatMessage) -> bytes:
-    return repr((message.role, message.content, message.reasoning, message.tool_calls,
-                 message.tool_call_id, message.name)).encode("utf-8", "replace")
-
-
-def _chain(seed: bytes, units: Iterable[bytes]) -> Iterable[bytes]:
-    current = seed
-    for unit in units:
-        current = _digest(current, unit)
-        yield current
-
-
-def _digest(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for part in parts:
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-    return h.digest()
+# A replica's routing stats hold, under this name, the prefix keys its cache holds.
+PREFIXES = "prefixes"
+# The keyword a routed `stream` call gets: the replicas holding its prefix, from which the
+# chosen one pulls the KV when it is not one of them (`replicas.kv_pull`).
+HOLDERS = "prefix_holders"
+_ROUTED_METHOD = "stream"
+_EXPORT_METHOD = "export_prefix"  # a pull: routed to the replica it names  # token counting uses no cache: it neither follows nor sets affinity
 
 
 class Affinity:
@@ -116,11 +60,20 @@ class Affinity:
     def __len__(self) -> int:
         return len(self._table)
 
-    def preferred(self, keys: RoutingKeys, replicas: Sequence[str]) -> str | None:
-        """The replica holding the deepest key of `keys`, among `replicas`."""
+    def preferred(self, keys: RoutingKeys, replicas: Sequence[str],
+                  directory: Mapping[str, Collection[bytes]] | None = None) -> str | None:
+        """The replica holding the deepest key of `keys`, among `replicas`: by `directory`
+        (replica -> the prefix keys it reports its cache holds), else by where this router
+        sent the key last."""
         live = set(replicas)
         for key in keys.chain:
             owner = self._table.get(key)
+            holders = _reporting(key, replicas, directory)
+            if holders:
+                # What a replica holds beats where a key was sent: another router may have
+                # sent the conversation elsewhere since, or this one may never have seen it.
+                return owner if owner in holders else \
+                    max(holders, key=lambda r: digest(key, r.encode()))
             if owner is None:
                 continue
             if owner in live:
@@ -129,11 +82,12 @@ class Affinity:
             del self._table[key]  # its replica left
         if keys.session and replicas:
             # A new session: the same replica from every ingress, with no shared state.
-            return max(replicas, key=lambda r: _digest(keys.chain[0], r.encode()))
+            return max(replicas, key=lambda r: digest(keys.chain[0], r.encode()))
         return None
 
     def rank(self, keys: RoutingKeys | None, loads: dict[str, int | None],
-             room: Room | None = None) -> list[list[str]]:
+             room: Room | None = None,
+             directory: Mapping[str, Collection[bytes]] | None = None) -> list[list[str]]:
         """Replica ids in preference ranks; [] leaves the choice to power-of-two.
 
         `loads` maps each candidate to its ongoing requests (None: unknown, taken as idle).
@@ -143,7 +97,7 @@ class Affinity:
         """
         if not loads:
             return []
-        best = self.preferred(keys, list(loads)) if keys is not None else None
+        best = self.preferred(keys, list(loads), directory) if keys is not None else None
         if best is None:
             return [] if room is None or room.even(list(loads)) else room.ranks(list(loads))
         load = {r: n or 0 for r, n in loads.items()}
@@ -167,6 +121,31 @@ class Affinity:
             self._table.move_to_end(key)
         while len(self._table) > self.max_keys:
             self._table.popitem(last=False)
+
+
+def reported_holders(keys: RoutingKeys, replicas: Sequence[str],
+                     directory: Mapping[str, Collection[bytes]]) -> list[str]:
+    """The replicas reporting the deepest key of `keys` any of them reports."""
+    for key in keys.chain:
+        holders = _reporting(key, replicas, directory)
+        if holders:
+            return holders
+    return []
+
+
+def _reporting(key: bytes, replicas: Sequence[str],
+               directory: Mapping[str, Collection[bytes]] | None) -> list[str]:
+    return [r for r in replicas if key in directory.get(r, ())] if directory else []
+
+
+def _to_holder(candidates: List[RunningReplica],
+               pending: PendingRequest) -> List[List[RunningReplica]]:
+    """A pull goes to the replica it names; if that one left, to any (each answers from
+    its own cache, or None)."""
+    pull = pending.args[0] if pending.args else None
+    named = [r for r in candidates
+             if r.replica_id.to_full_id_str() == getattr(pull, "holder", None)]
+    return [named] if named else _two_choices(candidates)
 
 
 def _generation_request(pending: PendingRequest | None) -> GenerationRequest | None:
@@ -204,6 +183,9 @@ class PrefixAffinityRouter(RequestRouter):
         candidate_replicas: List[RunningReplica],
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
+        if pending_request is not None and \
+                pending_request.metadata.call_method == _EXPORT_METHOD:
+            return _to_holder(candidate_replicas, pending_request)
         request = _generation_request(pending_request)
         if request is None or not candidate_replicas:
             return _two_choices(candidate_replicas)
@@ -217,7 +199,11 @@ class PrefixAffinityRouter(RequestRouter):
         keys = self._keys(request)
         loads = await self._loads(candidate_replicas) if keys is not None \
             else dict.fromkeys(by_id)
-        ranks = self._affinity.rank(keys, loads, room)
+        directory = {i: r.routing_stats.get(PREFIXES, ()) for i, r in by_id.items()}
+        ranks = self._affinity.rank(keys, loads, room, directory)
+        holders = reported_holders(keys, list(by_id), directory) if keys is not None else []
+        if holders and pending_request is not None:
+            pending_request.kwargs[HOLDERS] = tuple(holders)  # Serve passes it to `stream`
         if ranks:
             return [[by_id[r] for r in rank] for rank in ranks]
         return _two_choices(candidate_replicas)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 if TYPE_CHECKING:
     from replicas.engine.config import NgramConfig
+    from replicas.options import PullOptions
 
 
 class _Strict(BaseModel):
@@ -146,6 +147,35 @@ MEMORY_WAIT_SHARE = 0.9
 RoutingPolicy = Literal["auto", "prefix", "session", "none"]
 
 
+def _pull_default(name: str) -> Callable[[], Any]:
+    def default() -> Any:
+        from replicas.options import PullOptions
+
+        return getattr(PullOptions(), name)
+
+    return default
+
+
+class PullSettings(_Strict):
+    """Pulling a prompt's prefix KV from the replica the router says holds it, instead of
+    prefilling it (`replicas.kv_pull`). Defaults are `replicas.options.PullOptions`'."""
+
+    min_tokens: int = Field(default_factory=_pull_default("min_tokens"), ge=1,
+                            description="Fewer missing prompt tokens than this are "
+                            "prefilled where the request runs.")
+    link_bytes_per_s: float = Field(default_factory=_pull_default("link_bytes_per_s"), gt=0,
+                                    description="The link's rate until a pull has measured "
+                                    "it (bytes a second; 10 GbE's line rate by default).")
+    timeout_s: float = Field(default_factory=_pull_default("timeout_s"), gt=0,
+                             description="How long to wait for the holder's KV; then the "
+                             "prefix is prefilled.")
+
+    def options(self) -> PullOptions:
+        from replicas.options import PullOptions
+
+        return PullOptions(**self.model_dump())
+
+
 class RoutingSettings(_Strict):
     """Cache-aware routing across a model's replicas (`deployments.prefix_router`)."""
 
@@ -160,8 +190,12 @@ class RoutingSettings(_Strict):
                                "replica for the least-loaded one when the first has more "
                                "than this many ongoing requests over the second.")
     stats_period_s: float = Field(1.0, gt=0, description="How often Serve asks each replica "
-                                  "for its KV memory (routing stats), which the router "
-                                  "weighs and sheds load by.")
+                                  "for its KV memory and the prefixes it holds (routing "
+                                  "stats), which the router weighs and sheds load by.")
+    pull: PullSettings | None = Field(
+        default_factory=PullSettings, description="A request the router sends away from "
+        "the replica holding its prefix pulls that KV from it when faster than a prefill; "
+        "null: never.")
 
 
 class PlacementSettings(_Strict):

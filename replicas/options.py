@@ -12,6 +12,15 @@ ModelKind = Literal["auto", "text", "vision"]
 
 
 @dataclass(frozen=True)
+class PullOptions:
+    """When a replica pulls a prompt's prefix KV from another (`replicas.kv_pull`)."""
+
+    min_tokens: int = 512  # fewer missing prompt tokens than this are prefilled here
+    link_bytes_per_s: float = 1.25e9  # the first estimate of the link (10 GbE's line rate)
+    timeout_s: float = 30.0  # for the holder's answer; then the prefix is prefilled
+
+
+@dataclass(frozen=True)
 class ReplicaOptions:
     model_id: str
     source: str
@@ -37,6 +46,8 @@ class ReplicaOptions:
     # many streams each chunk waits longer and carries more tokens; one stream alone stays
     # at `flush_interval_s`.
     max_chunks_per_s: float = 500.0
+    # Pulling prefix KV from the replica that holds it (`replicas.kv_pull`); None: never.
+    pull: PullOptions | None = None
     # This process's part of a sharded replica (rank 0 here); None: the whole model.
     shard: ShardPlan | None = None
     # `/v1/embeddings`: the pooling a chat model opts in with (or that overrides an

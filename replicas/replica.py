@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 from pathlib import Path
-from typing import AsyncGenerator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from replicas.engine.batch import Batch, LocalBatch
 from replicas.contract import (
@@ -30,6 +30,7 @@ from replicas.contract import (
 from replicas.embedder import Embedder
 from replicas.engine.core import Engine, EngineDead
 from replicas.engine.disk_cache import DiskTier, model_fingerprint
+from replicas.engine.prefix_directory import DIRECTORY_FILE, PrefixDirectory
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 from replicas.engine.loading import LoadedModel, load_model
@@ -49,7 +50,10 @@ from replicas.families.registry import (
 )
 from replicas.families.tool_format import ToolFormat
 from replicas.pipeline.detokenizer import make_decode
-from replicas.pipeline.prepare import InputProcessor
+from replicas.pipeline.prepare import InputProcessor, Prepared
+from replicas.routing_keys import token_spans
+from replicas.kv_pull import Fetch, KvPuller, PullResult
+from replicas.engine.kv_transfer import PrefixKV, PrefixPull
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
 from replicas.timings import Timings, TimingSamples
@@ -62,13 +66,19 @@ __all__ = ["ModelReplica", "ReplicaOptions"]
 
 class ModelReplica:
     def __init__(self, options: ReplicaOptions,
-                 wake_shards: Callable[[], None] | None = None) -> None:
+                 wake_shards: Callable[[], None] | None = None,
+                 on_pull: Callable[[PullResult], None] | None = None) -> None:
         """`wake_shards`: on a sharded replica, wakes the other ranks (they sleep while
-        the batch is empty); the deployment passes Ray's call to them."""
+        the batch is empty); the deployment passes Ray's call to them. `on_pull`: told
+        of every prefix pull this replica tried (the deployment's metrics)."""
         self.options = options
         self._wake_shards = wake_shards or (lambda: None)
+        self._on_pull = on_pull or (lambda result: None)
+        self._local: LocalBatch | None = None  # the unsharded batch: its cache is pulled into
+        self._puller: KvPuller | None = None  # set at start where KV may move
         self._timings = Timings()
-        self._engine = Engine(self._open, options.engine, on_step=self._timings.step)
+        self._engine = Engine(self._open, options.engine, on_step=self._timings.step,
+                              name=options.model_id)
         self._model: LoadedModel | None = None
         self._format: ChannelFormat = get_channel_format("none")
         self._tool_format: ToolFormat = get_tool_format("none")
@@ -77,6 +87,9 @@ class ModelReplica:
         self._vision: VisionModel | None = None  # a model that sees: set by `_open`
         self._encoder_only = False  # an encoder (`replicas.encoder`): embeddings only
         self._streams = 0  # streams open now, which share the replica's chunk rate
+        # Which prompt prefixes the cache holds, as the router names them (routing stats).
+        self._directory = PrefixDirectory()
+        self._directory_file: Path | None = None  # where it is kept, with a disk tier
 
     def _open(self) -> tuple[LoadedModel, Batch, tuple[RankMemory, ...]]:
         """The model, its batch and each rank's memory, on the engine thread: whole, or
@@ -98,14 +111,16 @@ class ModelReplica:
             memory = plan_memory(model.model, budget, self.options.model_id,
                                  self._vision.nbytes if self._vision else 0,
                                  cache_maker(engine.kv_bits, engine.kv_group_size))
-            return model, LocalBatch(model.model, self.options.engine,
-                                     disk=self._disk_tier(model)), (memory,)
+            self._local = LocalBatch(model.model, self.options.engine,
+                                     disk=self._disk_tier(model), held=self._directory.held)
+            return model, self._local, (memory,)
         if self.options.kind == "vision":
             raise VisionUnsupported("a sharded replica reads text only: set shards: 1")
         from replicas.engine.sharding import open_shard  # only sharded replicas join a group
 
         model, local, group, ranks = open_shard(
-            self.options.source, resolve_source(self.options.source), plan, self.options.engine)
+            self.options.source, resolve_source(self.options.source), plan, self.options.engine,
+            self._directory.held)
         return model, LockstepBatch(local, group, self._wake_shards,
                                     on_sync=self._timings.sync), ranks
 
@@ -114,8 +129,12 @@ class ModelReplica:
         engine = self.options.engine
         if engine.disk_cache_dir is None or engine.prompt_cache_bytes == 0:
             return None
-        return DiskTier(Path(engine.disk_cache_dir), engine.disk_cache_bytes,
-                        model_fingerprint(model.path, model.model))
+        tier = DiskTier(Path(engine.disk_cache_dir), engine.disk_cache_bytes,
+                        model_fingerprint(model.path, model.model), self._directory.held)
+        # The directory's key table lives beside the tier's files: same model, same life.
+        self._directory_file = tier.directory / DIRECTORY_FILE
+        self._directory.load(self._directory_file)
+        return tier
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -139,6 +158,13 @@ class ModelReplica:
                 self.options.model_id, kv_tokens, self.context_length)
         self._embedder = Embedder.open(self.options, model, self.context_length,
                                        self._engine.call, self._timings)
+        local, engine = self._local, self.options.engine
+        # Only whole-model, unquantized caches move: a shard holds part of each layer, and
+        # mlx-lm's loader knows only its own cache classes.
+        if self.options.pull is not None and local is not None and local.cache is not None \
+                and engine.kv_bits is None:
+            self._puller = KvPuller(self.options.pull, self._engine.call, lambda: local.cache,
+                                    model_fingerprint(model.path, model.model))
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
                                       self._format, self._tool_format, self.context_length,
                                       self._timings, self._engine.kv_budget.max_tokens,
@@ -154,7 +180,12 @@ class ModelReplica:
         return self._tool_format
 
     def shutdown(self) -> None:
-        self._engine.shutdown()
+        self._engine.shutdown()  # the memory tier is written to disk first
+        if self._directory_file is not None:
+            try:
+                self._directory.save(self._directory_file)
+            except OSError:
+                log.exception("saving the prefix directory's keys failed")
 
     def check_health(self) -> None:
         self._engine.check_health()
@@ -210,9 +241,12 @@ class ModelReplica:
 
     # ---- requests -----------------------------------------------------------------------
 
-    async def stream(self, request: GenerationRequest) -> AsyncGenerator[list[OutputEvent], None]:
+    async def stream(self, request: GenerationRequest, fetch: Fetch | None = None
+                     ) -> AsyncGenerator[list[OutputEvent], None]:
         """Events in order, coalesced: the first batch leaves at once, later ones at most
-        every `flush_interval_s`, each holding everything that arrived meanwhile."""
+        every `flush_interval_s`, each holding everything that arrived meanwhile.
+        `fetch`: asks the replica the router says holds the prompt's prefix for its KV
+        (`replicas.kv_pull`), tried before the request starts when worth it."""
         if self._encoder_only:
             yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' is an "
                           "embedding encoder: it serves /v1/embeddings only")]
@@ -220,11 +254,19 @@ class ModelReplica:
         loop = asyncio.get_running_loop()
         buffer = EventBuffer(loop)
         try:
-            prepared = await asyncio.to_thread(self.inputs.prepare, request, buffer)
+            prepared = await asyncio.to_thread(self._prepare, request, buffer)
         except ReplicaError as exc:
             yield [exc.as_event()]
             return
         warnings = prepared.warnings
+        ready = prepared.request
+        if fetch is not None and self._puller is not None and ready.embeddings is None \
+                and ready.sampled_before == 0:
+            result = await self._puller.before(ready.prompt_ids, fetch)
+            if result is not None:
+                self._on_pull(result)
+        submitted = loop.time()
+        first: float | None = None
         try:
             self._engine.submit(prepared.request, prepared.output)
         except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
@@ -237,15 +279,50 @@ class ModelReplica:
         try:
             while not done:
                 batch = merge_deltas(await buffer.next(hold_until=next_flush))
+                first = loop.time() if first is None else first
                 done = any(is_terminal(e) for e in batch)
                 if done and warnings:
                     batch = [_with_warnings(e, warnings) for e in batch]
                 yield batch
                 next_flush = loop.time() + self._chunk_interval()
+            self._timed_prefill(batch, first - submitted if first is not None else 0.0)
         finally:
             self._streams -= 1
             if not done:  # the consumer left: free the batch slot
                 self._engine.cancel(request.request_id)
+
+    def _timed_prefill(self, last: list[OutputEvent], to_first: float) -> None:
+        """Teach the puller this replica's prefill rate from a finished request."""
+        finished = [e for e in last if isinstance(e, Finished)]
+        if self._puller is not None and finished:
+            usage = finished[-1].usage
+            self._puller.prefilled(usage.prompt_tokens - usage.cached_tokens, to_first)
+
+    async def export_prefix(self, pull: PrefixPull) -> PrefixKV | None:
+        """Another replica's pull: the KV of the longest prefix of its prompt held here."""
+        return await self._puller.export(pull) if self._puller is not None else None
+
+    def pull_totals(self) -> dict[str, Any]:
+        """Prefix pulls so far: outcomes, and the prompt tokens and bytes pulled."""
+        puller = self._puller
+        if puller is None:
+            return {}
+        return {"outcomes": dict(puller.outcomes), "tokens": puller.pulled_tokens,
+                "bytes": puller.pulled_bytes}
+
+    def _prepare(self, request: GenerationRequest, buffer: EventBuffer) -> Prepared:
+        """The request ready for the engine; its prefix keys learnt by the directory."""
+        prepared = self.inputs.prepare(request, buffer)
+        ready = prepared.request
+        if self.options.engine.prompt_cache_bytes and ready.embeddings is None:
+            prompt = len(ready.prompt_ids) - ready.sampled_before  # a resume's ids end it
+            self._directory.learn(token_spans(request, prompt, ready.boundary),
+                                  ready.prompt_ids)
+        return prepared
+
+    def held_prefixes(self) -> frozenset[bytes]:
+        """The prefix keys (`replicas.routing_keys`) whose tokens the cache holds now."""
+        return self._directory.published()
 
     def _chunk_interval(self) -> float:
         """Seconds a stream's next chunk waits for more tokens. Every chunk costs the same

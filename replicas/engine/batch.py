@@ -23,6 +23,7 @@ from replicas.engine.generation import Generation
 from replicas.engine.logprobs import Picked
 from replicas.engine.quantized_kv import cache_maker
 from replicas.engine.prompt_cache import CacheHit, PromptCache, prefix_view, segments
+from replicas.engine.prefix_directory import HeldBlocks
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.scoring import score_prompt
 from replicas.engine.sampling import LogitsProcessor, Sampler
@@ -96,11 +97,12 @@ class LocalBatch:
     """The batch of one process. Not thread-safe: the engine thread alone calls it."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
-                 = (1, 1), disk: DiskTier | None = None) -> None:
+                 = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None
+                 ) -> None:
         self._model = model
         self._config = config
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
-                                  disk=disk) if config.prompt_cache_bytes > 0 else None
+                                  disk=disk, held=held) if config.prompt_cache_bytes > 0 else None
         self.stream = mx.new_stream(mx.default_device())  # the batch's work, in order
         self.decode_stats = DecodeStats()  # kept across `recover`
         # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.

@@ -33,6 +33,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, load_prompt_cache
 
+from replicas.engine.prefix_directory import HeldBlocks
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # the sidecar's layout; another value is a foreign file
@@ -97,8 +99,11 @@ class DiskHit:
 
 
 class DiskTier:
-    def __init__(self, root: Path, max_bytes: int, fingerprint: str) -> None:
+    def __init__(self, root: Path, max_bytes: int, fingerprint: str,
+                 held: HeldBlocks | None = None) -> None:
         self.directory = Path(root) / fingerprint
+        # The prefix directory's view of what this tier holds (`replicas.engine.prefix_directory`).
+        self.held = held or HeldBlocks()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._fingerprint = fingerprint
@@ -243,11 +248,14 @@ class DiskTier:
         previous = self._trie.add(_MODEL, list(key), key)
         if previous is not None and key in self._entries:
             self._bytes -= self._entries.pop(key).nbytes
+        else:
+            self.held.add(key)
         self._entries[key] = entry
         self._bytes += entry.nbytes
         if entry.trimmable:  # entries on its path are its prefixes: it serves them by trimming
             for _, prefix in self._trie.pop_prefixes(_MODEL, list(key)):
                 old = self._entries.pop(prefix)
+                self.held.remove(prefix)
                 self._bytes -= old.nbytes
                 _remove(*self._paths(old))
         while self._bytes > self.max_bytes and len(self._entries) > 1:
@@ -271,6 +279,7 @@ class DiskTier:
 
     def _forget(self, key: tuple[int, ...]) -> None:
         self._trie.pop(_MODEL, list(key))
+        self.held.remove(key)
         self._bytes -= self._entries.pop(key).nbytes
 
     def _paths(self, entry: _OnDisk) -> tuple[Path, Path]:

@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
 from replicas.engine.disk_cache import DiskTier
+from replicas.engine.prefix_directory import HeldBlocks
 from replicas.engine.quantized_kv import QuantizedRowKVCache
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class _Entry:
 
 class PromptCache:
     def __init__(self, max_bytes: int, cost_scale: tuple[int, int] = (1, 1),
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, held: HeldBlocks | None = None) -> None:
         """`cost_scale` (num, den): an entry counts `nbytes * num // den` against
         `max_bytes`. A pipeline stage holding `l` of a model's `L` layers on `n` ranks uses
         (L, l * n): every stage then counts the same bytes for the same tokens, so all
@@ -74,6 +75,8 @@ class PromptCache:
         self._scale = cost_scale
         # Where evicted entries go, and every entry at shutdown; looked up after memory.
         self._disk = disk
+        # The prefix directory's view of what this tier holds (`replicas.engine.prefix_directory`).
+        self._held = held or HeldBlocks()
         self._trie = PromptTrie()
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
@@ -94,12 +97,16 @@ class PromptCache:
                                 disk.hits if disk else 0, disk.nbytes if disk else 0,
                                 len(disk) if disk else 0)
 
-    def fetch(self, tokens: list[int]) -> CacheHit | None:
+    def fetch(self, tokens: list[int], count: bool = True) -> CacheHit | None:
         """The longest usable cached prefix of `tokens`, as a cache the caller may own, or
-        None. At least the last token is always left out: its logits start generation."""
+        None. At least the last token is always left out: its logits start generation.
+        `count`: a request's lookup (the stats count it); False for another replica's
+        pull (`replicas.kv_pull`)."""
         hit = self._lookup(tokens[:-1]) if len(tokens) > 1 else None
         if self._disk is not None:
             hit = self._from_disk(tokens, hit)
+        if not count:
+            return hit
         if hit is None:
             self._misses += 1
         else:
@@ -113,20 +120,31 @@ class PromptCache:
                      self._evictions)
         return hit
 
+    def held_length(self, tokens: list[int]) -> int:
+        """The prompt tokens `fetch` would serve now from either tier, with no side
+        effect: what a replica has before it asks another for more."""
+        found = self._find(tokens[:-1]) if len(tokens) > 1 else None
+        disk = self._disk.lookup(tokens) if self._disk is not None else None
+        return max(found[1] if found else 0, disk.length if disk else 0)
+
     def _lookup(self, usable: list[int]) -> CacheHit | None:
+        found = self._find(usable)
+        return self._hit(*found) if found else None
+
+    def _find(self, usable: list[int]) -> tuple[tuple[int, ...], int] | None:
+        """The entry serving the longest prefix of `usable`, and that prefix's length."""
         found = self._trie.search(_MODEL, usable)
         if found.exact is not None:
-            return self._hit(tuple(found.exact), len(found.exact))
+            return tuple(found.exact), len(found.exact)
         shorter = len(found.shorter) if found.shorter is not None else 0
         if found.longer is not None and found.common_prefix > shorter:
             key = tuple(found.longer)
-            entry = self._lru[key]
             # A longer entry serves a prefix only where every layer can drop its tail;
             # recurrent state cannot, so hybrid models get exact or shorter matches.
-            if can_trim_prompt_cache(entry.cache):
-                return self._hit(key, found.common_prefix)
+            if can_trim_prompt_cache(self._lru[key].cache):
+                return key, found.common_prefix
         if found.shorter is not None:
-            return self._hit(tuple(found.shorter), shorter)
+            return tuple(found.shorter), shorter
         return None
 
     def _from_disk(self, tokens: list[int], hit: CacheHit | None) -> CacheHit | None:
@@ -195,12 +213,15 @@ class PromptCache:
         previous = self._trie.add(_MODEL, list(key), key)
         if previous is not None:
             self._bytes -= self._lru.pop(key).nbytes
+        else:
+            self._held.add(key)
         self._lru[key] = _Entry(cache, nbytes)
         self._bytes += nbytes
         if can_trim_prompt_cache(cache):
             # Entries on this one's path are its prefixes: it serves them by trimming.
             for _, prefix_key in self._trie.pop_prefixes(_MODEL, list(key)):
                 self._bytes -= self._lru.pop(prefix_key).nbytes
+                self._held.remove(prefix_key)
         self.evict_to(self.max_bytes)
 
     def evict_to(self, limit: int) -> None:
@@ -209,6 +230,7 @@ class PromptCache:
         while self._bytes > max(0, limit) and self._lru:
             old_key, old = self._lru.popitem(last=False)
             self._trie.pop(_MODEL, list(old_key))
+            self._held.remove(old_key)
             self._bytes -= old.nbytes
             self._evictions += 1
             if self._disk is not None:

@@ -33,6 +33,7 @@ from replicas.engine.lockstep import Follower
 from replicas.engine.stages import held_layers, split_stages, stage_layers
 from replicas.engine.quantized_kv import cache_maker
 from replicas.engine.memory import RankMemory, plan_memory
+from replicas.engine.prefix_directory import HeldBlocks
 from replicas.startup import Progress
 
 
@@ -128,11 +129,13 @@ def _file(text: str) -> str:
     return f.name
 
 
-def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig
+def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig,
+               held: HeldBlocks | None = None
                ) -> tuple[LoadedModel, LocalBatch, mx.distributed.Group, tuple[RankMemory, ...]]:
     """Join the group, load this rank's shard (mlx-lm's `sharded_load`: a pipeline stage
     reads only its layers' files), make its local batch, and fix its memory: every rank
-    measures its own KV and sets its own limit, and each learns every rank's."""
+    measures its own KV and sets its own limit, and each learns every rank's. `held`: rank
+    0's prefix directory's view of its cache (every rank's cache holds the same entries)."""
     with Progress(f"joining {plan.label} of {source} over {plan.backend}"):
         group = join(plan)
     with Progress(f"loading model {source}, {plan.label}, from {resolved}"):
@@ -144,7 +147,7 @@ def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: Engin
     if plan.layers is not None:
         _check_stage(model, plan.layers, plan)
     loaded = loaded_model(source, resolved, model, tokenizer, model_conf)
-    batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan))
+    batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan), held=held)
     # Every rank runs the probe's forward pass (and its collectives) here, together.
     mine = plan_memory(model, config.kv_budget_bytes, plan.label,
                        make_cache=cache_maker(config.kv_bits, config.kv_group_size))

@@ -27,12 +27,16 @@ from openai import Stream
 from openai.types import Completion
 
 from deployments.app import build_app
+from ingress.openai.convert import chat_request
+from ingress.openai.models import ChatCompletionRequest
+from replicas.contract import Finished
 from replicas.builtin import ensure_builtin
 from tests.reliability.wire import never_end_bias
 from tests.serve_process import free_port
 
 pytestmark = pytest.mark.cluster
 STICKY, SPREAD, HEADROOM = "orchard-sticky", "orchard-spread", "orchard-headroom"
+PULLING = "orchard-pull"
 # orchard-headroom's KV budget in tokens of the tiny model (1024 bytes a token: 2 layers x
 # 2 KV heads x head_dim 32 x K and V x float32). It reserves a request's whole max_tokens
 # up front, so a blocker (a short prompt, a long output: quick to start, slow to end)
@@ -58,6 +62,11 @@ def base_url() -> Iterator[str]:
         models = [{"id": model, "source": "builtin:tiny", "num_replicas": 2,
                    "max_model_len": 4096, "routing": {"policy": policy}}
                   for model, policy in ((STICKY, "auto"), (SPREAD, "none"))]
+        # A holder one request busier than the other replica loses its preference, so
+        # the turn runs elsewhere and pulls the holder's KV.
+        models.append({"id": PULLING, "source": "builtin:tiny", "num_replicas": 2,
+                       "max_model_len": 4096, "routing": {"max_imbalance": 0,
+                                                          "pull": {"min_tokens": 32}}})
         models.append({"id": HEADROOM, "source": "builtin:tiny", "num_replicas": 2,
                        "routing": {"stats_period_s": 0.5},
                        # No queue for memory: a replica without room would refuse at once,
@@ -149,6 +158,92 @@ def test_a_session_key_keeps_unrelated_prompts_together(base_url: str) -> None:
             after = submitted(STICKY)
             replicas += [name for name in after if after[name] > before.get(name, 0)]
     assert len(replicas) == 6 and len(set(replicas)) == 1, replicas
+
+
+def test_a_router_that_never_saw_a_conversation_finds_its_prefix_in_the_directory(
+        base_url: str) -> None:
+    """The cluster prefix directory: turn 1 of each conversation goes through the
+    ingress; turn 2 through a handle made in this process, whose router is its own and
+    routed none of them. Only the replicas' reports (their routing stats) can say where
+    each prefix lives; with the odds of a coin, all 8 landing right would be 1 in 256."""
+    history = {c: [{"role": "system", "content": SYSTEM},
+                   {"role": "user", "content": f"Directory conversation {c}: name a river."}]
+               for c in range(CONVERSATIONS)}
+    first: dict[int, str] = {}
+    prompt: dict[int, int] = {}
+    with httpx.Client(timeout=120) as client:
+        for c in range(CONVERSATIONS):
+            before = submitted(STICKY)
+            r = client.post(f"{base_url}/v1/chat/completions", json={
+                "model": STICKY, "messages": history[c], "temperature": 0, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            (first[c],) = [n for n, k in submitted(STICKY).items() if k > before.get(n, 0)]
+            prompt[c] = r.json()["usage"]["prompt_tokens"]
+            history[c] += [{"role": "assistant",
+                            "content": r.json()["choices"][0]["message"]["content"]},
+                           {"role": "user", "content": "And another one?"}]
+    time.sleep(STATS_SETTLE_S)  # the replicas' next reports reach every handle
+    handle = serve.get_deployment_handle(f"model:{STICKY}", app_name="orchard")
+    for c in range(CONVERSATIONS):
+        body = ChatCompletionRequest.model_validate(
+            {"model": STICKY, "messages": history[c], "temperature": 0, "max_tokens": 8})
+        before = submitted(STICKY)
+        events = [e for batch in handle.options(stream=True).stream.remote(
+            chat_request(body, STICKY)) for e in batch]
+        (went,) = [n for n, k in submitted(STICKY).items() if k > before.get(n, 0)]
+        (done,) = [e for e in events if isinstance(e, Finished)]
+        assert went == first[c], f"conversation {c}: turn 1 on {first[c]}, turn 2 on {went}"
+        assert done.usage.cached_tokens >= prompt[c], (c, done.usage, prompt[c])
+
+
+def landed_on(model: str, before: dict[str, int]) -> str:
+    """The one replica of `model` whose `submitted` count grew past `before`."""
+    (grew,) = [n for n, k in submitted(model).items() if k > before.get(n, 0)]
+    return grew
+
+
+def test_a_turn_sent_away_from_its_holder_pulls_the_kv_instead_of_prefilling(
+        base_url: str, client: openai.OpenAI) -> None:
+    """Pull instead of recompute: turn 1 runs on replica A; a long stream then keeps A
+    busier than B, so turn 2 runs on B, which pulls turn 1's KV from A over Ray's object
+    store (the router names A in the call). B's pull counters say so, the turn's cached
+    tokens cover turn 1, and its text is what a replica computing it afresh writes."""
+    history = [{"role": "system", "content": SYSTEM},
+               {"role": "user", "content": "Pull conversation: name a mountain."}]
+    before = submitted(PULLING)
+    first = client.chat.completions.create(model=PULLING, messages=history,  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=8)
+    holder = landed_on(PULLING, before)
+    assert first.usage is not None
+    history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                {"role": "user", "content": "And another one?"}]
+    time.sleep(STATS_SETTLE_S)  # A's report of what it holds reaches the routers
+    bias = {str(token): int(value) for token, value in never_end_bias().items()}
+    before = submitted(PULLING)
+    blocker = client.chat.completions.create(  # the same prefix: it goes to A too
+        model=PULLING, messages=[*history[:2], {"role": "user", "content": "Go on forever."}],
+        temperature=0, max_tokens=3000, stream=True, logit_bias=bias)  # type: ignore[arg-type]
+    try:
+        assert next(iter(blocker)) is not None  # decoding on A now
+        assert landed_on(PULLING, before) == holder, "the blocker did not go to the holder"
+        before = submitted(PULLING)
+        turn2 = client.chat.completions.create(model=PULLING, messages=history,  # type: ignore[arg-type]
+                                               temperature=0, max_tokens=8)
+        went = landed_on(PULLING, before)
+    finally:
+        blocker.close()
+    assert went != holder, "turn 2 stayed on the holder: nothing to pull"
+    handle = serve.get_deployment_handle(f"model:{PULLING}", app_name="orchard")
+    stats: dict[str, Any] = {}
+    while stats.get("replica") != went:  # a handle call lands on either replica
+        stats = handle.stats.remote().result(timeout_s=60)
+    assert stats["pulls"]["outcomes"] == {"pulled": 1}, stats["pulls"]
+    assert turn2.usage is not None and turn2.usage.prompt_tokens_details is not None
+    cached = turn2.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= 0.9 * first.usage.prompt_tokens and stats["pulls"]["tokens"] == cached
+    fresh = client.chat.completions.create(model=SPREAD, messages=history,  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=8)
+    assert turn2.choices[0].message.content == fresh.choices[0].message.content
 
 
 # ---- memory-aware routing --------------------------------------------------------------

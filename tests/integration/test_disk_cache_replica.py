@@ -4,6 +4,7 @@ and an entry memory evicts is loaded back from disk."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,17 @@ def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path) -> Non
     assert stats.disk_hits == len(LONG)
 
 
+def written(rep: ModelReplica, timeout_s: float = 30) -> None:
+    """Wait for the disk tier's writer thread: evicted entries are written in the
+    background, and a lookup before the write finds nothing (a busy CI box is slow)."""
+    deadline = time.monotonic() + timeout_s
+    seen = [-1]
+    while len(seen) < 4 or len(set(seen[-4:])) > 1 or seen[-1] == 0:
+        assert time.monotonic() < deadline, f"disk entries still changing: {seen}"
+        time.sleep(0.2)
+        seen.append(rep.stats().disk_entries)
+
+
 def test_what_memory_evicts_comes_back_from_disk(tmp_path: Path) -> None:
     # Room in memory for one of the short conversations (about 65 kB of KV each): the
     # second evicts the first to disk; tool-one's (245 kB) never fits and goes there whole.
@@ -51,6 +63,7 @@ def test_what_memory_evicts_comes_back_from_disk(tmp_path: Path) -> None:
     try:
         first = {sid: generate(rep, sid) for sid in SCRIPTS}
         evicted = rep.stats().cache_evictions
+        written(rep)
         again = {sid: generate(rep, sid) for sid in ("multi-turn", "tool-one")}
         stats = rep.stats()
     finally:

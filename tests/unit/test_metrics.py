@@ -63,6 +63,20 @@ def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
                               *metrics.DISK_METRICS, *metrics.SPECULATIVE_METRICS}
 
 
+def test_a_pull_counts_its_outcome_and_only_a_pull_moves_tokens(
+        recorders: dict[str, _Recorder]) -> None:
+    record = metrics.kv_pulls("m")
+    assert set(recorders) == set(metrics.PULL_METRICS)
+    record("recomputed", 0, 0, 0.0)
+    record("pulled", 900, 1 << 20, 0.25)
+    assert recorders["orchard_kv_pulls_total"].calls == [
+        ("inc", 1, {"model": "m", "outcome": "recomputed"}),
+        ("inc", 1, {"model": "m", "outcome": "pulled"})]
+    assert recorders["orchard_kv_pulled_tokens_total"].calls == [("inc", 900, {"model": "m"})]
+    assert recorders["orchard_kv_pulled_bytes_total"].calls == [("inc", 1 << 20, {"model": "m"})]
+    assert recorders["orchard_kv_pull_seconds"].calls == [("observe", 0.25, {"model": "m"})]
+
+
 def test_a_finished_request_counts_once_with_its_labels(recorders: dict[str, _Recorder]) -> None:
     metrics.RequestMetrics().request_finished(RECORD)
     api = {"model": "m", "protocol": "openai", "endpoint": "/v1/chat/completions"}

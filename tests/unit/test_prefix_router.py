@@ -12,12 +12,7 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments.config import ModelSettings
 from deployments.headroom import Ledger, MemoryShed, ReplicaRoom, Room, prompt_tokens
-from deployments.prefix_router import (
-    TEXT_BLOCK_CHARS,
-    Affinity,
-    PrefixAffinityRouter,
-    routing_keys,
-)
+from deployments.prefix_router import HOLDERS, PREFIXES, Affinity, PrefixAffinityRouter
 from replicas.contract import (
     ChatMessage,
     ChatPrompt,
@@ -26,6 +21,8 @@ from replicas.contract import (
     TokenPrompt,
     ToolSpec,
 )
+from replicas.engine.kv_transfer import PrefixPull
+from replicas.routing_keys import TEXT_BLOCK_CHARS, routing_keys
 
 SYSTEM = ChatMessage("system", "You are an agent. " * 50)
 
@@ -174,6 +171,7 @@ class FakeMetadata:
 class FakePending:
     args: list[Any]
     metadata: FakeMetadata
+    kwargs: dict[str, Any] = field(default_factory=dict)
     # Only the memory-aware router's shedding touches it (set_exception).
     future: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.Future(loop=asyncio.new_event_loop()))
@@ -217,6 +215,56 @@ def test_the_router_ranks_the_replica_that_served_the_conversation_first() -> No
                                               FakeMetadata("count_tokens")))
     assert len(counted[0]) == 2
     assert len(choose(r, replicas, FakePending(["not a request"], FakeMetadata("stream")))[0]) == 2
+
+
+def test_a_router_that_never_saw_the_conversation_follows_the_directory() -> None:
+    """Another ingress (or this one after a restart) routed turn 1: only the replicas'
+    reports, the cluster prefix directory, know where its prefix lives."""
+    turn1 = routing_keys(chat("a1"), "prefix")
+    assert turn1 is not None
+    held = {PREFIXES: frozenset(turn1.record)}
+    replicas = [FakeReplica(FakeId("r1")), FakeReplica(FakeId("r2"), routing_stats=held),
+                FakeReplica(FakeId("r3"))]
+    r = router({"r1": 0, "r2": 1, "r3": 0})
+    turn2 = FakePending([chat("a1", "reply", "a2")], FakeMetadata("stream"))
+    ranks = choose(r, replicas, turn2)
+    assert [sorted(x.replica_id.name for x in rank) for rank in ranks] == [["r2"], ["r1", "r3"]]
+    # The call carries the holders, so a replica Serve picks instead can pull from them.
+    assert turn2.kwargs == {HOLDERS: ("r2",)}
+    fresh = FakePending([chat("new")], FakeMetadata("stream"))
+    choose(r, replicas, fresh)
+    assert fresh.kwargs == {}  # no replica holds it: nothing to pull
+
+
+def test_a_pull_goes_to_the_replica_it_names_or_to_any_once_that_one_left() -> None:
+    replicas = [FakeReplica(FakeId("r1")), FakeReplica(FakeId("r2")), FakeReplica(FakeId("r3"))]
+    r = router({"r1": 0, "r2": 5, "r3": 0})
+    pull = PrefixPull((1, 2, 3), 2, "r2")
+    ranks = choose(r, replicas, FakePending([pull], FakeMetadata("export_prefix")))
+    assert [[x.replica_id.name for x in rank] for rank in ranks] == [["r2"]]
+    gone = PrefixPull((1, 2, 3), 2, "r9")
+    ranks = choose(r, replicas, FakePending([gone], FakeMetadata("export_prefix")))
+    assert len(ranks) == 1 and len(ranks[0]) == 2  # power-of-two's pair
+
+
+def test_what_a_replica_holds_beats_where_a_key_was_sent() -> None:
+    affinity = Affinity(max_keys=100, max_imbalance=8)
+    turn1 = routing_keys(chat("a1"), "prefix")
+    assert turn1 is not None
+    affinity.record(turn1, "r1")
+    turn2 = routing_keys(chat("a1", "reply", "a2"), "prefix")
+    loads: dict[str, int | None] = {"r1": 0, "r2": 0}
+    # r1 evicted it since, and r2 holds it (another router sent the conversation there).
+    assert affinity.rank(turn2, loads, directory={"r2": set(turn1.record)})[0] == ["r2"]
+    # Where both hold it, the one this router sent it to stays first.
+    both = {"r1": set(turn1.record), "r2": set(turn1.record)}
+    assert affinity.rank(turn2, loads, directory=both)[0] == ["r1"]
+    # A deeper key this router recorded beats a shallower one a replica reports.
+    affinity.record(turn2, "r1")  # type: ignore[arg-type]
+    turn3 = routing_keys(chat("a1", "reply", "a2", "reply", "a3"), "prefix")
+    assert affinity.rank(turn3, loads, directory={"r2": set(turn1.record)})[0] == ["r1"]
+    # Nobody reports, nobody recorded: no preference.
+    assert affinity.rank(routing_keys(chat("new"), "prefix"), loads, directory={}) == []
 
 
 def test_each_api_carries_the_clients_session_key_into_the_request() -> None:
