@@ -12,6 +12,7 @@ from deployments.config import AppArgs, ModelSettings
 from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
 from deployments.prefix_router import PrefixAffinityRouter
+from deployments.roles import served
 from replicas.sources import BUILTIN_PREFIX, resolve_source
 
 
@@ -29,7 +30,7 @@ def build_app(args: dict[str, Any]) -> Application:
     cards = [
         {"id": m.id, "aliases": tuple(m.aliases), "created": created,
          "context_length": m.max_model_len, "capabilities": _capabilities(m)}
-        for m in config.models
+        for m in config.served_models
     ]
     # Each deployment gets its effective placement, so a replica can check Metal itself.
     settings = [m.with_placement(config.cluster.placement)
@@ -43,8 +44,14 @@ def build_app(args: dict[str, Any]) -> Application:
             **_deployment_options(only, only.max_ongoing_requests + _COLOCATED_HEADROOM))
         return colocated.bind(only.model_dump(), cards[0], edge=edge)
     observability = config.observability.model_dump()
-    models = [_model_deployment(m).bind(m.model_dump(), config.ingress.max_stops, observability)
-              for m in settings]
+    # A split model's prefill replicas are a deployment of their own, which only its decode
+    # replicas call (`prefill:ID`); clients reach the decode ones, under the model's name.
+    prefill = {m.id: _model_deployment(m).bind(m.model_dump(), config.ingress.max_stops,
+                                               observability)
+               for m in settings if m.role == "prefill"}
+    models = [_model_deployment(m).bind(m.model_dump(), config.ingress.max_stops, observability,
+                                        prefill=prefill.get(m.id))
+              for m in served(settings)]
     return _deployment(Ingress).options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
@@ -114,7 +121,7 @@ def _deployment(decorated: object) -> Deployment:
 
 def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, Any]:
     options: dict[str, Any] = {
-        "name": f"model:{settings.id}",
+        "name": f"{'prefill' if settings.role == 'prefill' else 'model'}:{settings.id}",
         "max_ongoing_requests": max_ongoing,
         "max_queued_requests": settings.max_queued_requests,
         "ray_actor_options": _actor_options(settings),

@@ -32,6 +32,7 @@ from deployments.replica_settings import (  # noqa: F401 - part of this module's
     _replica_default,
     EngineSettings,
     PromptCacheSettings,
+    PullSettings,
     SpeculativeSettings,
     MemorySettings,
     MEMORY_WAIT_SHARE,
@@ -41,6 +42,7 @@ from deployments.replica_settings import (  # noqa: F401 - part of this module's
     DistributedSettings,
     ClusterSettings,
 )
+from deployments.roles import check_roles, served
 
 
 class ModelSettings(_Strict):
@@ -115,6 +117,14 @@ class ModelSettings(_Strict):
         "layer), `pipeline` (each rank a run of layers); `auto`: tensor where mlx-lm can, "
         "else pipeline. Checked against the architecture at deploy.")
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="Prefill/decode split: a `decode` model and a `prefill` entry "
+        "of the same id and source; the decode replicas hand each prompt with at least "
+        "`prefill_min_tokens` uncached tokens to the prefill replicas, take its KV back "
+        "and stream (docs/cluster.md). `both`: every replica does both.")
+    prefill_min_tokens: int = Field(1024, ge=1, description="On a `decode` model: prompts "
+                                    "missing at least this many cached tokens are prefilled "
+                                    "on the prefill replicas; shorter ones here.")
 
     @field_validator("channel_format", "tool_format")
     @classmethod
@@ -378,9 +388,19 @@ class AppArgs(_Strict):
     @model_validator(mode="after")
     def _names_unique(self) -> "AppArgs":
         seen: set[str] = set()
-        for model in self.models:
+        for model in self.served_models:
             for name in (model.id, *model.aliases):
                 if name in seen:
                     raise ValueError(f"model name '{name}' is used twice")
                 seen.add(name)
         return self
+
+    @model_validator(mode="after")
+    def _roles_paired(self) -> "AppArgs":
+        check_roles(self.models)
+        return self
+
+    @property
+    def served_models(self) -> list[ModelSettings]:
+        """The models clients name: every entry but the prefill replicas of a split one."""
+        return served(self.models)

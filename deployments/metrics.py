@@ -141,23 +141,25 @@ def stream_resumes() -> Callable[[str], None]:
     return lambda model: counter.inc(1, {"model": model})
 
 
-PullRecorder = Callable[[str, int, int, float], None]
+PullRecorder = Callable[[str, str, int, int, float], None]
 
 
 def kv_pulls(model: str) -> PullRecorder:
-    """Counts a replica's prefix pulls: `(outcome, tokens saved, bytes, seconds)`."""
-    tags = {"model": model}
-    tries = Counter("orchard_kv_pulls_total", "Prefix KV pulls a replica tried, by outcome "
-                    "(pulled, declined, failed, recomputed: a prefill was estimated faster).",
-                    tag_keys=_keys("model", "outcome"))
+    """Counts a replica's prefix pulls: `(source, outcome, tokens saved, bytes, seconds)`,
+    the source a holder of the prefix or a prefill replica (`role: prefill`)."""
+    tries = Counter("orchard_kv_pulls_total", "Prefix KV pulls a replica tried, by source "
+                    "and outcome (pulled, declined, failed, recomputed: a prefill was "
+                    "estimated faster).", tag_keys=_keys("model", "source", "outcome"))
     tokens = Counter("orchard_kv_pulled_tokens_total", "Prompt tokens whose KV was pulled "
-                     "from another replica instead of prefilled.", tag_keys=_keys("model"))
+                     "from another replica instead of prefilled here.",
+                     tag_keys=_keys("model", "source"))
     moved = Counter("orchard_kv_pulled_bytes_total", "Bytes of KV pulled from other replicas.",
-                    tag_keys=_keys("model"))
+                    tag_keys=_keys("model", "source"))
     took = Histogram("orchard_kv_pull_seconds", "Time from asking for a prefix's KV to "
-                     "holding it.", boundaries=LATENCY_BUCKETS, tag_keys=_keys("model"))
+                     "holding it.", boundaries=LATENCY_BUCKETS, tag_keys=_keys("model", "source"))
 
-    def record(outcome: str, saved: int, nbytes: int, seconds: float) -> None:
+    def record(source: str, outcome: str, saved: int, nbytes: int, seconds: float) -> None:
+        tags = {"model": model, "source": source}
         tries.inc(1, {**tags, "outcome": outcome})
         if outcome == "pulled":
             tokens.inc(saved, tags)

@@ -16,6 +16,7 @@ from deployments.config import (
     IngressSettings,
     ModelSettings,
     ObservabilitySettings,
+    PullSettings,
     replica_max_stops,
 )
 from deployments.headroom import ReplicaRoom
@@ -33,7 +34,7 @@ from replicas.contract import (
 )
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv_transfer import PrefixKV, PrefixPull
-from replicas.kv_pull import Fetch
+from replicas.kv_pull import Fetch, Source
 from replicas.replica import ModelReplica, ReplicaOptions
 
 
@@ -66,7 +67,7 @@ def replica_options(settings: ModelSettings,
         load_timeout_s=settings.load_timeout_s,
         flush_interval_s=settings.stream_flush_ms / 1000,
         max_chunks_per_s=settings.stream_chunks_per_s,
-        pull=settings.routing.pull.options() if settings.routing.pull else None,
+        pull=(settings.routing.pull or PullSettings()).options(),
         embeddings=settings.embeddings,
         embedding_dimensions=settings.embedding_dimensions,
         kind=settings.kind,
@@ -97,8 +98,8 @@ class ReplicaOwner:
         record = kv_pulls(config.id) if observability.metrics else None
         self._replica = ModelReplica(
             options, self._shards.wake if self._shards else None,
-            on_pull=(lambda r: record(r.outcome, r.tokens, r.nbytes, r.seconds)) if record
-            else None)
+            on_pull=(lambda r: record(r.source, r.outcome, r.tokens, r.nbytes, r.seconds))
+            if record else None)
         if self._shards is not None:
             self._shards.watch(self._replica.abort, self._replica.stalled_for)
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
@@ -138,27 +139,35 @@ class ReplicaOwner:
 @serve.deployment
 class ModelDeployment(ReplicaOwner):
     def __init__(self, settings: dict[str, Any], request_max_stops: int = _REQUEST_MAX_STOPS,
-                 observability: dict[str, Any] | None = None) -> None:
-        super().__init__(ModelSettings.model_validate(settings), request_max_stops,
+                 observability: dict[str, Any] | None = None,
+                 prefill: DeploymentHandle | None = None) -> None:
+        """`prefill`: a decode model's prefill replicas (`role`), which long prompts go to."""
+        config = ModelSettings.model_validate(settings)
+        super().__init__(config, request_max_stops,
                          ObservabilitySettings.model_validate(observability or {}))
         self._own: DeploymentHandle | None = None  # this deployment's handle, for pulls
+        self._pull = config.routing.pull
+        self._prefill = None if prefill is None else Source(
+            self._prefilled_by(prefill), config.prefill_min_tokens, estimate=False,
+            kind="prefill")
 
     async def stream(self, request: GenerationRequest, prefix_holders: tuple[str, ...] = ()
                      ) -> AsyncGenerator[list[OutputEvent], None]:
         """`prefix_holders`: the replicas the router knows hold the prompt's prefix (the
         cluster prefix directory), added to the call by the router (`HOLDERS`)."""
         yield []  # accepted: the ingress bounds its wait for a replica on this (model_clients)
-        fetch = self._fetch_from(prefix_holders)
-        async with aclosing(self._replica.stream(request, fetch)) as events:  # closed with us: cancels
+        source = self._holder(prefix_holders) or self._prefill
+        async with aclosing(self._replica.stream(request, source)) as events:  # closed with us: cancels
             async for batch in events:
                 yield batch
 
-    def _fetch_from(self, holders: tuple[str, ...]) -> Fetch | None:
-        """How to ask the first of `holders` for a prefix's KV: a call of its
-        `export_prefix` through this deployment's own handle, which the router sends to
-        that replica; the KV comes back through Ray's object store. None: held here."""
+    def _holder(self, holders: tuple[str, ...]) -> Source | None:
+        """The first of `holders`, asked through this deployment's own handle, whose router
+        sends `export_prefix` to the replica it names; the KV comes back through Ray's
+        object store. None: held here, or pulls are off."""
         context = serve.get_replica_context()
-        if not holders or context.replica_id.to_full_id_str() in holders:
+        if not holders or self._pull is None or \
+                context.replica_id.to_full_id_str() in holders:
             return None
         if self._own is None:
             self._own = serve.get_deployment_handle(context.deployment, context.app_name)
@@ -169,7 +178,19 @@ class ModelDeployment(ReplicaOwner):
                 PrefixPull(tokens, at_least, holder))
             return answer
 
+        return Source(fetch, self._pull.min_tokens)
+
+    @staticmethod
+    def _prefilled_by(prefill: DeploymentHandle) -> Fetch:
+        async def fetch(tokens: tuple[int, ...], at_least: int) -> PrefixKV | None:
+            answer: PrefixKV | None = await prefill.prefill_prefix.remote(tokens)
+            return answer
         return fetch
+
+    async def prefill_prefix(self, tokens: tuple[int, ...]) -> PrefixKV | None:
+        """A decode replica's long prompt (on a `role: prefill` model): prefilled here,
+        its KV handed back."""
+        return await self._replica.prefill_prefix(tokens)
 
     async def export_prefix(self, pull: PrefixPull) -> PrefixKV | None:
         """Another replica's pull: the KV of the longest prefix of its prompt held here."""

@@ -1,15 +1,18 @@
 """TTFT of a turn whose history is in the prefix cache's memory tier, on its disk tier (a
-restarted replica), or nowhere, in-process on one model.
+restarted replica), on another replica (pulled over Ray's object store), or nowhere.
 
     python load/bench_kv_tiers.py [--source builtin:tiny] [--tokens 8192 30000] [--runs 3]
 
 Each run salts a history of about `--tokens` tokens (so no run reuses another's KV) and
-sends it as a chat with `max_tokens` 1 to a `ModelReplica` (no Ray, no HTTP) whose disk tier
-is a fresh directory: first cold (nowhere: the whole prompt is prefilled), then again
-(memory), then to a second replica started on the same directory after the first shut down
-and wrote its cache there (disk). TTFT is from the request to its first event. Prints each
-tier's median TTFT with its range, the cached tokens each tier served, and the ratio of
-cold to each tier, the median of the runs' ratios.
+sends it as a chat with `max_tokens` 1 to a `ModelReplica` (no HTTP) whose disk tier is a
+fresh directory: first cold (nowhere: the whole prompt is prefilled), then again (memory),
+then to a second replica started on the same directory after the first shut down and wrote
+its cache there (disk). For the remote tier two replicas run in Ray actors of their own
+(two processes, a private local Ray on 127.0.0.1): one serves the history, the other is
+sent the turn and pulls the KV from the first (`load/kv_remote.py`). TTFT is from the
+request to its first event, the pull included. Prints each tier's median TTFT with its
+range, the cached tokens each tier served, the ratio of cold to each tier (the median of
+the runs' ratios), and the pull's bytes and rate (bytes over the remote turn's TTFT).
 """
 
 from __future__ import annotations
@@ -20,24 +23,19 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
-from replicas.contract import (  # noqa: E402
-    ChatMessage,
-    ChatPrompt,
-    Finished,
-    GenerationRequest,
-    SamplingParams,
-)
+import ray  # noqa: E402
+
+from load.kv_remote import remote_turn, timed_turn  # noqa: E402
 from replicas.engine.config import EngineConfig  # noqa: E402
 from replicas.replica import ModelReplica, ReplicaOptions  # noqa: E402
 
 WORDS = ("the river runs past the old mill where children play in summer and the "
          "lighthouse keeper writes letters about storms ships and the quiet sea").split()
-TIERS = ("nowhere", "memory", "disk")
+TIERS = ("nowhere", "memory", "disk", "remote")
 
 
 def history(tokens: int, rng: random.Random) -> str:
@@ -55,22 +53,7 @@ def replica(source: str, directory: Path) -> ModelReplica:
 
 def turn(rep: ModelReplica, text: str) -> tuple[float, int, int]:
     """(TTFT seconds, prompt tokens, cached tokens) of one greedy one-token turn."""
-    request = GenerationRequest(f"r{time.monotonic_ns()}", "m", ChatPrompt((
-        ChatMessage("system", text), ChatMessage("user", "And then?"))),
-        SamplingParams(max_tokens=1, temperature=0.0))
-
-    async def run() -> tuple[float, int, int]:
-        start = time.perf_counter()
-        first = 0.0
-        events = []
-        async for batch in rep.stream(request):
-            first = first or time.perf_counter() - start
-            events += batch
-        finished = events[-1]
-        assert isinstance(finished, Finished), f"the turn failed: {finished}"
-        return first, finished.usage.prompt_tokens, finished.usage.cached_tokens
-
-    return asyncio.run(run())
+    return asyncio.run(timed_turn(rep, text))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,44 +70,63 @@ def main() -> None:
     if args.runs < 3:
         raise SystemExit("--runs must be at least 3: a median of fewer is one run")
     rng = random.Random(1234)
-    print(f"model {args.source}, {args.runs} runs per history length, max_tokens 1, "
-          "in-process; TTFT medians (min-max)")
+    root = str(Path(__file__).resolve().parents[1])  # the actors import this repository
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": root}})
+    print(f"model {args.source}, {args.runs} runs per history length, max_tokens 1; TTFT "
+          "medians (min-max)")
     print(f"{'tokens':>7}" + "".join(f"{t + ' TTFT ms':>24}" for t in TIERS)
-          + f"{'cached mem/disk':>18}{'nowhere/memory':>16}{'nowhere/disk':>14}")
-    for tokens in args.tokens:
-        ttft: dict[str, list[float]] = {t: [] for t in TIERS}
-        cached: dict[str, list[int]] = {t: [] for t in TIERS}
-        prompts = []
-        for _ in range(args.runs):
-            text = history(tokens, rng)
-            with tempfile.TemporaryDirectory() as directory:
-                first = replica(args.source, Path(directory))
-                try:
-                    for tier in ("nowhere", "memory"):
-                        seconds, prompt, hit = turn(first, text)
-                        ttft[tier].append(seconds)
-                        cached[tier].append(hit)
-                finally:
-                    first.shutdown()  # the memory tier goes to disk
-                second = replica(args.source, Path(directory))
-                try:
-                    seconds, prompt, hit = turn(second, text)
-                    ttft["disk"].append(seconds)
-                    cached["disk"].append(hit)
-                finally:
-                    second.shutdown()
-            prompts.append(prompt)
+          + f"{'cached mem/disk/remote':>24}" + "".join(f"{'nowhere/' + t:>16}"
+                                                        for t in TIERS[1:])
+          + f"{'pulled MiB':>12}{'MB/s':>8}")
+    try:
+        for tokens in args.tokens:
+            tiers(args.source, tokens, args.runs, rng)
+    finally:
+        ray.shutdown()
 
-        def spread(values: list[float]) -> str:
-            ms = [v * 1000 for v in values]
-            return f"{statistics.median(ms):.0f} ({min(ms):.0f}-{max(ms):.0f})"
 
-        ratios = {t: statistics.median(n / v for n, v in zip(ttft["nowhere"], ttft[t]))
-                  for t in ("memory", "disk")}
-        print(f"{statistics.median(prompts):>7.0f}"
-              + "".join(f"{spread(ttft[t]):>24}" for t in TIERS)
-              + f"{statistics.median(cached['memory']):>9.0f}/{statistics.median(cached['disk']):<8.0f}"
-              + f"{ratios['memory']:>16.1f}{ratios['disk']:>14.1f}")
+def tiers(source: str, tokens: int, runs: int, rng: random.Random) -> None:
+    """One row: every tier's TTFT for histories of about `tokens` tokens."""
+    ttft: dict[str, list[float]] = {t: [] for t in TIERS}
+    cached: dict[str, list[int]] = {t: [] for t in TIERS}
+    prompts, pulled = [], []
+    for _ in range(runs):
+        text = history(tokens, rng)
+        with tempfile.TemporaryDirectory() as directory:
+            first = replica(source, Path(directory))
+            try:
+                for tier in ("nowhere", "memory"):
+                    seconds, prompt, hit = turn(first, text)
+                    ttft[tier].append(seconds)
+                    cached[tier].append(hit)
+            finally:
+                first.shutdown()  # the memory tier goes to disk
+            second = replica(source, Path(directory))
+            try:
+                seconds, prompt, hit = turn(second, text)
+                ttft["disk"].append(seconds)
+                cached["disk"].append(hit)
+            finally:
+                second.shutdown()
+        seconds, prompt, hit, nbytes = remote_turn(source, text)
+        ttft["remote"].append(seconds)
+        cached["remote"].append(hit)
+        pulled.append(nbytes)
+        prompts.append(prompt)
+
+    def spread(values: list[float]) -> str:
+        ms = [v * 1000 for v in values]
+        return f"{statistics.median(ms):.0f} ({min(ms):.0f}-{max(ms):.0f})"
+
+    ratios = [statistics.median(n / v for n, v in zip(ttft["nowhere"], ttft[t]))
+              for t in TIERS[1:]]
+    rate = statistics.median(b / s for b, s in zip(pulled, ttft["remote"])) / 1e6
+    print(f"{statistics.median(prompts):>7.0f}"
+          + "".join(f"{spread(ttft[t]):>24}" for t in TIERS)
+          + f"{'/'.join(f'{statistics.median(cached[t]):.0f}' for t in TIERS[1:]):>24}"
+          + "".join(f"{r:>16.1f}" for r in ratios)
+          + f"{statistics.median(pulled) / 2**20:>12.1f}{rate:>8.0f}")
 
 
 if __name__ == "__main__":

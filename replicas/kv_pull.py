@@ -1,9 +1,13 @@
-"""Pull instead of recompute: before a request starts, fetch its prompt's prefix KV from the
-replica of the same model that holds it, when that is faster than prefilling it here.
+"""Pull instead of recompute: before a request starts, fetch its prompt's prefix KV from
+another replica of the same model, when that pays.
 
-The router names the holders it knows of (the cluster prefix directory); the deployment
-turns that into a `Fetch` over Ray, which asks the holder for the KV (`KvPuller.export`
-there). This module decides and moves bytes only: no Ray, no HTTP.
+Two sources (`Source`): a replica the router names as holding the prefix (the cluster
+prefix directory), asked when moving the KV is estimated faster than prefilling it here;
+and a prefill replica (`role: prefill`), asked for every long prompt, which prefills it
+there and hands its KV over, so that long prefills never stall this replica's decoding
+streams. The deployment turns either into a `Fetch` over Ray (`KvPuller.export` or
+`ModelReplica.prefill_prefix` answers it). This module decides and moves bytes only: no
+Ray, no HTTP.
 
 The decision compares two estimates per missing token: its KV bytes over the link's rate
 (measured on this replica's earlier pulls; `link_bytes_per_s` until then) against its
@@ -35,11 +39,24 @@ Outcome = Literal["pulled", "declined", "failed", "recomputed"]
 
 
 @dataclass(frozen=True)
+class Source:
+    """Where a request's prefix KV may come from, and when to ask."""
+
+    fetch: Fetch
+    min_tokens: int  # ask when at least this many prompt tokens are missing here
+    # A holder is asked only where moving beats prefilling here; a prefill replica always
+    # (its point is to keep long prefills off this replica's decode steps).
+    estimate: bool = True
+    kind: Literal["holder", "prefill"] = "holder"
+
+
+@dataclass(frozen=True)
 class PullResult:
     outcome: Outcome  # declined: the holder no longer had enough; recomputed: not worth it
     tokens: int = 0  # prompt tokens the pulled KV saved from prefill
     nbytes: int = 0
     seconds: float = 0.0
+    source: Literal["holder", "prefill"] = "holder"
 
 
 class Rate:
@@ -72,12 +89,10 @@ class KvPuller:
         self.pulled_bytes = 0
         self.outcomes: dict[str, int] = {}
 
-    def worth(self, missing: int) -> bool:
-        """Whether pulling `missing` tokens' KV beats prefilling them here."""
-        if missing < self.options.min_tokens:
-            return False
+    def faster(self, missing: int) -> bool:
+        """Whether moving `missing` tokens' KV is estimated faster than prefilling them."""
         if self.prefill.value is None or self.token_bytes is None or not self.link.value:
-            return True  # nothing measured yet: a long prefix is worth trying
+            return True  # nothing measured yet: a long prefix is worth a try
         return missing * self.token_bytes / self.link.value < missing / self.prefill.value
 
     def prefilled(self, tokens: int, seconds: float) -> None:
@@ -91,28 +106,35 @@ class KvPuller:
 
     # ---- the asker ----------------------------------------------------------------------
 
-    async def before(self, prompt: tuple[int, ...], fetch: Fetch) -> PullResult | None:
-        """Pull `prompt`'s prefix into this replica's cache when it is worth it; None when
-        this replica lacks too little of it to ask."""
+    async def before(self, prompt: tuple[int, ...], source: Source) -> PullResult | None:
+        """Pull `prompt`'s prefix into this replica's cache from `source` when it pays;
+        None when this replica lacks too little of it to ask."""
+        if len(prompt) - 1 < source.min_tokens:
+            return None  # too short to ask whatever is cached: no engine round trip
         have: int = await self._on_engine(lambda: self._held(prompt))
         missing = len(prompt) - 1 - have  # the last token is always computed
-        if missing < self.options.min_tokens:
+        if missing < source.min_tokens:
             return None
-        if not self.worth(missing):
-            return self._count(PullResult("recomputed"))
+        if source.estimate and not self.faster(missing):
+            return self._count(PullResult("recomputed", source=source.kind))
         started = time.monotonic()
+
+        def ended(outcome: Outcome) -> PullResult:
+            return self._count(PullResult(outcome, seconds=time.monotonic() - started,
+                                          source=source.kind))
+
         try:
-            kv = await asyncio.wait_for(fetch(prompt, have + self.options.min_tokens),
+            kv = await asyncio.wait_for(source.fetch(prompt, have + source.min_tokens),
                                         self.options.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed pull costs a prefill, not the request
-            log.warning("pulling %d prompt tokens' KV failed (%s: %s); prefilling them",
-                        missing, type(exc).__name__, exc)
-            return self._count(PullResult("failed", seconds=time.monotonic() - started))
+            log.warning("pulling %d prompt tokens' KV from a %s replica failed (%s: %s); "
+                        "prefilling them", missing, source.kind, type(exc).__name__, exc)
+            return ended("failed")
         if kv is None:
-            return self._count(PullResult("declined", seconds=time.monotonic() - started))
+            return ended("declined")
         if kv.fingerprint != self.fingerprint or prompt[:len(kv.tokens)] != kv.tokens:
             log.warning("a pulled KV prefix is for another model or prompt; not used")
-            return self._count(PullResult("failed", seconds=time.monotonic() - started))
+            return ended("failed")
         layers = await asyncio.to_thread(decode, kv.payload)
         await self._on_engine(lambda: self._adopt(kv.tokens, layers))
         seconds = time.monotonic() - started
@@ -121,9 +143,9 @@ class KvPuller:
         self.token_bytes = len(kv.payload) / len(kv.tokens)
         self.pulled_tokens += saved
         self.pulled_bytes += len(kv.payload)
-        log.info("pulled the KV of %d prompt tokens (%d bytes) in %.3f s", saved,
-                 len(kv.payload), seconds)
-        return self._count(PullResult("pulled", saved, len(kv.payload), seconds))
+        log.info("pulled the KV of %d prompt tokens (%d bytes) from a %s replica in %.3f s",
+                 saved, len(kv.payload), source.kind, seconds)
+        return self._count(PullResult("pulled", saved, len(kv.payload), seconds, source.kind))
 
     def _held(self, prompt: tuple[int, ...]) -> int:
         cache = self._cache()
@@ -135,7 +157,8 @@ class KvPuller:
             cache.save(list(tokens), layers, spill=False)
 
     def _count(self, result: PullResult) -> PullResult:
-        self.outcomes[result.outcome] = self.outcomes.get(result.outcome, 0) + 1
+        name = result.outcome if result.source == "holder" else f"{result.source} {result.outcome}"
+        self.outcomes[name] = self.outcomes.get(name, 0) + 1
         return result
 
     # ---- the holder ---------------------------------------------------------------------

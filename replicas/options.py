@@ -46,8 +46,8 @@ class ReplicaOptions:
     # many streams each chunk waits longer and carries more tokens; one stream alone stays
     # at `flush_interval_s`.
     max_chunks_per_s: float = 500.0
-    # Pulling prefix KV from the replica that holds it (`replicas.kv_pull`); None: never.
-    pull: PullOptions | None = None
+    # Pulling prefix KV from the replica that holds it (`replicas.kv_pull`): when it pays.
+    pull: PullOptions = field(default_factory=PullOptions)
     # This process's part of a sharded replica (rank 0 here); None: the whole model.
     shard: ShardPlan | None = None
     # `/v1/embeddings`: the pooling a chat model opts in with (or that overrides an

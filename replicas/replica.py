@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from pathlib import Path
 from typing import Any, AsyncGenerator, Callable
 
@@ -22,8 +23,10 @@ from replicas.contract import (
     Finished,
     GenerationRequest,
     OutputEvent,
+    SamplingParams,
     TextPrompt,
     TokenizerInfo,
+    TokenPrompt,
     is_terminal,
     merge_deltas,
 )
@@ -52,7 +55,7 @@ from replicas.families.tool_format import ToolFormat
 from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.prepare import InputProcessor, Prepared
 from replicas.routing_keys import token_spans
-from replicas.kv_pull import Fetch, KvPuller, PullResult
+from replicas.kv_pull import KvPuller, PullResult, Source
 from replicas.engine.kv_transfer import PrefixKV, PrefixPull
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
@@ -161,8 +164,7 @@ class ModelReplica:
         local, engine = self._local, self.options.engine
         # Only whole-model, unquantized caches move: a shard holds part of each layer, and
         # mlx-lm's loader knows only its own cache classes.
-        if self.options.pull is not None and local is not None and local.cache is not None \
-                and engine.kv_bits is None:
+        if local is not None and local.cache is not None and engine.kv_bits is None:
             self._puller = KvPuller(self.options.pull, self._engine.call, lambda: local.cache,
                                     model_fingerprint(model.path, model.model))
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
@@ -241,12 +243,12 @@ class ModelReplica:
 
     # ---- requests -----------------------------------------------------------------------
 
-    async def stream(self, request: GenerationRequest, fetch: Fetch | None = None
+    async def stream(self, request: GenerationRequest, source: Source | None = None
                      ) -> AsyncGenerator[list[OutputEvent], None]:
         """Events in order, coalesced: the first batch leaves at once, later ones at most
         every `flush_interval_s`, each holding everything that arrived meanwhile.
-        `fetch`: asks the replica the router says holds the prompt's prefix for its KV
-        (`replicas.kv_pull`), tried before the request starts when worth it."""
+        `source`: another replica that may give the prompt's prefix KV (`replicas.kv_pull`),
+        asked before the request starts where that pays."""
         if self._encoder_only:
             yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' is an "
                           "embedding encoder: it serves /v1/embeddings only")]
@@ -260,9 +262,9 @@ class ModelReplica:
             return
         warnings = prepared.warnings
         ready = prepared.request
-        if fetch is not None and self._puller is not None and ready.embeddings is None \
+        if source is not None and self._puller is not None and ready.embeddings is None \
                 and ready.sampled_before == 0:
-            result = await self._puller.before(ready.prompt_ids, fetch)
+            result = await self._puller.before(ready.prompt_ids, source)
             if result is not None:
                 self._on_pull(result)
         submitted = loop.time()
@@ -301,6 +303,20 @@ class ModelReplica:
     async def export_prefix(self, pull: PrefixPull) -> PrefixKV | None:
         """Another replica's pull: the KV of the longest prefix of its prompt held here."""
         return await self._puller.export(pull) if self._puller is not None else None
+
+    async def prefill_prefix(self, tokens: tuple[int, ...]) -> PrefixKV | None:
+        """A prefill replica's job (`role: prefill`): prefill `tokens` here (one greedy
+        token, which the cache keeps with the prompt), and hand over their KV."""
+        request = GenerationRequest(f"prefill-{uuid.uuid4().hex}", self.options.model_id,
+                                    TokenPrompt(tokens), SamplingParams(max_tokens=1,
+                                                                        temperature=0.0))
+        async for batch in self.stream(request):
+            for event in batch:
+                if isinstance(event, Failed):
+                    log.warning("prefilling %d tokens for a decode replica failed: %s",
+                                len(tokens), event.message)
+                    return None
+        return await self.export_prefix(PrefixPull(tokens, 1, ""))
 
     def pull_totals(self) -> dict[str, Any]:
         """Prefix pulls so far: outcomes, and the prompt tokens and bytes pulled."""

@@ -121,8 +121,9 @@ class PromptCache:
         return hit
 
     def held_length(self, tokens: list[int]) -> int:
-        """The prompt tokens `fetch` would serve now from either tier, with no side
-        effect: what a replica has before it asks another for more."""
+        """The most prompt tokens `fetch` could serve now from either tier (a disk entry
+        it would not read counts too), with no side effect: what a replica has before it
+        asks another for more."""
         found = self._find(tokens[:-1]) if len(tokens) > 1 else None
         disk = self._disk.lookup(tokens) if self._disk is not None else None
         return max(found[1] if found else 0, disk.length if disk else 0)

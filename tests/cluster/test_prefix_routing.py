@@ -36,7 +36,7 @@ from tests.serve_process import free_port
 
 pytestmark = pytest.mark.cluster
 STICKY, SPREAD, HEADROOM = "orchard-sticky", "orchard-spread", "orchard-headroom"
-PULLING = "orchard-pull"
+PULLING, SPLIT = "orchard-pull", "orchard-split"
 # orchard-headroom's KV budget in tokens of the tiny model (1024 bytes a token: 2 layers x
 # 2 KV heads x head_dim 32 x K and V x float32). It reserves a request's whole max_tokens
 # up front, so a blocker (a short prompt, a long output: quick to start, slow to end)
@@ -67,6 +67,11 @@ def base_url() -> Iterator[str]:
         models.append({"id": PULLING, "source": "builtin:tiny", "num_replicas": 2,
                        "max_model_len": 4096, "routing": {"max_imbalance": 0,
                                                           "pull": {"min_tokens": 32}}})
+        # Prefill and decode roles: long prompts prefilled on one replica, decoded on another.
+        models += [{"id": SPLIT, "source": "builtin:tiny", "role": "decode",
+                    "max_model_len": 4096, "prefill_min_tokens": 64},
+                   {"id": SPLIT, "source": "builtin:tiny", "role": "prefill",
+                    "max_model_len": 4096}]
         models.append({"id": HEADROOM, "source": "builtin:tiny", "num_replicas": 2,
                        "routing": {"stats_period_s": 0.5},
                        # No queue for memory: a replica without room would refuse at once,
@@ -244,6 +249,33 @@ def test_a_turn_sent_away_from_its_holder_pulls_the_kv_instead_of_prefilling(
     fresh = client.chat.completions.create(model=SPREAD, messages=history,  # type: ignore[arg-type]
                                            temperature=0, max_tokens=8)
     assert turn2.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_a_long_prompt_is_prefilled_on_the_prefill_replica_and_decoded_on_the_other(
+        client: openai.OpenAI) -> None:
+    """Prefill and decode roles: a prompt past `prefill_min_tokens` is prefilled by the
+    prefill deployment, its KV handed back over Ray's object store, and decoded on the
+    decode replica (their counters say which did what); a short prompt stays put. The
+    text is what a replica doing both writes."""
+    decode = serve.get_deployment_handle(f"model:{SPLIT}", app_name="orchard")
+    prefill = serve.get_deployment_handle(f"prefill:{SPLIT}", app_name="orchard")
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Split conversation: name a lake."}]
+    answer = client.chat.completions.create(model=SPLIT, messages=messages,  # type: ignore[arg-type]
+                                            temperature=0, max_tokens=8)
+    assert answer.usage is not None and answer.usage.prompt_tokens > 64
+    assert answer.usage.prompt_tokens_details is not None
+    assert answer.usage.prompt_tokens_details.cached_tokens == answer.usage.prompt_tokens - 1
+    pulls = decode.stats.remote().result(timeout_s=60)["pulls"]
+    assert pulls["outcomes"] == {"prefill pulled": 1}, pulls
+    assert prefill.stats.remote().result(timeout_s=60)["submitted"] == 1
+    whole = client.chat.completions.create(model=SPREAD, messages=messages,  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=8)
+    assert answer.choices[0].message.content == whole.choices[0].message.content
+    short = client.chat.completions.create(model=SPLIT, max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "Hi"}])
+    assert short.choices[0].finish_reason in ("stop", "length")
+    assert prefill.stats.remote().result(timeout_s=60)["submitted"] == 1  # not handed over
 
 
 # ---- memory-aware routing --------------------------------------------------------------

@@ -2,7 +2,8 @@
 in-process: a conversation's second turn on the replica that did not serve the first pulls
 the first turn's KV from the one that did, and its output is exactly what a replica
 without any cache writes. A pull that is declined, fails, or brings KV of another model
-costs a prefill and nothing else."""
+costs a prefill and nothing else. A decode replica hands a long prompt to a prefill
+replica (`role`) and decodes from the KV it gets back."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from replicas.contract import Finished, OutputEvent
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv_transfer import PrefixKV, PrefixPull
-from replicas.kv_pull import Fetch
+from replicas.kv_pull import Fetch, Source
 from replicas.options import PullOptions
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.integration.test_prompt_cache import generate, output, prompt_ids
@@ -64,7 +65,8 @@ def from_replica(rep: ModelReplica) -> Fetch:
 
 
 def run(rep: ModelReplica, sid: str, fetch: Fetch | None) -> list[OutputEvent]:
-    return asyncio.run(collect(rep.stream(script_request(sid), fetch)))
+    source = Source(fetch, PULL.min_tokens) if fetch is not None else None
+    return asyncio.run(collect(rep.stream(script_request(sid), source)))
 
 
 def cached(events: list[OutputEvent]) -> int:
@@ -130,3 +132,22 @@ def test_a_short_missing_prefix_is_prefilled_without_asking(
     generate(holder, FIRST)  # the holder has all of FIRST: nothing is missing to ask for
     assert output(run(holder, FIRST, fetch)) == output(generate(uncached, FIRST))
     assert asked == [] and holder.pull_totals()["outcomes"] == {}
+
+
+def test_a_decode_replica_decodes_from_the_kv_a_prefill_replica_computed(
+        asker: ModelReplica, uncached: ModelReplica) -> None:
+    prefill = make()
+    try:
+        async def prefilled(tokens: tuple[int, ...], at_least: int) -> PrefixKV | None:
+            return await prefill.prefill_prefix(tokens)
+
+        source = Source(prefilled, PULL.min_tokens, estimate=False, kind="prefill")
+        events = asyncio.run(collect(asker.stream(script_request(SECOND), source)))
+        assert output(events) == output(generate(uncached, SECOND))
+        # All but the last prompt token came from the prefill replica, which ran one job.
+        prompt = len(prompt_ids(asker, SECOND))
+        assert cached(events) == prompt - 1 == asker.pull_totals()["tokens"]
+        assert asker.pull_totals()["outcomes"] == {"prefill pulled": 1}
+        assert prefill.stats().submitted == 1 and asker.stats().submitted == 1
+    finally:
+        prefill.shutdown()

@@ -25,19 +25,20 @@ def puller(**options: Any) -> KvPuller:
                     fingerprint="f")
 
 
-def test_short_prefixes_are_recomputed_and_long_ones_tried_until_measured() -> None:
-    p = puller(min_tokens=512)
-    assert not p.worth(511)
-    assert p.worth(512)  # nothing measured yet: a long prefix is worth trying
+def test_until_both_rates_are_measured_a_pull_is_tried() -> None:
+    p = puller()
+    assert p.faster(512)
+    p.prefilled(5000, 1.0)
+    assert p.faster(512)  # the KV's bytes a token are not known before a first pull
 
 
 def test_a_pull_is_worth_it_when_moving_a_token_beats_prefilling_it() -> None:
     p = puller(min_tokens=1, link_bytes_per_s=1e9)
     p.token_bytes = 100_000.0  # 100 kB of KV a token: 0.1 ms a token over 1 GB/s
     p.prefilled(5000, 1.0)  # 5000 tokens/s: 0.2 ms a token
-    assert p.worth(1000)
+    assert p.faster(1000)
     p.prefill = Rate(50_000.0)  # 0.02 ms a token: a fast Mac on a small model
-    assert not p.worth(1000)
+    assert not p.faster(1000)
     p.prefilled(10, 1.0)  # a slow prefill (min_tokens is 1 here) brings the average down
     assert p.prefill.value is not None and p.prefill.value < 50_000
 

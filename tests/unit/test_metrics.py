@@ -63,18 +63,19 @@ def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
                               *metrics.DISK_METRICS, *metrics.SPECULATIVE_METRICS}
 
 
-def test_a_pull_counts_its_outcome_and_only_a_pull_moves_tokens(
+def test_a_pull_counts_its_source_and_outcome_and_only_a_pull_moves_tokens(
         recorders: dict[str, _Recorder]) -> None:
     record = metrics.kv_pulls("m")
     assert set(recorders) == set(metrics.PULL_METRICS)
-    record("recomputed", 0, 0, 0.0)
-    record("pulled", 900, 1 << 20, 0.25)
+    record("holder", "recomputed", 0, 0, 0.0)
+    record("prefill", "pulled", 900, 1 << 20, 0.25)
+    holder, prefill = {"model": "m", "source": "holder"}, {"model": "m", "source": "prefill"}
     assert recorders["orchard_kv_pulls_total"].calls == [
-        ("inc", 1, {"model": "m", "outcome": "recomputed"}),
-        ("inc", 1, {"model": "m", "outcome": "pulled"})]
-    assert recorders["orchard_kv_pulled_tokens_total"].calls == [("inc", 900, {"model": "m"})]
-    assert recorders["orchard_kv_pulled_bytes_total"].calls == [("inc", 1 << 20, {"model": "m"})]
-    assert recorders["orchard_kv_pull_seconds"].calls == [("observe", 0.25, {"model": "m"})]
+        ("inc", 1, {**holder, "outcome": "recomputed"}),
+        ("inc", 1, {**prefill, "outcome": "pulled"})]
+    assert recorders["orchard_kv_pulled_tokens_total"].calls == [("inc", 900, prefill)]
+    assert recorders["orchard_kv_pulled_bytes_total"].calls == [("inc", 1 << 20, prefill)]
+    assert recorders["orchard_kv_pull_seconds"].calls == [("observe", 0.25, prefill)]
 
 
 def test_a_finished_request_counts_once_with_its_labels(recorders: dict[str, _Recorder]) -> None:

@@ -1,0 +1,39 @@
+"""Prefill and decode roles (`role:` per model entry): which entries pair up, and which
+ones clients name. A `decode` model and a `prefill` entry of the same id share weights; the
+decode replicas hand long prompts to the prefill replicas (`replicas.kv_pull`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from deployments.config import ModelSettings
+
+
+def served(models: Sequence[ModelSettings]) -> list[ModelSettings]:
+    """The models clients name: every entry but the prefill replicas of a split one."""
+    return [m for m in models if m.role != "prefill"]
+
+
+def prefill_of(models: Sequence[ModelSettings], model: ModelSettings) -> ModelSettings | None:
+    """The prefill entry serving `model`, a decode model; None for any other."""
+    if model.role != "decode":
+        return None
+    return next(m for m in models if m.role == "prefill" and m.id == model.id)
+
+
+def check_roles(models: Sequence[ModelSettings]) -> None:
+    """A prefill entry serves one decode model with the same weights; neither works alone."""
+    decode = {m.id: m for m in models if m.role == "decode"}
+    prefill = {m.id: m for m in models if m.role == "prefill"}
+    if len(prefill) != sum(m.role == "prefill" for m in models):
+        raise ValueError("a model has two `role: prefill` entries")
+    for name in sorted(set(decode) ^ set(prefill)):
+        lone, other = ("decode", "prefill") if name in decode else ("prefill", "decode")
+        raise ValueError(f"model '{name}' has a `role: {lone}` entry but no `role: {other}` one")
+    for name, entry in prefill.items():
+        if entry.source != decode[name].source or entry.shards > 1 or decode[name].shards > 1:
+            raise ValueError(f"model '{name}': its prefill and decode entries need the same "
+                             "`source`, and one process per replica each")
+        if entry.aliases:
+            raise ValueError(f"model '{name}': aliases go on its decode entry")
