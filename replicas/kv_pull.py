@@ -139,13 +139,13 @@ class KvPuller:
         await self._on_engine(lambda: self._adopt(kv.tokens, layers))
         seconds = time.monotonic() - started
         saved = len(kv.tokens) - have
-        self.link.observe(len(kv.payload), seconds)
-        self.token_bytes = len(kv.payload) / len(kv.tokens)
+        self.link.observe(kv.payload.nbytes, seconds)
+        self.token_bytes = kv.payload.nbytes / len(kv.tokens)
         self.pulled_tokens += saved
-        self.pulled_bytes += len(kv.payload)
+        self.pulled_bytes += kv.payload.nbytes
         log.info("pulled the KV of %d prompt tokens (%d bytes) from a %s replica in %.3f s",
-                 saved, len(kv.payload), source.kind, seconds)
-        return self._count(PullResult("pulled", saved, len(kv.payload), seconds, source.kind))
+                 saved, kv.payload.nbytes, source.kind, seconds)
+        return self._count(PullResult("pulled", saved, kv.payload.nbytes, seconds, source.kind))
 
     def _held(self, prompt: tuple[int, ...]) -> int:
         cache = self._cache()

@@ -1,6 +1,7 @@
 """The prefix cache's disk tier in a replica with the real tiny model, in-process: what a
-replica leaves at shutdown a new one loads instead of prefilling, with identical output,
-and an entry memory evicts is loaded back from disk."""
+replica leaves at shutdown a new one loads instead of prefilling, with identical output
+(and reports holding, for the routers, before any request), and an entry memory evicts is
+loaded back from disk."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from replicas.engine.config import EngineConfig
+from replicas.engine.prefix_directory import BLOCK_TOKENS
 from replicas.engine.prompt_cache import DISK_MIN_TOKENS
 from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.routing_keys import routing_keys
+from tests.scripted import script_request
 from tests.integration.test_prompt_cache import cached_tokens, generate, output, prompt_ids
 
 SCRIPTS = ["tool-one", "multi-turn", "cities"]
@@ -34,6 +38,13 @@ def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path) -> Non
     second = replica(tmp_path)
     try:
         assert second.stats().disk_entries >= len(LONG)
+        # Before any request: it reports the prefixes its disk holds (the prefix
+        # directory's key table was saved beside the files), so routers find them; a
+        # prompt under one block of the directory is never reported.
+        reported = {sid: keys.record[0] in second.held_prefixes() for sid in LONG
+                    if (keys := routing_keys(script_request(sid), "prefix")) is not None}
+        assert reported == {sid: lengths[sid] >= BLOCK_TOKENS for sid in LONG}
+        assert any(reported.values())
         after = {sid: generate(second, sid) for sid in LONG}
         stats = second.stats()
     finally:
