@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 Fetch = Callable[[tuple[int, ...], int], Awaitable[PrefixKV | None]]
 EngineCall = Callable[[Callable[[], Any]], Any]  # `Engine.call`: a concurrent Future
 Outcome = Literal["pulled", "declined", "failed", "recomputed"]
+SourceKind = Literal["holder", "prefill"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Source:
     # A holder is asked only where moving beats prefilling here; a prefill replica always
     # (its point is to keep long prefills off this replica's decode steps).
     estimate: bool = True
-    kind: Literal["holder", "prefill"] = "holder"
+    kind: SourceKind = "holder"
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class PullResult:
     tokens: int = 0  # prompt tokens the pulled KV saved from prefill
     nbytes: int = 0
     seconds: float = 0.0
-    source: Literal["holder", "prefill"] = "holder"
+    source: SourceKind = "holder"
 
 
 class Rate:
