@@ -155,7 +155,7 @@ class KvPuller:
     def _adopt(self, tokens: tuple[int, ...], layers: list[Any]) -> None:
         cache = self._cache()
         if cache is not None:
-            cache.save(list(tokens), layers, spill=False)
+            cache.adopt(list(tokens), layers)
 
     def _count(self, result: PullResult) -> PullResult:
         name = result.outcome if result.source == "holder" else f"{result.source} {result.outcome}"

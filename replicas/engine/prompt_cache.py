@@ -77,6 +77,8 @@ class PromptCache:
         self._disk = disk
         # The prefix directory's view of what this tier holds (`replicas.engine.prefix_directory`).
         self._held = held or HeldBlocks()
+        # A pulled prefix too big for the bound, waiting for its request (`adopt`).
+        self._adopted: tuple[tuple[int, ...], list[Any]] | None = None
         self._trie = PromptTrie()
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
@@ -105,7 +107,9 @@ class PromptCache:
         hit = self._lookup(tokens[:-1]) if len(tokens) > 1 else None
         if self._disk is not None:
             hit = self._from_disk(tokens, hit)
-        if not count:
+        if count:
+            hit = self._from_adopted(tokens, hit)
+        else:
             return hit
         if hit is None:
             self._misses += 1
@@ -119,6 +123,26 @@ class PromptCache:
                      self._cached_tokens, len(self._lru), self._bytes, self.max_bytes,
                      self._evictions)
         return hit
+
+    def adopt(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keep a prefix another replica sent (`replicas.kv_pull`) for the request about to
+        start: as an entry where it fits the bound, else for that request's lookup alone
+        (one at a time, outside the bound, as the disk tier serves an entry too big for
+        memory; a request cancelled before its lookup leaves it until the next pull)."""
+        self.save(tokens, cache, spill=False)
+        if tuple(tokens) not in self._lru:
+            self._adopted = (tuple(tokens), cache)
+
+    def _from_adopted(self, tokens: list[int], hit: CacheHit | None) -> CacheHit | None:
+        """`hit`, or the adopted prefix where `tokens` start with it (used once; another
+        request's lookup in between leaves it for its own)."""
+        if self._adopted is None:
+            return hit
+        key, cache = self._adopted
+        if len(key) >= len(tokens) or tuple(tokens[:len(key)]) != key:
+            return hit
+        self._adopted = None
+        return hit if hit is not None and hit.length >= len(key) else CacheHit(cache, len(key))
 
     def held_length(self, tokens: list[int]) -> int:
         """The most prompt tokens `fetch` could serve now from either tier (a disk entry

@@ -151,3 +151,19 @@ def test_a_decode_replica_decodes_from_the_kv_a_prefill_replica_computed(
         assert prefill.stats().submitted == 1 and asker.stats().submitted == 1
     finally:
         prefill.shutdown()
+
+
+def test_kv_too_big_for_the_asker_s_cache_still_serves_its_request(
+        holder: ModelReplica, uncached: ModelReplica) -> None:
+    """A big model's history outgrows the prefix cache's bound: the pulled KV is kept for
+    its request alone, not dropped (and not kept after it)."""
+    small = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny", pull=PULL,
+                                        engine=EngineConfig(prompt_cache_bytes=50_000)))
+    small.start()
+    try:
+        events = run(small, SECOND, from_replica(holder))
+        assert output(events) == output(generate(uncached, SECOND))
+        assert cached(events) == small.pull_totals()["tokens"] > PULL.min_tokens
+        assert small.stats().cache_entries == 0  # over the bound: served once, not kept
+    finally:
+        small.shutdown()
