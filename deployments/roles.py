@@ -4,22 +4,30 @@ decode replicas hand long prompts to the prefill replicas (`replicas.kv_pull`)."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
-
-if TYPE_CHECKING:
-    from deployments.config import ModelSettings
+from typing import Protocol, Sequence, TypeVar
 
 
-def served(models: Sequence[ModelSettings]) -> list[ModelSettings]:
+class ModelSettings(Protocol):
+    """What the roles read of `deployments.config.ModelSettings` (which imports this)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def shards(self) -> int: ...
+    @property
+    def aliases(self) -> list[str]: ...
+
+
+M = TypeVar("M", bound=ModelSettings)
+
+
+def served(models: Sequence[M]) -> list[M]:
     """The models clients name: every entry but the prefill replicas of a split one."""
     return [m for m in models if m.role != "prefill"]
-
-
-def prefill_of(models: Sequence[ModelSettings], model: ModelSettings) -> ModelSettings | None:
-    """The prefill entry serving `model`, a decode model; None for any other."""
-    if model.role != "decode":
-        return None
-    return next(m for m in models if m.role == "prefill" and m.id == model.id)
 
 
 def check_roles(models: Sequence[ModelSettings]) -> None:

@@ -39,10 +39,17 @@ def block_hashes(tokens: Sequence[int]) -> list[bytes]:
     hashes: list[bytes] = []
     current = b""
     for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-        block = array("q", tokens[start:start + BLOCK_TOKENS]).tobytes()
+        block = _block_bytes(tokens[start:start + BLOCK_TOKENS])
         current = hashlib.blake2b(current + block, digest_size=16).digest()
         hashes.append(current)
     return hashes
+
+
+def _block_bytes(block: Sequence[int]) -> bytes:
+    try:
+        return array("q", block).tobytes()
+    except OverflowError:  # a vision prompt's cache key numbers image positions past 64 bits
+        return repr(tuple(block)).encode()
 
 
 class HeldBlocks:

@@ -40,6 +40,10 @@ def test_block_hashes_chain_whole_blocks_only() -> None:
     assert block_hashes(changed)[0] == hashes[0]
     assert block_hashes(changed)[1:] != hashes[1:]  # a change moves every later block
     assert block_hashes(ids(BLOCK_TOKENS - 1)) == []
+    # A vision prompt's cache key numbers each image position from its content hash,
+    # past 64 bits (`replicas.vision`): it hashes too, and unlike its plain twin.
+    image = [-1 - ((1 << 47) << 20) - i for i in range(BLOCK_TOKENS)]
+    assert len(block_hashes(image)) == 1 and block_hashes(image) != block_hashes(ids(64))
 
 
 def test_a_chat_s_spans_are_its_whole_prompt_and_its_last_message_boundary() -> None:
