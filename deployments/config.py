@@ -201,12 +201,6 @@ class ModelSettings(_Strict):
         if self.prompt_cache.disk_path is not None and self.shards > 1:
             raise ValueError("prompt_cache.disk_path needs shards: 1 (a sharded replica's "
                              "ranks keep their caches in lockstep, in memory only)")
-        if self.engine.kv_bits is not None and self.prompt_cache.disk_path is not None:
-            raise ValueError("prompt_cache.disk_path needs an unquantized KV cache (the disk "
-                             "tier stores mlx-lm's own cache kinds); unset engine.kv_bits")
-        if self.speculative is not None and self.shards > 1:
-            raise ValueError("speculative needs shards: 1 (a sharded replica's ranks sample "
-                             "one token per step in lockstep)")
         if self.kind == "vision" and self.shards > 1:
             raise ValueError("kind: vision needs shards: 1 (a sharded replica reads text only)")
         return self

@@ -99,7 +99,7 @@ class ReplicaOwner:
         self._replica = ModelReplica(
             options, self._shards.wake if self._shards else None,
             on_pull=(lambda r: record(r.source, r.outcome, r.tokens, r.nbytes, r.seconds))
-            if record else None)
+            if record else None, ranks=self._shards)
         if self._shards is not None:
             self._shards.watch(self._replica.abort, self._replica.stalled_for)
         # Load before the replica reports ready, so Serve routes nothing to a cold model.

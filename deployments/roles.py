@@ -19,6 +19,8 @@ class ModelSettings(Protocol):
     @property
     def shards(self) -> int: ...
     @property
+    def sharding(self) -> str: ...
+    @property
     def aliases(self) -> list[str]: ...
 
 
@@ -40,8 +42,11 @@ def check_roles(models: Sequence[ModelSettings]) -> None:
         lone, other = ("decode", "prefill") if name in decode else ("prefill", "decode")
         raise ValueError(f"model '{name}' has a `role: {lone}` entry but no `role: {other}` one")
     for name, entry in prefill.items():
-        if entry.source != decode[name].source or entry.shards > 1 or decode[name].shards > 1:
+        pair = decode[name]
+        # KV moves rank to rank, so both sides hold the same part of each layer.
+        if (entry.source, entry.shards, entry.sharding) != (pair.source, pair.shards,
+                                                            pair.sharding):
             raise ValueError(f"model '{name}': its prefill and decode entries need the same "
-                             "`source`, and one process per replica each")
+                             "`source`, `shards` and `sharding`")
         if entry.aliases:
             raise ValueError(f"model '{name}': aliases go on its decode entry")

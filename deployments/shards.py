@@ -11,6 +11,8 @@ shards go with it and the placement group is released.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import socket
 import threading
@@ -24,6 +26,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.cluster import require_metal
 from deployments.config import DistributedSettings, ModelSettings
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
+from replicas.engine.kv_parts import KvParts
+from replicas.engine.kv_transfer import PrefixKV
 from replicas.engine.stages import plan_stages
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,9 @@ log = logging.getLogger(__name__)
 _PING_TIMEOUT_S = 10.0
 # How often the watch pings every shard, busy or idle: a frozen Mac answers nothing.
 _HEARTBEAT_S = 1.0
+# How long a rank keeps an exported part for the asker when pulls are not configured
+# here (a prefill replica's answer to its decode replica).
+_PART_TIMEOUT_S = 30.0
 
 
 def listen_address(settings: DistributedSettings) -> str:
@@ -61,6 +68,7 @@ class ShardWorker:
     def __init__(self, rank: int) -> None:
         self._rank = rank
         self._work = threading.Event()  # set by rank 0's `wake`
+        self._parts = KvParts()  # this rank's parts of KV moving between replicas
 
     def wake(self) -> None:
         self._work.set()
@@ -83,7 +91,27 @@ class ShardWorker:
 
         if metal_for is not None:
             require_metal(metal_for)  # each Mac checks itself, not only rank 0's
-        return follow(source, resolve_source(source), plan, engine, self._wait_for_work)
+        return follow(source, resolve_source(source), plan, engine, self._wait_for_work,
+                      self._parts)
+
+    def take_export(self, export_id: str, timeout_s: float) -> Any:
+        """This rank's encoded part of a prefix its replica exports (a numpy view: Ray
+        keeps it in this node's object store, where the asker's rank fetches it)."""
+        return self._parts.take_export(export_id, timeout_s)
+
+    def stage(self, staged: str, payload: Any, tokens: int) -> None:
+        """This rank's part of a pulled prefix: `payload` arrives as an object Ray fetched
+        from the holder's same rank; decoded and checked here, off the engine thread."""
+        from replicas.engine.kv_transfer import decode
+
+        layers = decode(payload)
+        held = {int(getattr(layer, "offset", tokens)) for layer in layers}
+        if held != {tokens}:
+            raise ValueError(f"a pulled part holds {sorted(held)} positions, not {tokens}")
+        self._parts.stage(staged, layers)
+
+    def discard(self, staged: str) -> None:
+        self._parts.discard(staged)
 
     def ping(self) -> int:
         return self._rank
@@ -124,7 +152,8 @@ class ShardGroup:
         owner = ray.get_runtime_context().get_actor_id() or "driver"
         self._workers = [
             ray.remote(ShardWorker).options(
-                max_concurrency=4,  # threaded: `ping` and `wake` answer while `run` works
+                # Threaded: `ping` and `wake` answer while `run` works and KV parts move.
+                max_concurrency=16,
                 # Named, so an operator (or a test) can find a replica's shards by model.
                 name=f"orchard-shard:{settings.id}:{rank}:{owner[:12]}",
                 num_cpus=0, resources=resources,
@@ -199,6 +228,29 @@ class ShardGroup:
             return f"shard {rank + 1} of {self._settings.shards} stopped"
         except Exception as exc:  # noqa: BLE001 - any way a shard ends is fatal to the replica
             return f"shard {rank + 1} of {self._settings.shards} failed: {type(exc).__name__}"
+
+    # ---- KV moving rank to rank (`replicas.kv_pull.Ranks`) ----------------------------
+
+    def attach(self, kv: PrefixKV) -> PrefixKV:
+        """A prefix this replica exports: handles to the other ranks' parts, which stay in
+        each rank's node until the asker's same rank fetches them."""
+        timeout = self._settings.routing.pull.timeout_s if self._settings.routing.pull \
+            else _PART_TIMEOUT_S
+        return dataclasses.replace(kv, ranks=tuple(
+            w.take_export.remote(kv.export_id, timeout) for w in self._workers))
+
+    async def stage(self, staged: str, kv: PrefixKV) -> None:
+        """A pulled prefix: rank r fetches part r from the holder's rank r (Ray resolves
+        the handle on rank r's node, so no part passes through rank 0)."""
+        if len(kv.ranks) != len(self._workers):
+            raise ValueError(f"the prefix has {len(kv.ranks) + 1} parts, this replica "
+                             f"{len(self._workers) + 1} ranks")
+        await asyncio.gather(*(w.stage.remote(staged, part, len(kv.tokens))
+                               for w, part in zip(self._workers, kv.ranks)))
+
+    def discard(self, staged: str) -> None:
+        for worker in self._workers:
+            worker.discard.remote(staged)
 
     def wake(self) -> None:
         """Rank 0's batch is about to step again: the others leave their idle wait."""

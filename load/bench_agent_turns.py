@@ -7,6 +7,7 @@
                                      [--admission --memory-budget BYTES] [--sessions-8k]
                                      [--preemption [--sessions 32] [--memory-budget BYTES]
                                       [--turn-output 64 512] [--time-limit-s 900]]
+                                     [--tiers [--tokens 8192 30000]]
 
 N conversations run at once, T turns each, as an agent loop does: every turn resends a
 long system prompt plus the whole conversation so far (each earlier reply and a new user
@@ -29,7 +30,9 @@ until the first failure (`load/agent_turns_admission.py`, issue 25). `--preempti
 `max_tokens`, each read for 64-512 tokens and then closed) on one replica with a fixed
 `--memory-budget`, reserving prompt + max_tokens up front ("whole") against growing and
 preempting ("grow"): sessions held, throughput, preemptions per minute, TTFT
-(`load/agent_turns_preemption.py`, issue 33).
+(`load/agent_turns_preemption.py`, issue 33). `--tiers` times one turn whose `--tokens`
+history is in memory, on disk, on another replica, or nowhere (`load/bench_kv_tiers.py`,
+issue 35).
 """
 
 from __future__ import annotations
@@ -111,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "after a length drawn uniformly from MIN..MAX (seeded)")
     parser.add_argument("--preemption-cache-bytes", type=int, default=0,
                         help="--preemption: prompt_cache_bytes (0: resumes recompute)")
+    parser.add_argument("--tiers", action="store_true", help="TTFT of a turn whose history "
+                        "is in memory, on disk, on another replica or nowhere (bench_kv_tiers)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 30000],
+                        help="--tiers: history lengths, about")
     return parser
 
 
@@ -120,6 +127,11 @@ def main() -> None:
         args.source = "builtin:tiny" if args.preemption else "builtin:bench"
     if args.time_limit_s is None:
         args.time_limit_s = 900.0 if args.preemption else 300.0
+    if args.tiers:
+        from load.bench_kv_tiers import run_tiers
+
+        run_tiers(args.source, args.tokens, args.runs)
+        return
     if args.preemption:
         from load.agent_turns_preemption import preemption
 

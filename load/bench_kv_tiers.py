@@ -67,21 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.runs < 3:
+    run_tiers(args.source, args.tokens, args.runs)
+
+
+def run_tiers(source: str, lengths: list[int], runs: int) -> None:
+    """Every tier's row for each history length (also `bench_agent_turns.py --tiers`)."""
+    if runs < 3:
         raise SystemExit("--runs must be at least 3: a median of fewer is one run")
     rng = random.Random(1234)
     root = str(Path(__file__).resolve().parents[1])  # the actors import this repository
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": root}})
-    print(f"model {args.source}, {args.runs} runs per history length, max_tokens 1; TTFT "
+    print(f"model {source}, {runs} runs per history length, max_tokens 1; TTFT "
           "medians (min-max)")
     print(f"{'tokens':>7}" + "".join(f"{t + ' TTFT ms':>24}" for t in TIERS)
           + f"{'cached mem/disk/remote':>24}" + "".join(f"{'nowhere/' + t:>16}"
                                                         for t in TIERS[1:])
           + f"{'pulled MiB':>12}{'MB/s':>8}")
     try:
-        for tokens in args.tokens:
-            tiers(args.source, tokens, args.runs, rng)
+        for tokens in lengths:
+            tiers(source, tokens, runs, rng)
     finally:
         ray.shutdown()
 

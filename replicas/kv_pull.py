@@ -9,6 +9,11 @@ streams. The deployment turns either into a `Fetch` over Ray (`KvPuller.export` 
 `ModelReplica.prefill_prefix` answers it). This module decides and moves bytes only: no
 Ray, no HTTP.
 
+A sharded replica moves its KV rank to rank: rank 0's part travels in the answer, and the
+other ranks' parts as handles (`PrefixKV.ranks`) that the asker's rank r fetches from the
+holder's rank r (`Ranks`, the deployment's transport), staged on every rank before rank 0
+adopts the prefix for all of them (`replicas.engine.kv_parts`).
+
 The decision compares two estimates per missing token: its KV bytes over the link's rate
 (measured on this replica's earlier pulls; `link_bytes_per_s` until then) against its
 share of a prefill (this replica's own prefills, timed from submit to first token). Both
@@ -22,11 +27,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Literal
+import uuid
+from typing import Any, Awaitable, Callable, Literal, Protocol, Sequence
 
-from replicas.engine.disk_cache import snapshot
+from replicas.engine.batch import Exported
 from replicas.engine.kv_transfer import PrefixKV, PrefixPull, decode, encode
-from replicas.engine.prompt_cache import PromptCache
 from replicas.options import PullOptions
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,32 @@ Fetch = Callable[[tuple[int, ...], int], Awaitable[PrefixKV | None]]
 EngineCall = Callable[[Callable[[], Any]], Any]  # `Engine.call`: a concurrent Future
 Outcome = Literal["pulled", "declined", "failed", "recomputed"]
 SourceKind = Literal["holder", "prefill"]
+
+
+class KvHome(Protocol):
+    """Where exported KV comes from and pulled KV lands: the replica's batch
+    (`replicas.engine.batch.Batch`), on the engine thread only."""
+
+    def held_length(self, tokens: Sequence[int]) -> int: ...
+    def export_prefix(self, tokens: Sequence[int], at_least: int) -> Exported | None: ...
+    def adopt(self, tokens: Sequence[int], layers: list[Any], staged: str = "") -> None: ...
+
+
+class Ranks(Protocol):
+    """A sharded replica's other ranks, as the deployment reaches them."""
+
+    def attach(self, kv: PrefixKV) -> PrefixKV:
+        """The holder: `kv` with handles to the other ranks' parts of `kv.export_id`."""
+        ...
+
+    async def stage(self, staged: str, kv: PrefixKV) -> None:
+        """The asker: rank r fetches part r of `kv` and keeps it under `staged`; raises
+        unless every rank did."""
+        ...
+
+    def discard(self, staged: str) -> None:
+        """The asker gave up on `staged`: every rank frees its part."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -75,13 +106,15 @@ class Rate:
 
 class KvPuller:
     """One replica's side of pulling: the asker's (`before`) and the holder's (`export`).
-    `cache` gives the batch's prefix cache, on the engine thread only (through `call`)."""
+    `home` is the batch, reached on the engine thread only (through `call`); `ranks` a
+    sharded replica's other ranks."""
 
-    def __init__(self, options: PullOptions, call: EngineCall,
-                 cache: Callable[[], PromptCache | None], fingerprint: str) -> None:
+    def __init__(self, options: PullOptions, call: EngineCall, home: KvHome,
+                 fingerprint: str, ranks: Ranks | None = None) -> None:
         self.options = options
         self._call = call
-        self._cache = cache
+        self._home = home
+        self._ranks = ranks
         self.fingerprint = fingerprint
         self.link = Rate(options.link_bytes_per_s)  # bytes per second
         self.prefill = Rate()  # prompt tokens per second
@@ -112,7 +145,7 @@ class KvPuller:
         None when this replica lacks too little of it to ask."""
         if len(prompt) - 1 < source.min_tokens:
             return None  # too short to ask whatever is cached: no engine round trip
-        have: int = await self._on_engine(lambda: self._held(prompt))
+        have: int = await self._on_engine(lambda: self._home.held_length(prompt))
         missing = len(prompt) - 1 - have  # the last token is always computed
         if missing < source.min_tokens:
             return None
@@ -134,10 +167,14 @@ class KvPuller:
         if kv is None:
             return ended("declined")
         if kv.fingerprint != self.fingerprint or prompt[:len(kv.tokens)] != kv.tokens:
-            log.warning("a pulled KV prefix is for another model or prompt; not used")
+            log.warning("a pulled KV prefix is for another model, sharding or prompt; "
+                        "not used")
+            return ended("failed")
+        staged = await self._stage(kv)
+        if staged is None:
             return ended("failed")
         layers = await asyncio.to_thread(decode, kv.payload)
-        await self._on_engine(lambda: self._adopt(kv.tokens, layers))
+        await self._on_engine(lambda: self._home.adopt(kv.tokens, layers, staged))
         seconds = time.monotonic() - started
         saved = len(kv.tokens) - have
         self.link.observe(kv.payload.nbytes, seconds)
@@ -148,14 +185,20 @@ class KvPuller:
                  saved, kv.payload.nbytes, source.kind, seconds)
         return self._count(PullResult("pulled", saved, kv.payload.nbytes, seconds, source.kind))
 
-    def _held(self, prompt: tuple[int, ...]) -> int:
-        cache = self._cache()
-        return cache.held_length(list(prompt)) if cache is not None else len(prompt)
-
-    def _adopt(self, tokens: tuple[int, ...], layers: list[Any]) -> None:
-        cache = self._cache()
-        if cache is not None:
-            cache.adopt(list(tokens), layers)
+    async def _stage(self, kv: PrefixKV) -> str | None:
+        """The other ranks' parts fetched and staged under a new id ("" unsharded); None
+        when a rank failed, with every staged part freed."""
+        if self._ranks is None:
+            return ""
+        staged = uuid.uuid4().hex
+        try:
+            await self._ranks.stage(staged, kv)
+        except Exception as exc:  # noqa: BLE001 - a failed pull costs a prefill
+            log.warning("a rank could not take its part of a pulled prefix (%s: %s); "
+                        "prefilling", type(exc).__name__, exc)
+            self._ranks.discard(staged)
+            return None
+        return staged
 
     def _count(self, result: PullResult) -> PullResult:
         name = result.outcome if result.source == "holder" else f"{result.source} {result.outcome}"
@@ -167,15 +210,10 @@ class KvPuller:
     async def export(self, pull: PrefixPull) -> PrefixKV | None:
         """The KV of the longest prefix of `pull.tokens` this replica holds (memory or
         disk), encoded off the engine thread; None under `pull.at_least` tokens."""
-        def take() -> tuple[tuple[int, ...], Any] | None:
-            cache = self._cache()
-            hit = cache.fetch(list(pull.tokens), count=False) if cache is not None else None
-            if hit is None or hit.length < pull.at_least:
-                return None
-            return pull.tokens[:hit.length], snapshot(hit.cache)
-
-        found = await self._on_engine(take)
+        found: Exported | None = await self._on_engine(
+            lambda: self._home.export_prefix(pull.tokens, pull.at_least))
         if found is None:
             return None
-        tokens, snap = found
-        return PrefixKV(tokens, await asyncio.to_thread(encode, snap), self.fingerprint)
+        kv = PrefixKV(found.tokens, await asyncio.to_thread(encode, found.snap),
+                      self.fingerprint, found.export_id)
+        return self._ranks.attach(kv) if self._ranks is not None else kv

@@ -55,7 +55,7 @@ from replicas.families.tool_format import ToolFormat
 from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.prepare import InputProcessor, Prepared
 from replicas.routing_keys import token_spans
-from replicas.kv_pull import KvPuller, PullResult, Source
+from replicas.kv_pull import KvPuller, PullResult, Ranks, Source
 from replicas.engine.kv_transfer import PrefixKV, PrefixPull
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
@@ -70,14 +70,18 @@ __all__ = ["ModelReplica", "ReplicaOptions"]
 class ModelReplica:
     def __init__(self, options: ReplicaOptions,
                  wake_shards: Callable[[], None] | None = None,
-                 on_pull: Callable[[PullResult], None] | None = None) -> None:
+                 on_pull: Callable[[PullResult], None] | None = None,
+                 ranks: Ranks | None = None) -> None:
         """`wake_shards`: on a sharded replica, wakes the other ranks (they sleep while
         the batch is empty); the deployment passes Ray's call to them. `on_pull`: told
-        of every prefix pull this replica tried (the deployment's metrics)."""
+        of every prefix pull this replica tried (the deployment's metrics). `ranks`: a
+        sharded replica's other ranks, which move their parts of pulled KV themselves."""
         self.options = options
         self._wake_shards = wake_shards or (lambda: None)
         self._on_pull = on_pull or (lambda result: None)
-        self._local: LocalBatch | None = None  # the unsharded batch: its cache is pulled into
+        self._ranks = ranks
+        # The generating batch: pulled KV lands in its cache, exported KV comes from it.
+        self._batch: LocalBatch | LockstepBatch | None = None
         self._puller: KvPuller | None = None  # set at start where KV may move
         self._timings = Timings()
         self._engine = Engine(self._open, options.engine, on_step=self._timings.step,
@@ -114,9 +118,9 @@ class ModelReplica:
             memory = plan_memory(model.model, budget, self.options.model_id,
                                  self._vision.nbytes if self._vision else 0,
                                  cache_maker(engine.kv_bits, engine.kv_group_size))
-            self._local = LocalBatch(model.model, self.options.engine,
+            self._batch = LocalBatch(model.model, self.options.engine,
                                      disk=self._disk_tier(model), held=self._directory.held)
-            return model, self._local, (memory,)
+            return model, self._batch, (memory,)
         if self.options.kind == "vision":
             raise VisionUnsupported("a sharded replica reads text only: set shards: 1")
         from replicas.engine.sharding import open_shard  # only sharded replicas join a group
@@ -124,8 +128,8 @@ class ModelReplica:
         model, local, group, ranks = open_shard(
             self.options.source, resolve_source(self.options.source), plan, self.options.engine,
             self._directory.held)
-        return model, LockstepBatch(local, group, self._wake_shards,
-                                    on_sync=self._timings.sync), ranks
+        self._batch = LockstepBatch(local, group, self._wake_shards, on_sync=self._timings.sync)
+        return model, self._batch, ranks
 
     def _disk_tier(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, under the model's fingerprint, where configured."""
@@ -133,11 +137,19 @@ class ModelReplica:
         if engine.disk_cache_dir is None or engine.prompt_cache_bytes == 0:
             return None
         tier = DiskTier(Path(engine.disk_cache_dir), engine.disk_cache_bytes,
-                        model_fingerprint(model.path, model.model), self._directory.held)
+                        self._kv_fingerprint(model), self._directory.held)
         # The directory's key table lives beside the tier's files: same model, same life.
         self._directory_file = tier.directory / DIRECTORY_FILE
         self._directory.load(self._directory_file)
         return tier
+
+    def _kv_fingerprint(self, model: LoadedModel) -> str:
+        """Whose KV this replica's fits: the disk tier's directory, a pull's check."""
+        engine, plan = self.options.engine, self.options.shard
+        # A shard's KV fits the same rank of a replica sharded alike.
+        layout = () if plan is None else (plan.mode, plan.size, plan.layers)
+        return model_fingerprint(model.path, model.model, engine.kv_bits, engine.kv_group_size,
+                                 *layout)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -161,12 +173,15 @@ class ModelReplica:
                 self.options.model_id, kv_tokens, self.context_length)
         self._embedder = Embedder.open(self.options, model, self.context_length,
                                        self._engine.call, self._timings)
-        local, engine = self._local, self.options.engine
-        # Only whole-model, unquantized caches move: a shard holds part of each layer, and
-        # mlx-lm's loader knows only its own cache classes.
-        if local is not None and local.cache is not None and engine.kv_bits is None:
-            self._puller = KvPuller(self.options.pull, self._engine.call, lambda: local.cache,
-                                    model_fingerprint(model.path, model.model))
+        batch = self._batch
+        if batch is not None and batch.cache is not None:
+            sharded = self.options.shard is not None
+            if sharded and self._ranks is None:
+                log.warning("%s: KV pulls are off (no transport to the other ranks)",
+                            self.options.model_id)
+            else:
+                self._puller = KvPuller(self.options.pull, self._engine.call, batch,
+                                        self._kv_fingerprint(model), self._ranks)
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
                                       self._format, self._tool_format, self.context_length,
                                       self._timings, self._engine.kv_budget.max_tokens,

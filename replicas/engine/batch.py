@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from replicas.engine.config import EngineConfig
-from replicas.engine.disk_cache import DiskTier
+from replicas.engine.disk_cache import DiskTier, Snapshot, snapshot
 from replicas.engine.generation import Generation
 from replicas.engine.logprobs import Picked
 from replicas.engine.quantized_kv import cache_maker
@@ -26,6 +26,7 @@ from replicas.engine.prompt_cache import CacheHit, PromptCache, prefix_view, seg
 from replicas.engine.prefix_directory import HeldBlocks
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.scoring import score_prompt
+from replicas.engine.shared_drafts import SharedDrafts
 from replicas.engine.sampling import LogitsProcessor, Sampler
 from replicas.engine.speculation import DecodeStats, can_roll_back
 from replicas.engine.stats import DecodeCounts
@@ -74,6 +75,17 @@ class Prefill:
     embeddings: Any = None  # computed with the first chunk
 
 
+@dataclass(frozen=True)
+class Exported:
+    """A cached prefix another replica pulls: this rank's part, snapshot on the engine
+    thread, and on a sharded replica the id the other ranks keep theirs under
+    (`replicas.engine.kv_parts`)."""
+
+    tokens: tuple[int, ...]
+    snap: Snapshot
+    export_id: str = ""
+
+
 class Batch(Protocol):
     """What the engine drives; `LocalBatch`, or `replicas.engine.lockstep.LockstepBatch`."""
 
@@ -97,8 +109,10 @@ class LocalBatch:
     """The batch of one process. Not thread-safe: the engine thread alone calls it."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
-                 = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None
-                 ) -> None:
+                 = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None,
+                 shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None) -> None:
+        """`shared_drafts`: on a sharded replica, how this rank shares speculation's
+        decisions with the others, over the batch's stream."""
         self._model = model
         self._config = config
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
@@ -112,6 +126,8 @@ class LocalBatch:
             log.warning("speculative decoding is off: this model's cache cannot drop "
                         "rejected tokens (sliding window or recurrent layers)")
             self._speculative = None
+        self._shared = shared_drafts(self.stream) if shared_drafts and self._speculative \
+            else None
         self._gen = self._new_generator()
         # Rows mlx-lm ended in the last step, with their KV (it drops them from the batch).
         self._ended: dict[int, tuple[list[int], list[Any]]] = {}
@@ -141,7 +157,7 @@ class LocalBatch:
         )
         # Our decoding batch in place of mlx-lm's (`replicas.engine.generation`): mlx-lm
         # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
-        decoding = Generation.make(self._model, gen.sampler, self._speculative)
+        decoding = Generation.make(self._model, gen.sampler, self._speculative, self._shared)
         decoding.stats = self.decode_stats
         gen._generation_batch = decoding
         return gen
@@ -271,6 +287,25 @@ class LocalBatch:
         self._rows = set()
         self._keys = {}
         return True
+
+    def held_length(self, tokens: Sequence[int]) -> int:
+        """Prompt tokens the prefix cache could serve now (all of them without a cache:
+        nothing is worth pulling into a replica that keeps nothing)."""
+        return self._cache.held_length(list(tokens)) if self._cache else len(tokens)
+
+    def export_prefix(self, tokens: Sequence[int], at_least: int) -> Exported | None:
+        """The longest cached prefix of `tokens` (memory or disk), snapshot for another
+        replica; None under `at_least` tokens."""
+        hit = self._cache.fetch(list(tokens), count=False) if self._cache else None
+        if hit is None or hit.length < at_least:
+            return None
+        return Exported(tuple(tokens[:hit.length]), snapshot(hit.cache))
+
+    def adopt(self, tokens: Sequence[int], layers: list[Any], staged: str = "") -> None:
+        """Keep a pulled prefix for the request about to start (`PromptCache.adopt`).
+        `staged`: on a sharded replica, the id of the other ranks' parts."""
+        if self._cache is not None:
+            self._cache.adopt(list(tokens), layers)
 
     def evict_cache_to(self, nbytes: int) -> None:
         """Shrink the prefix cache to `nbytes` (KV memory admission making room)."""

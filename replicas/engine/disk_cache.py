@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, load_prompt_cache
 
 from replicas.engine.prefix_directory import HeldBlocks
+from replicas.engine.quantized_kv import as_rows, stored_name
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,16 @@ _MODEL = "replica"  # PromptTrie keys entries by model; a directory holds one mo
 _FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def model_fingerprint(directory: Path, model: Any) -> str:
-    """What makes KV reusable: the model's config and tokenizer files and its dtype."""
+def model_fingerprint(directory: Path, model: Any, kv_bits: int | None = None,
+                      kv_group_size: int = 0, *sharding: object) -> str:
+    """What makes KV reusable: the model's config and tokenizer files, its dtype, the
+    KV's quantization (a quantized layer cannot join an unquantized batch), and on a
+    sharded replica how it is split (a rank holds its part of each layer)."""
     digest = hashlib.sha256(f"orchard-kv {FORMAT}".encode())
+    if kv_bits is not None:
+        digest.update(f"kv {kv_bits} bits, group {kv_group_size}".encode())
+    if sharding:
+        digest.update(f"sharded {sharding!r}".encode())
     for name in _FILES:
         path = directory / name
         if path.is_file():
@@ -80,8 +88,13 @@ def snapshot(cache: Sequence[Any]) -> Snapshot:
         else:
             raise ValueError(f"a cache state of type {type(value).__name__} cannot be stored")
     mx.eval(list(arrays.values()))
-    metadata = dict(tree_flatten([{}, [type(c).__name__ for c in cache], scalars]))
+    metadata = dict(tree_flatten([{}, [stored_name(c) for c in cache], scalars]))
     return Snapshot(arrays, metadata, can_trim_prompt_cache(list(cache)))
+
+
+def load_cache(file: Any) -> list[Any]:
+    """The per-layer caches of a file in mlx-lm's format (a path, or a readable file)."""
+    return as_rows(load_prompt_cache(file))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -167,7 +180,7 @@ class DiskTier:
         try:
             if _sha256(path) != entry.sha256:
                 raise ValueError("its SHA-256 does not match its sidecar")
-            cache: list[Any] = load_prompt_cache(str(path))  # type: ignore[assignment]
+            cache = load_cache(str(path))
         except Exception as exc:  # noqa: BLE001 - a bad file costs the hit, never the request
             log.warning("disk KV cache: dropping %s: %s", path.name, exc)
             self._drop(hit.key)

@@ -5,7 +5,8 @@
   through it. Here only a request's own processors (the pipeline's grammar mask, budgets,
   bans) are called per row, and only for the rows that have them.
 - **Speculative decoding** (`replicas.engine.speculation`): a step may verify each row's
-  drafts in the same pass, and emit several tokens per row.
+  drafts in the same pass, and emit several tokens per row. On a sharded replica rank 0
+  decides the drafts and what was kept, and shares both (`replicas.engine.shared_drafts`).
 
 Everything else is mlx-lm's: the cache, the one-step-ahead pipelining of the plain step,
 `extend`/`filter`/`extract_cache`, stop matching, and `BatchGenerator` around it (which
@@ -24,9 +25,16 @@ from mlx_lm.generate import GenerationBatch
 from replicas.engine.config import NgramConfig
 from replicas.engine.penalties import Penalties, apply, window
 from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SeededSampler
+from replicas.engine.shared_drafts import SharedDrafts
 from replicas.engine.speculation import DecodeStats, Drafter, accepted, roll_back
 
 Emitted = list[tuple[int, mx.array]]  # one row's tokens of a step, each with its logprobs
+
+
+def _local(sampler: Sampler) -> Sampler | None:
+    """The sampler this rank runs itself: a lockstep sampler's rank-0 sampler (None on
+    the other ranks), else the sampler itself."""
+    return getattr(sampler, "local", sampler)
 
 
 class Generation(GenerationBatch):
@@ -35,13 +43,15 @@ class Generation(GenerationBatch):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.stats = DecodeStats()
         self.drafter: Drafter | None = None
+        self.shared: SharedDrafts | None = None  # a sharded replica's
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def make(cls, model: nn.Module, sampler: Sampler,
-             speculative: NgramConfig | None) -> Generation:
+    def make(cls, model: nn.Module, sampler: Sampler, speculative: NgramConfig | None,
+             shared: SharedDrafts | None = None) -> Generation:
         batch = cls.empty(model, sampler)
         batch.drafter = Drafter(speculative) if speculative is not None else None
+        batch.shared = shared
         return batch
 
     def next(self) -> list[GenerationBatch.Response]:
@@ -114,11 +124,15 @@ class Generation(GenerationBatch):
             return None
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
         limit = drafter.config.num_speculative_tokens
-        drafts = []
-        for i, uid in enumerate(self.uids):
-            budget = min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
-            drafts.append(self._forced(i, pending[i], budget)
-                          or drafter.draft(uid, self.tokens[i], pending[i], budget))
+        drafts: list[list[int]] = []
+        shared = self.shared
+        if shared is None or shared.leads:
+            for i, uid in enumerate(self.uids):
+                budget = min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
+                drafts.append(self._forced(i, pending[i], budget)
+                              or drafter.draft(uid, self.tokens[i], pending[i], budget))
+        if shared is not None:
+            drafts = shared.drafts(drafts, len(self.uids))
         return (pending, drafts) if any(drafts) else None
 
     def _forced(self, i: int, pending: int, budget: int) -> list[int]:
@@ -154,12 +168,16 @@ class Generation(GenerationBatch):
             if self._own_processors(i):
                 kept[i], nexts[i], positions[i] = self._verify_own(
                     i, inputs[i], drafts[i], logits[i * width:(i + 1) * width])
+        if self.shared is not None:  # rank 0's own processors decided some rows
+            kept, nexts = self.shared.verdicts(kept, nexts)
+            positions = [[logprobs[i * width + j] for j in range(n + 1)]
+                         for i, n in enumerate(kept)] if not self.shared.leads else positions
         emitted: list[Emitted] = []
         for i, n in enumerate(kept):
             emitted.append([(pending[i], self._next_logprobs[i])]
                            + [(drafts[i][j], positions[i][j]) for j in range(n)])
             self.tokens[i].extend(inputs[i][:n + 1])
-            if isinstance(sampler := self._sampler(i), SeededSampler):
+            if isinstance(sampler := _local(self._sampler(i)), SeededSampler):
                 sampler.advance(n + 1)
         roll_back(self.prompt_cache, [width - 1 - n for n in kept])
         self._next_tokens = mx.array(nexts)
@@ -176,7 +194,9 @@ class Generation(GenerationBatch):
         grammar or a budget is stateful, so it reads a token only once it is kept, exactly
         as in a plain step. Returns the drafts kept, the target's next token and each
         position's logprobs."""
-        own, sampler = self._own_processors(i), self._sampler(i)
+        # This rank's own sampler: only rank 0 runs processors, so no collective here.
+        own, sampler = self._own_processors(i), _local(self._sampler(i))
+        assert sampler is not None  # rows with processors exist on rank 0 only
         positions = []
         for j in range(len(draft) + 1):
             context = self._token_context[i].update_and_fetch(mx.array(inputs[j:j + 1]))

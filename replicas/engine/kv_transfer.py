@@ -22,9 +22,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
-from mlx_lm.models.cache import load_prompt_cache
 
-from replicas.engine.disk_cache import Snapshot
+from replicas.engine.disk_cache import Snapshot, load_cache
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,12 @@ class PrefixKV:
     """The answer: the KV of `tokens` (a prefix of the asker's prompt), encoded."""
 
     tokens: tuple[int, ...]
-    payload: Payload  # safetensors bytes
+    payload: Payload  # safetensors bytes (rank 0's part on a sharded replica)
     fingerprint: str  # the model's (`disk_cache.model_fingerprint`): KV fits that model only
+    # A sharded holder's: the id its other ranks keep their parts under, and the
+    # transport's handles to those parts, by rank (`replicas.engine.kv_parts`).
+    export_id: str = ""
+    ranks: tuple[Any, ...] = ()
 
 
 def encode(snap: Snapshot) -> Payload:
@@ -57,7 +60,7 @@ def encode(snap: Snapshot) -> Payload:
 
 def decode(payload: Payload) -> list[Any]:
     """The per-layer caches `encode`'s bytes hold, through mlx-lm's own loader."""
-    cache: list[Any] = load_prompt_cache(_Reader(memoryview(payload)))  # type: ignore[arg-type]
+    cache = load_cache(_Reader(memoryview(payload)))  # type: ignore[arg-type]
     mx.eval([c.state for c in cache])
     return cache
 

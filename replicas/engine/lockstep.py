@@ -31,18 +31,22 @@ import dataclasses
 import logging
 import pickle
 import time
+import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
-from replicas.engine.batch import Done, LocalBatch, Prefill, Row
+from replicas.engine.batch import Done, Exported, LocalBatch, Prefill, Row
+from replicas.engine.kv_parts import KvParts
+from replicas.engine.kv_transfer import encode
 from replicas.errors import InternalError
 from replicas.engine.logprobs import Picked
 from replicas.engine.prompt_cache import PromptCache
-from replicas.engine.sampling import Sampler
+from replicas.engine.sampling import Sampler, SeededSampler
 from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
@@ -90,6 +94,27 @@ class _Score:
 
 
 @dataclass(frozen=True)
+class _Export:
+    """Another replica pulls a cached prefix: every rank looks it up as rank 0 did (a
+    lookup moves the entry in the cache's order), and where rank 0 found `length` tokens,
+    keeps its part under `export_id` for the transport (`replicas.engine.kv_parts`). No
+    step follows this record."""
+
+    tokens: tuple[int, ...]
+    at_least: int
+    export_id: str  # "" where rank 0 found too little
+    length: int
+
+
+@dataclass(frozen=True)
+class _Adopt:
+    """A pulled prefix, adopted by every rank: each its own part, staged beforehand."""
+
+    tokens: tuple[int, ...]
+    staged: str
+
+
+@dataclass(frozen=True)
 class _Idle:
     """The batch is empty: no step follows until rank 0 wakes the others."""
 
@@ -99,7 +124,9 @@ class _Stop:
     pass
 
 
-_Op = Union[_Insert, _Finish, _Evict, _Score, _Idle, _Stop]
+_Op = Union[_Insert, _Finish, _Evict, _Score, _Export, _Adopt, _Idle, _Stop]
+# Records sent between steps: the other ranks apply them and take no step after.
+_BETWEEN_STEPS = (_Score, _Export, _Adopt)
 
 
 class Channel:
@@ -138,9 +165,18 @@ class LockstepSampler:
         self._group = group
         self._inner = inner  # None on the other ranks
 
+    @property
+    def local(self) -> Sampler | None:
+        return self._inner
+
     def __call__(self, logprobs: mx.array) -> mx.array:
-        if self._inner is not None:
-            mine = self._inner(logprobs).astype(mx.int32)
+        inner = self._inner
+        if isinstance(inner, SeededSampler) and logprobs.shape[0] > 1:
+            # A verifying pass's positions of one seeded row: drawn ahead, as unsharded
+            # (`Generation` then advances the key by the tokens kept).
+            mine = inner.ahead(logprobs).astype(mx.int32)
+        elif inner is not None:
+            mine = inner(logprobs).astype(mx.int32)
         else:
             # Zeros that still depend on this step's logits: the sum must come after the
             # step's own collectives, on every rank alike.
@@ -154,8 +190,6 @@ class LockstepBatch:
     def __init__(self, local: LocalBatch, group: mx.distributed.Group,
                  wake: Callable[[], None], on_sync: Callable[[float], None] | None = None
                  ) -> None:
-        if local.decode_counts().speculative:  # deployments.config refuses it first
-            raise ValueError("speculative decoding needs an unsharded replica")
         self._local = local
         self._wake = wake
         self._group = group
@@ -235,13 +269,39 @@ class LockstepBatch:
         self._log.append(_Evict(nbytes))
 
     def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
-        if self._local.empty:
-            self._wake()
-        self._channel.send(self._log + [_Score(tuple(prompt_ids))])
-        self._log = []
+        self._send_now(_Score(tuple(prompt_ids)))
         picked = self._local.score(prompt_ids, top)
         self._idle_if_empty()
         return picked
+
+    def held_length(self, tokens: Sequence[int]) -> int:
+        return self._local.held_length(tokens)
+
+    def export_prefix(self, tokens: Sequence[int], at_least: int) -> Exported | None:
+        """Rank 0's part, and the other ranks told to keep theirs under its id."""
+        exported = self._local.export_prefix(tokens, at_least)
+        if exported is not None:
+            exported = dataclasses.replace(exported, export_id=uuid.uuid4().hex)
+        self._send_now(_Export(tuple(tokens), at_least, exported.export_id if exported else "",
+                               len(exported.tokens) if exported else 0))
+        self._idle_if_empty()
+        return exported
+
+    def adopt(self, tokens: Sequence[int], layers: list[Any], staged: str = "") -> None:
+        """Rank 0's part, and every other rank's (staged beforehand), now: a part staged
+        long before its record arrived would have expired (`kv_parts.PART_TTL_S`)."""
+        if not staged:
+            raise InternalError("a sharded replica adopts pulled KV from every rank")
+        self._local.adopt(tokens, layers)
+        self._send_now(_Adopt(tuple(tokens), staged))
+        self._idle_if_empty()
+
+    def _send_now(self, op: _Op) -> None:
+        """`op` (and what is recorded before it) to the other ranks now, between steps."""
+        if self._local.empty:
+            self._wake()
+        self._channel.send(self._log + [op])
+        self._log = []
 
     def _idle_if_empty(self) -> None:
         if self._local.empty:  # the engine waits for work: let the others sleep meanwhile
@@ -259,10 +319,13 @@ class Follower:
     """Ranks 1..N-1: replay rank 0's records on a local batch until told to stop."""
 
     def __init__(self, local: LocalBatch, group: mx.distributed.Group,
-                 wait_for_work: Callable[[], None]) -> None:
+                 wait_for_work: Callable[[], None], parts: KvParts | None = None) -> None:
         """`wait_for_work` returns once rank 0 has called its `wake` (at once if it did
-        since the last wait)."""
+        since the last wait). `parts`: where this rank's parts of moving KV wait for the
+        transport (`replicas.engine.kv_parts`)."""
         self._local = local
+        self._parts = parts if parts is not None else KvParts()  # empty is falsy
+        self._encoder: ThreadPoolExecutor | None = None  # made at the first export
         self._group = group
         self._wait_for_work = wait_for_work
         self._channel = Channel(group, local.stream)
@@ -281,8 +344,8 @@ class Follower:
             if ops and isinstance(ops[-1], _Idle):
                 self._wait_for_work()
                 continue
-            if ops and isinstance(ops[-1], _Score):
-                continue  # rank 0 scored a prompt between steps: no step follows
+            if ops and isinstance(ops[-1], _BETWEEN_STEPS):
+                continue  # rank 0 scored or exported between steps: no step follows
             self._local.step()
             self.steps += 1
 
@@ -299,6 +362,25 @@ class Follower:
             self._local.evict_cache_to(op.nbytes)
         elif isinstance(op, _Score):
             self._local.score(op.prompt_ids, 0)
+        elif isinstance(op, _Export):
+            self._export(op)
+        elif isinstance(op, _Adopt):
+            layers = self._parts.take_import(op.staged)
+            if layers is None:  # rank 0 adopts only after every rank staged its part
+                raise LockstepError(f"pulled KV {op.staged} was never staged on this rank")
+            self._local.adopt(op.tokens, layers)
+
+    def _export(self, op: _Export) -> None:
+        exported = self._local.export_prefix(op.tokens, op.at_least)
+        found = len(exported.tokens) if exported else 0
+        if found != op.length:
+            raise LockstepError(f"prefix cache diverged: rank 0 exports {op.length} tokens, "
+                                f"this rank {found}")
+        if exported is not None:
+            if self._encoder is None:
+                self._encoder = ThreadPoolExecutor(1, thread_name_prefix="orchard-kv-encode")
+            # Encoding a long prefix's part stalls no step: the next op may be a step.
+            self._parts.export(op.export_id, self._encoder.submit(encode, exported.snap))
 
     def _row(self, spec: _RowSpec) -> Row:
         sampler = self._samplers.get(spec.sampler_key)
@@ -314,6 +396,11 @@ class _KeyedSampler:
     def __init__(self, key: int, sampler: LockstepSampler) -> None:
         self.key = key
         self._sampler = sampler
+
+    @property
+    def local(self) -> Sampler | None:
+        """Rank 0's own sampler (None elsewhere), which runs without a collective."""
+        return self._sampler.local
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         return self._sampler(logprobs)

@@ -69,6 +69,38 @@ class QuantizedRowKVCache(QuantizedKVCache):
     def merge(cls, caches: Sequence[Any]) -> BatchQuantizedKVCache:
         return BatchQuantizedKVCache.merge(caches)
 
+    # Stored (disk tier, pulls) as the positions it holds, as mlx-lm's `KVCache` does: a
+    # row's arrays may run past its offset (a view, or room allocated ahead).
+    @property  # type: ignore[override]
+    def state(self) -> tuple[Any, ...]:
+        keys, values = self.keys, self.values
+        if keys is not None and self.offset < keys[0].shape[2]:
+            keys, values = (_take(x, lambda a: a[..., :self.offset, :]) for x in (keys, values))
+        return keys, values, self.offset, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        self.keys, self.values, self.offset, self.group_size, self.bits = v
+
+
+def stored_name(layer: Any) -> str:
+    """The class a stored cache layer is named by: mlx-lm's own, so its loader reads the
+    file (`load_prompt_cache` knows only its module's classes)."""
+    return "QuantizedKVCache" if type(layer) is QuantizedRowKVCache else type(layer).__name__
+
+
+def as_rows(cache: list[Any]) -> list[Any]:
+    """A loaded cache with mlx-lm's quantized layers as rows a batch can merge."""
+    out: list[Any] = []
+    for layer in cache:
+        if type(layer) is QuantizedKVCache:
+            row = QuantizedRowKVCache(group_size=layer.group_size, bits=layer.bits)
+            row.keys, row.values = tuple(cast(Any, layer.keys)), tuple(cast(Any, layer.values))
+            row.offset = layer.offset
+            layer = row
+        out.append(layer)
+    return out
+
 
 class BatchQuantizedKVCache(_BaseCache):
     """`BatchKVCache` with keys and values packed by `mx.quantize`.

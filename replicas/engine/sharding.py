@@ -29,11 +29,13 @@ from mlx_lm.utils import _get_classes, sharded_load
 from replicas.engine.batch import LocalBatch
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
 from replicas.engine.loading import LoadedModel, loaded_model
+from replicas.engine.kv_parts import KvParts
 from replicas.engine.lockstep import Follower
 from replicas.engine.stages import held_layers, split_stages, stage_layers
 from replicas.engine.quantized_kv import cache_maker
 from replicas.engine.memory import RankMemory, plan_memory
 from replicas.engine.prefix_directory import HeldBlocks
+from replicas.engine.shared_drafts import SharedDrafts
 from replicas.startup import Progress
 
 
@@ -147,7 +149,10 @@ def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: Engin
     if plan.layers is not None:
         _check_stage(model, plan.layers, plan)
     loaded = loaded_model(source, resolved, model, tokenizer, model_conf)
-    batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan), held=held)
+    most = config.speculative.num_speculative_tokens if config.speculative else 0
+    batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan), held=held,
+                       shared_drafts=lambda stream: SharedDrafts(group, stream, plan.rank == 0,
+                                                                 most))
     # Every rank runs the probe's forward pass (and its collectives) here, together.
     mine = plan_memory(model, config.kv_budget_bytes, plan.label,
                        make_cache=cache_maker(config.kv_bits, config.kv_group_size))
@@ -175,11 +180,11 @@ def share_memory(group: mx.distributed.Group, mine: RankMemory,
 
 
 def follow(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig,
-           wait_for_work: Callable[[], None]) -> int:
+           wait_for_work: Callable[[], None], parts: KvParts | None = None) -> int:
     """Ranks 1..N-1: load the shard, then replay rank 0's batch until it stops. Returns
-    the steps run."""
+    the steps run. `parts`: this rank's parts of KV moving between replicas."""
     _, batch, group, _ = open_shard(source, resolved, plan, config)
-    follower = Follower(batch, group, wait_for_work)
+    follower = Follower(batch, group, wait_for_work, parts)
     follower.run()
     return follower.steps
 

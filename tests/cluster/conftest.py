@@ -54,12 +54,15 @@ def _exe(name: str) -> str:
 
 class LocalCluster:
     def __init__(self, root: Path, head_slots: int = 0,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, worker_slots: int = WORKER_SLOTS
+                 ) -> None:
         """`head_slots`: units of apple_silicon the head advertises too (none by default, so
-        pinned models land on the worker; a sharded replica spreads over both). `env`: more
-        variables for both nodes, which every Ray process of theirs inherits (actors too)."""
+        pinned models land on the worker; a sharded replica spreads over both);
+        `worker_slots`: the worker's. `env`: more variables for both nodes, which every Ray
+        process of theirs inherits (actors too)."""
         self.root = root
         self.head_slots = head_slots
+        self.worker_slots = worker_slots
         self.logs = root / "logs"
         self.logs.mkdir()
         self.token = secrets.token_hex(32)
@@ -98,7 +101,7 @@ class LocalCluster:
             # the worker in test_requests_get_fast_503_when_no_node_can_run_the_model.
             self.worker = self._spawn("worker", [
                 sys.executable, "-m", "deployments.cluster", "worker", "--allow-no-metal",
-                "--address", f"127.0.0.1:{GCS_PORT}", "--amount", str(WORKER_SLOTS),
+                "--address", f"127.0.0.1:{GCS_PORT}", "--amount", str(self.worker_slots),
                 "--", "--block", "--object-store-memory", str(256 << 20), *WORKER_PORTS])
             self._wait_nodes(2)
 

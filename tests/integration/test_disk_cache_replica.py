@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from replicas.engine.config import EngineConfig
 from replicas.engine.prefix_directory import BLOCK_TOKENS
 from replicas.engine.prompt_cache import DISK_MIN_TOKENS
@@ -28,14 +30,19 @@ def replica(directory: Path, **engine: Any) -> ModelReplica:
     return rep
 
 
-def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path) -> None:
-    first = replica(tmp_path)
+QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32
+
+
+@pytest.mark.parametrize("engine", [{}, QUANTIZED], ids=["float", "kv_bits 8"])
+def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path,
+                                                          engine: dict[str, Any]) -> None:
+    first = replica(tmp_path, **engine)
     try:
         before = {sid: generate(first, sid) for sid in LONG}
         lengths = {sid: len(prompt_ids(first, sid)) for sid in LONG}
     finally:
         first.shutdown()  # writes every entry to the disk tier
-    second = replica(tmp_path)
+    second = replica(tmp_path, **engine)
     try:
         assert second.stats().disk_entries >= len(LONG)
         # Before any request: it reports the prefixes its disk holds (the prefix
@@ -54,6 +61,23 @@ def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path) -> Non
         assert output(after[sid]) == output(before[sid]), sid
         assert cached_tokens(after[sid]) == lengths[sid] - 1, sid  # all but the last token
     assert stats.disk_hits == len(LONG)
+
+
+def test_kv_of_another_quantization_is_not_loaded(tmp_path: Path) -> None:
+    """Float KV cannot join a quantized batch (nor the reverse): the tiers of the two are
+    apart on disk, under fingerprints that differ by the KV's quantization."""
+    first = replica(tmp_path)
+    try:
+        generate(first, "tool-one")
+    finally:
+        first.shutdown()
+    second = replica(tmp_path, **QUANTIZED)
+    try:
+        assert second.stats().disk_entries == 0
+        assert cached_tokens(generate(second, "tool-one")) == 0
+    finally:
+        second.shutdown()
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
 
 
 def written(rep: ModelReplica, timeout_s: float = 30) -> None:

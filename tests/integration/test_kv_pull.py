@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -28,10 +28,10 @@ PULL = PullOptions(min_tokens=16)
 FIRST, SECOND = "tool-one", "tool-result"  # the second's prompt extends the first's answer
 
 
-def make(cache: bool = True) -> ModelReplica:
+def make(cache: bool = True, **engine: Any) -> ModelReplica:
     rep = ModelReplica(ReplicaOptions(
         model_id="tiny", source="builtin:tiny", pull=PULL,
-        engine=EngineConfig(prompt_cache_bytes=(1 << 26) if cache else 0)))
+        engine=EngineConfig(prompt_cache_bytes=(1 << 26) if cache else 0, **engine)))
     rep.start()
     return rep
 
@@ -167,3 +167,37 @@ def test_kv_too_big_for_the_asker_s_cache_still_serves_its_request(
         assert small.stats().cache_entries == 0  # over the bound: served once, not kept
     finally:
         small.shutdown()
+
+
+def test_quantized_kv_moves_and_serves_as_the_holder_s_own_cache_would() -> None:
+    """`kv_bits`: the pulled layers are quantized rows the asker's batch merges, and the
+    turn writes what the holder writes from its own cache; float KV is refused."""
+    quantized = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32
+    holder, asker, plain = make(**quantized), make(**quantized), make()
+    try:
+        generate(holder, FIRST)
+        events = run(asker, SECOND, from_replica(holder))
+        assert asker.pull_totals()["outcomes"] == {"pulled": 1}
+        own = generate(holder, SECOND)
+        assert output(events) == output(own)
+        assert cached(events) == cached(own) == asker.pull_totals()["tokens"] > PULL.min_tokens
+        # 8-bit codes with a float32 scale and bias per 32 values, against tiny's float32
+        # KV: about 0.31x the bytes.
+        generate(plain, FIRST)
+        float_pull = make()
+        try:
+            run(float_pull, SECOND, from_replica(plain))
+            ratio = asker.pull_totals()["bytes"] / float_pull.pull_totals()["bytes"]
+        finally:
+            float_pull.shutdown()
+        assert 0.2 < ratio < 0.35, ratio
+        # Float KV offered to a quantized replica is foreign: a prefill, not a crash.
+        other = make(**quantized)
+        try:
+            events = run(other, SECOND, from_replica(plain))
+            assert cached(events) == 0 and other.pull_totals()["outcomes"] == {"failed": 1}
+        finally:
+            other.shutdown()
+    finally:
+        for rep in (holder, asker, plain):
+            rep.shutdown()

@@ -9,7 +9,9 @@ whose greedy output must be identical, and `bench` (bfloat16) sharded by tensor.
 parallelism sums each layer's partial products in another order; in bfloat16 that moves a
 logit by a rounding step, which flips the random-weight bench model's near-ties within a
 few dozen tokens, so bench is checked for self-consistency and used where only a long
-stream matters (a lost shard). Test-only failpoints (`replicas.engine.failpoints`) are on in
+stream matters (a lost shard). `tiny-s2` speculates (rank 0 drafts, both ranks verify),
+and `tiny-pd2` is a split model whose prefill and decode replicas are both sharded, so its
+KV moves rank to rank. Test-only failpoints (`replicas.engine.failpoints`) are on in
 this cluster: a test arms one to make a step fail where it chooses.
 """
 
@@ -41,6 +43,11 @@ SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:ben
 HEARTBEAT_TIMEOUT_S = 5.0
 QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32
 RESUME_WAIT_S = 300.0
+SPLIT, SPLIT_MIN_TOKENS = "tiny-pd2", 64
+SPECULATING = "tiny-s2"
+# Sharded replicas: each takes one unit of apple_silicon on each node, and a replaced one
+# briefly two.
+SHARDED_REPLICAS = 10
 
 
 def app_args() -> dict[str, Any]:
@@ -60,6 +67,15 @@ def app_args() -> dict[str, Any]:
     models.append({"id": "tiny-q8", "source": SOURCES["tiny"], "placement": {"pin": False},
                    "engine": QUANTIZED})
     models.append({**sharded("tiny-q8-x2", SOURCES["tiny"], "tensor"), "engine": QUANTIZED})
+    # Speculative decoding on a sharded replica: rank 0 drafts, every rank verifies. The
+    # scripts repeat little of their prompts: single-token matches draft far more often.
+    models.append({**sharded(SPECULATING, SOURCES["tiny"], "tensor"), "speculative": {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1, "disable_by_batch_size": None}})
+    # Prefill and decode roles, both sharded by tensor: KV moves rank to rank between them.
+    models += [{**sharded(SPLIT, SOURCES["tiny"], "tensor"), "role": "decode",
+                "prefill_min_tokens": SPLIT_MIN_TOKENS},
+               {**sharded(SPLIT, SOURCES["tiny"], "tensor"), "role": "prefill"}]
     # A lost shard's streams resume on the replacement, which loads in a minute or two here.
     return {"cluster": {"placement": {"pin": True, "require_metal": False}}, "models": models,
             "ingress": {"resume_wait_s": RESUME_WAIT_S}}
@@ -72,8 +88,9 @@ def sharded_cluster() -> Iterator[LocalCluster]:
     root = Path(tempfile.mkdtemp(prefix="orc-", dir="/tmp"))
     # Test-only fault injection (`replicas.engine.failpoints`): on in this cluster alone.
     (root / "failpoints").mkdir()
-    # Every sharded replica takes one unit on each node; a replaced one briefly needs two.
-    local = LocalCluster(root, head_slots=8, env={ENV: str(root / "failpoints")})
+    slots = SHARDED_REPLICAS + 1
+    local = LocalCluster(root, head_slots=slots, worker_slots=slots,
+                         env={ENV: str(root / "failpoints")})
     try:
         local.start()
         local.deploy(app_args())

@@ -2,7 +2,8 @@
 
 Greedy text from a sharded replica must equal the whole model's, streamed and not; stops,
 reasoning, guided JSON and tool calls work on it; concurrent streams keep their own
-answers; a lost or frozen shard, or a failed step on rank 0, fails the whole replica, Serve
+answers (with speculative decoding too); a split model's KV moves rank to rank; a lost or
+frozen shard, or a failed step on rank 0, fails the whole replica, Serve
 replaces it, its streams resume on the replacement, and nothing of the old group is left
 behind: no process, no port (issue 32).
 """
@@ -30,7 +31,7 @@ from tests.reliability.wire import never_end_bias
 from tests.sharded.group import alive, assert_replaced, group_of, running_replicas, \
     shard_actors
 from tests.sharded.conftest import HEARTBEAT_TIMEOUT_S, PAIRS, RESUME_WAIT_S, SMALL_BUDGET, \
-    SMALL_BUDGET_TOKENS
+    SMALL_BUDGET_TOKENS, SPECULATING, SPLIT, SPLIT_MIN_TOKENS
 
 pytestmark = pytest.mark.cluster
 
@@ -132,9 +133,12 @@ import json, sys
 import ray
 from ray import serve
 ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
-for model in sys.argv[2:]:
-    handle = serve.get_deployment_handle(f"model:{model}", app_name="orchard")
-    print(json.dumps({model: handle.stats.remote().result(timeout_s=60)}, default=str))
+stats = {}
+for model in sys.argv[2:]:  # a model id, or a deployment's name (prefill:ID)
+    name = model if ":" in model else f"model:{model}"
+    handle = serve.get_deployment_handle(name, app_name="orchard")
+    stats[model] = handle.stats.remote().result(timeout_s=60)
+print(json.dumps(stats, default=str))
 """
 
 
@@ -206,12 +210,43 @@ def test_every_rank_keeps_its_own_budget_and_preempts_in_lockstep(
         assert text == run("tiny", prompt, completion_tokens)[0], prompt
 
 
-def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI) -> None:
+def test_a_split_sharded_model_moves_each_rank_s_kv_to_the_same_rank(
+        client: openai.OpenAI, sharded_cluster: LocalCluster) -> None:
+    """Prefill and decode roles on replicas sharded by tensor: a long prompt is prefilled
+    by the prefill replica's two ranks, and each rank's part of the KV (its KV head) goes
+    to the decode replica's same rank, rank 1's without passing through rank 0. Every
+    prompt token but the last is served from the moved KV, and the text is the whole
+    model's."""
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 20},
+                {"role": "user", "content": PROMPTS[0]}]
+    args: dict[str, Any] = {"temperature": 0, "max_tokens": 32, "messages": messages}
+    answer = client.chat.completions.create(model=SPLIT, **args)
+    usage = answer.usage
+    assert usage is not None and usage.prompt_tokens > SPLIT_MIN_TOKENS
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    stats = _driver(sharded_cluster, STATS_DRIVER, SPLIT, f"prefill:{SPLIT}")
+    pulls = stats[SPLIT]["pulls"]
+    assert pulls["outcomes"] == {"prefill pulled": 1}, pulls
+    assert pulls["tokens"] == usage.prompt_tokens - 1
+    # Rank 0's part alone came with the answer: half of tiny's 1024 bytes a token.
+    assert pulls["bytes"] < 0.6 * 1024 * pulls["tokens"], pulls
+    assert stats[f"prefill:{SPLIT}"]["submitted"] == 1
+    assert answer.choices[0].message.content == \
+        client.chat.completions.create(model="tiny", **args).choices[0].message.content
+
+
+@pytest.mark.parametrize("model", ["tiny-x2", SPECULATING])
+def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI, model: str,
+                                                         sharded_cluster: LocalCluster) -> None:
+    """The scripts as the whole model writes them; on `tiny-s2` with speculation, rank 0's
+    drafts verified by both ranks in one pass (greedy output must not change)."""
+    before = _driver(sharded_cluster, STATS_DRIVER, model)[model]["decode"]
     cities = script("cities")
-    full = client.chat.completions.create(model="tiny-x2", messages=cities.message_dicts,
+    full = client.chat.completions.create(model=model, messages=cities.message_dicts,
                                           temperature=0, max_tokens=200)
     assert full.choices[0].message.content == cities.answer
-    stopped = client.chat.completions.create(model="tiny-x2", messages=cities.message_dicts,
+    stopped = client.chat.completions.create(model=model, messages=cities.message_dicts,
                                              temperature=0, stop=["3."], max_tokens=200)
     assert stopped.choices[0].message.content == cities.answer.split("3.")[0]
     assert stopped.choices[0].finish_reason == "stop"
@@ -219,7 +254,7 @@ def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI) 
     assert extra and extra["matched_stop"] == "3."
 
     think = script("feathers-think")
-    body = client.chat.completions.create(model="tiny-x2", messages=think.message_dicts,
+    body = client.chat.completions.create(model=model, messages=think.message_dicts,
                                           temperature=0, max_tokens=400)
     message = body.choices[0].message
     assert message.content == think.answer
@@ -234,7 +269,7 @@ def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI) 
         "active": {"type": "boolean"}},
         "required": ["name", "born"], "additionalProperties": False}
     guided = client.chat.completions.create(
-        model="tiny-x2", messages=record.message_dicts, temperature=0,
+        model=model, messages=record.message_dicts, temperature=0,
         max_tokens=200, response_format={"type": "json_schema", "json_schema": {
             "name": "person", "schema": schema, "strict": True}})
     answer = json.loads(guided.choices[0].message.content or "")
@@ -243,15 +278,24 @@ def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI) 
 
     tools = script("tool-one")
     called = client.chat.completions.create(
-        model="tiny-x2", messages=tools.message_dicts, tools=tools.tool_dicts, temperature=0,
+        model=model, messages=tools.message_dicts, tools=tools.tool_dicts, temperature=0,
         max_tokens=200, extra_body={"chat_template_kwargs": tools.template_kwargs})
     assert called.choices[0].finish_reason == "tool_calls"
     calls = called.choices[0].message.tool_calls or []
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
         [(name, json.loads(args)) for name, args in tools.expected_calls]
+    decode = _driver(sharded_cluster, STATS_DRIVER, model)[model]["decode"]
+    if model == SPECULATING:  # drafts were verified, some kept: more than a token a pass
+        assert decode["speculative"] and decode["drafted"] > before["drafted"]
+        assert decode["accepted"] > before["accepted"]
+        assert decode["tokens"] - before["tokens"] > decode["passes"] - before["passes"]
+    else:
+        assert decode["drafted"] == 0
 
 
-def test_eight_concurrent_streams_keep_their_own_answers(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("model", ["tiny-x2", SPECULATING])
+def test_eight_concurrent_streams_keep_their_own_answers(client: openai.OpenAI,
+                                                         model: str) -> None:
     ids = ["cities", "planets", "tea-steps", "ocean-prose", "haiku", "hello", "unicode",
            "two-paragraphs"]
 
@@ -259,7 +303,7 @@ def test_eight_concurrent_streams_keep_their_own_answers(client: openai.OpenAI) 
         s = script(sid)
         text = []
         for chunk in client.chat.completions.create(
-                model="tiny-x2", messages=s.message_dicts, temperature=0, max_tokens=300,
+                model=model, messages=s.message_dicts, temperature=0, max_tokens=300,
                 stream=True):
             if chunk.choices:
                 text.append(chunk.choices[0].delta.content or "")

@@ -3,12 +3,18 @@ bytes that decode to the same arrays, and the transfer-versus-prefill arithmetic
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from concurrent.futures import Future
+from typing import Any, Callable, Sequence
 
+import mlx.core as mx
+import pytest
 
+from replicas.engine.batch import Exported
 from replicas.engine.disk_cache import snapshot
-from replicas.engine.kv_transfer import decode, encode
-from replicas.kv_pull import KvPuller, Rate
+from replicas.engine.kv_transfer import PrefixKV, decode, encode
+from replicas.engine.quantized_kv import QuantizedRowKVCache
+from replicas.kv_pull import KvPuller, Rate, Source
 from replicas.options import PullOptions
 from tests.unit.test_disk_cache import kv, same
 
@@ -20,9 +26,80 @@ def test_a_cache_survives_the_trip_through_bytes() -> None:
     assert [c.offset for c in back] == [40, 40, 40]
 
 
+def test_quantized_rows_travel_as_mlx_lm_s_class_and_come_back_as_rows() -> None:
+    row = QuantizedRowKVCache(group_size=32, bits=8)
+    row.update_and_fetch(mx.random.normal((1, 2, 40, 32)), mx.random.normal((1, 2, 40, 32)))
+    snap = snapshot([row.view(30)])
+    assert "QuantizedKVCache" in snap.metadata.values()  # mlx-lm's loader reads the file
+    (back,) = decode(encode(snap))
+    assert type(back) is QuantizedRowKVCache and back.offset == 30
+    # Only the positions the view holds travel, not the room allocated past them.
+    assert back.keys[0].shape[2] == 30
+    assert all(mx.array_equal(a, b[..., :30, :]).item() for a, b in zip(back.keys, row.keys))
+
+
+def call(fn: Callable[[], Any]) -> Future[Any]:
+    """`Engine.call` without a thread: run now."""
+    done: Future[Any] = Future()
+    done.set_result(fn())
+    return done
+
+
+class Home:
+    """A batch that holds nothing and records what it adopts."""
+
+    def __init__(self) -> None:
+        self.adopted: list[tuple[int, str]] = []
+
+    def held_length(self, tokens: Sequence[int]) -> int:
+        return 0
+
+    def export_prefix(self, tokens: Sequence[int], at_least: int) -> Exported | None:
+        return None
+
+    def adopt(self, tokens: Sequence[int], layers: list[Any], staged: str = "") -> None:
+        self.adopted.append((len(tokens), staged))
+
+
+class Ranks:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.staged: list[str] = []
+        self.discarded: list[str] = []
+
+    def attach(self, kv: PrefixKV) -> PrefixKV:
+        return kv
+
+    async def stage(self, staged: str, kv: PrefixKV) -> None:
+        self.staged.append(staged)
+        if self.fail:
+            raise ConnectionError("rank 1's Mac went away")
+
+    def discard(self, staged: str) -> None:
+        self.discarded.append(staged)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_sharded_pull_adopts_only_once_every_rank_staged_its_part(fail: bool) -> None:
+    home, ranks = Home(), Ranks(fail)
+    p = KvPuller(PullOptions(min_tokens=8), call, home, "f", ranks)
+    prompt = tuple(range(40))
+
+    async def fetch(tokens: tuple[int, ...], at_least: int) -> PrefixKV:
+        return PrefixKV(tokens[:32], encode(snapshot(kv(32))), "f", "e1", ("part 1",))
+
+    result = asyncio.run(p.before(prompt, Source(fetch, 8)))
+    assert result is not None and len(ranks.staged) == 1
+    if fail:  # a prefill instead; nothing adopted, every staged part freed
+        assert result.outcome == "failed" and home.adopted == []
+        assert ranks.discarded == ranks.staged
+    else:
+        assert result.outcome == "pulled" and result.tokens == 32
+        assert home.adopted == [(32, ranks.staged[0])] and ranks.discarded == []
+
+
 def puller(**options: Any) -> KvPuller:
-    return KvPuller(PullOptions(**options), call=lambda fn: None, cache=lambda: None,
-                    fingerprint="f")
+    return KvPuller(PullOptions(**options), call, Home(), "f")
 
 
 def test_until_both_rates_are_measured_a_pull_is_tried() -> None:

@@ -27,10 +27,22 @@ def test_a_split_model_is_two_deployments_and_one_name() -> None:
     build_app({"models": pair()})  # binds the prefill deployment into the decode one
 
 
+def test_a_sharded_model_splits_into_roles_sharded_alike() -> None:
+    """KV moves rank to rank between the two, so both hold the same part of each layer."""
+    both = {"shards": 2, "sharding": "tensor"}
+    models = [{**entry, **both} for entry in pair()]
+    config = AppArgs.model_validate({"models": models})
+    assert [(m.role, m.shards) for m in config.models] == [("decode", 2), ("prefill", 2)]
+    models[1]["sharding"] = "pipeline"
+    with pytest.raises(ValidationError, match="`shards` and `sharding`"):
+        AppArgs.model_validate({"models": models})
+
+
 @pytest.mark.parametrize("models,error", [
     (pair()[:1], "has a `role: decode` entry but no `role: prefill` one"),
     (pair()[1:], "has a `role: prefill` entry but no `role: decode` one"),
     (pair(source="builtin:bench"), "need the same `source`"),
+    (pair(shards=2), "`shards` and `sharding`"),
     (pair(aliases=["other"]), "aliases go on its decode entry"),
     (pair() + pair()[1:], "two `role: prefill` entries"),
     ([*pair(), {"id": "m", "source": "builtin:tiny"}], "'m' is used twice"),

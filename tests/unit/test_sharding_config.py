@@ -112,7 +112,6 @@ def test_a_batch_record_survives_the_wire() -> None:
 @pytest.mark.parametrize("field, says", [
     ({"kind": "vision"}, "kind: vision needs shards: 1"),
     ({"prompt_cache": {"disk_path": "auto"}}, "prompt_cache.disk_path needs shards: 1"),
-    ({"speculative": {"method": "ngram"}}, "speculative needs shards: 1"),
 ])
 def test_what_a_sharded_replica_cannot_take_is_a_config_error(field: dict[str, Any],
                                                               says: str) -> None:
@@ -132,12 +131,15 @@ def test_speculation_and_kv_bits_settings_reach_the_engine() -> None:
     assert engine.speculative == NgramConfig(3, 4, 1, 8)
     assert replica_options(ModelSettings.model_validate(
         {"id": "m", "source": "s"})).engine.speculative is None
+    # A quantized cache has a disk tier too (stored as mlx-lm's QuantizedKVCache).
+    disk = replica_options(ModelSettings.model_validate({
+        "id": "m", "source": "builtin:tiny", "engine": {"kv_bits": 4},
+        "prompt_cache": {"disk_path": "/tmp/orchard-kv"}})).engine
+    assert (disk.kv_bits, disk.disk_cache_dir) == (4, "/tmp/orchard-kv")
 
 
 @pytest.mark.parametrize("field, says", [
     ({"engine": {"kv_bits": 3}}, "kv_bits"),
-    ({"engine": {"kv_bits": 8}, "prompt_cache": {"disk_path": "auto"}},
-     "disk_path needs an unquantized KV cache"),
     ({"speculative": {"method": "draft"}}, "method"),
     ({"speculative": {"prompt_lookup_min": 5}}, "prompt_lookup_min must be <="),
     ({"speculative": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
