@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
-    from replicas.engine.config import NgramConfig
+    from replicas.engine.config import SpeculativeConfig
     from replicas.options import PullOptions
 
 
@@ -92,9 +92,13 @@ class SpeculativeSettings(_Strict):
     Greedy output is unchanged and sampled output keeps the model's distribution; it pays
     where outputs repeat their context (code edits, quoted files, JSON echoes)."""
 
-    method: Literal["ngram"] = Field(
+    method: Literal["ngram", "draft"] = Field(
         "ngram", description="`ngram`: prompt lookup, drafts copied from the sequence itself "
-        "after its newest tokens' earlier occurrence (no draft model).")
+        "after its newest tokens' earlier occurrence (no draft model); `draft`: what "
+        "`draft_model` writes greedily.")
+    draft_model: str | None = Field(
+        None, description="`method: draft`: a smaller model with the same tokenizer, named "
+        "as `source` is (a Hugging Face repo, a path, builtin:NAME); loaded beside the model.")
     num_speculative_tokens: int = Field(4, ge=1, le=16,
                                         description="Most draft tokens a row verifies per pass.")
     prompt_lookup_max: int = Field(4, ge=1, description="Longest suffix looked up.")
@@ -107,13 +111,15 @@ class SpeculativeSettings(_Strict):
     def _lookup_range(self) -> "SpeculativeSettings":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative.draft_model goes with method: draft, and only there")
         return self
 
-    def engine(self) -> "NgramConfig":
-        """As the engine takes it (`replicas.engine.config.NgramConfig`)."""
-        from replicas.engine.config import NgramConfig
+    def engine(self) -> "SpeculativeConfig":
+        """As the engine takes it (`replicas.engine.config.SpeculativeConfig`)."""
+        from replicas.engine.config import SpeculativeConfig
 
-        return NgramConfig(**self.model_dump(exclude={"method"}))
+        return SpeculativeConfig(**self.model_dump(exclude={"method"}))
 
 
 class MemorySettings(_Strict):

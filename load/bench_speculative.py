@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup, and batched logit_bias: raw mlx-lm vs Orchard.
+"""Speculative decoding by prompt lookup (or a draft model, `--draft-model`), and batched
+logit_bias: raw mlx-lm vs Orchard.
 
 In-process: raw mlx-lm's `BatchGenerator` vs Orchard's batch
 (`replicas.engine.batch.LocalBatch`) with speculation off and on, same model, prompts and
@@ -16,7 +17,7 @@ stream count), for each workload:
 
 Three engines, in an order that rotates each round: `raw` (plain
 `mlx_lm.generate.BatchGenerator`), `off` (`LocalBatch`, `EngineConfig.speculative` None) and
-`on` (`NgramConfig` from the flags). Rows are built as `replicas.engine.scheduling.row_for`
+`on` (`SpeculativeConfig` from the flags). Rows are built as `replicas.engine.scheduling.row_for`
 builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are a
 numbered random sentence each (`--prompt-words`), new each round (the engines of a round
 share them), all prefilled in one batch. Decode tok/s counts the tokens after the first step
@@ -61,7 +62,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E4
 
 from replicas.contract import SamplingParams  # noqa: E402
 from replicas.engine.batch import LocalBatch, Row  # noqa: E402
-from replicas.engine.config import EngineConfig, NgramConfig  # noqa: E402
+from replicas.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from replicas.engine.penalties import Penalties  # noqa: E402
 from replicas.engine.sampling import make_request_sampler  # noqa: E402
 from replicas.sources import load_source  # noqa: E402
@@ -150,13 +151,14 @@ def run_raw(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: f
 
 
 def run_orchard(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: float,
-                speculative: NgramConfig | None, bias: dict[int, float] | None = None,
-                ) -> tuple[Run, Outputs]:
-    """`LocalBatch`, rows as `scheduling.row_for` builds them; `bias` on row 0."""
+                speculative: SpeculativeConfig | None, bias: dict[int, float] | None = None,
+                draft: Any = None) -> tuple[Run, Outputs]:
+    """`LocalBatch`, rows as `scheduling.row_for` builds them; `bias` on row 0; `draft`:
+    the draft model (`--draft-model`), when speculating."""
     n = len(batch)
     local = LocalBatch(loaded.model, EngineConfig(
         max_batch_size=max(n, 32), prefill_batch_size=n, prompt_cache_bytes=0,
-        speculative=speculative))
+        speculative=speculative), draft=draft if speculative is not None else None)
     rows = []
     for i, ids in enumerate(batch):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
@@ -215,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=["greedy", "sampled"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft-model", default=None, help="`on` drafts with this model "
+                        "(speculative.method draft) instead of prompt lookup")
     parser.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
@@ -235,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine(loaded: Any, key: str, batch: list[list[int]], workload: str, tokens: int,
-           spec: NgramConfig, bias: dict[int, float]) -> tuple[Run, Outputs]:
+           spec: SpeculativeConfig, bias: dict[int, float], draft: Any = None
+           ) -> tuple[Run, Outputs]:
     """`key`: raw, off or on, "+bias" for row 0 biased."""
     name, biased = key.removesuffix("+bias"), key.endswith("+bias")
     temperature = TEMPERATURE[workload]
@@ -244,7 +249,8 @@ def engine(loaded: Any, key: str, batch: list[list[int]], workload: str, tokens:
         run, outputs = run_raw(loaded, batch, tokens, temperature, bias if biased else None)
     else:
         run, outputs = run_orchard(loaded, batch, tokens, temperature,
-                                   spec if name == "on" else None, bias if biased else None)
+                                   spec if name == "on" else None, bias if biased else None,
+                                   draft)
     run.wall = time.perf_counter() - start
     if run.total_tokens != len(batch) * tokens:  # unequal work would skew every ratio
         raise SystemExit(f"{key}: {run.total_tokens} tokens, not {len(batch)} x {tokens}")
@@ -295,8 +301,8 @@ def main() -> int:
         raise SystemExit("--bias-streams must be one of --streams (or 0)")
     if args.bias_streams and "greedy" not in args.workloads:
         raise SystemExit("the bias table on --model runs in the greedy workload")
-    spec = NgramConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min,
-                       args.disable_by_batch_size)
+    spec = SpeculativeConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min,
+                             args.disable_by_batch_size, args.draft_model)
     bias = {args.bias_token: args.bias_value}
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     print(f"command: {command}", flush=True)
@@ -304,6 +310,7 @@ def main() -> int:
     digest = engine_digest()
     clock = time.monotonic()
     loaded = load_source(args.model)
+    draft = load_source(args.draft_model).model if args.draft_model else None
     cheap = (load_source(args.bias_model)
              if args.bias_streams and args.bias_model != "none" else None)
     batches = [{n: prompts(loaded, n, args.prompt_words, args.seed + r) for n in args.streams}
@@ -314,7 +321,7 @@ def main() -> int:
 
     # Warm-up: each engine at the smallest size, a few tokens (first-use costs).
     for name in ENGINES:
-        engine(loaded, name, batches[0][min(args.streams)], "greedy", 4, spec, bias)
+        engine(loaded, name, batches[0][min(args.streams)], "greedy", 4, spec, bias, draft)
 
     runs: dict[str, dict[int, dict[str, list[Run]]]] = {
         w: {n: {e: [] for e in ENGINES} for n in args.streams} for w in args.workloads}
@@ -331,7 +338,7 @@ def main() -> int:
                 outs: dict[str, Outputs] = {}
                 for key in (k for unit in units for k in unit):
                     run, outs[key] = engine(loaded, key, batches[r][n], workload, budget[n],
-                                            spec, bias)
+                                            spec, bias, draft)
                     if key in ENGINES:
                         runs[workload][n][key].append(run)
                     if with_bias and key in bias_runs:
@@ -365,8 +372,9 @@ def main() -> int:
 
     minutes = (time.monotonic() - clock) / 60
     print(f"\nmodel {args.model} ({loaded.path.name}), {args.rounds} rounds, speculation "
-          f"num_speculative_tokens {spec.num_speculative_tokens}, prompt lookup "
-          f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+          f"num_speculative_tokens {spec.num_speculative_tokens}, "
+          + (f"draft model {spec.draft_model}" if spec.draft_model else
+             f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
           + (f", off above {spec.disable_by_batch_size} rows" if spec.disable_by_batch_size
              is not None else "") + f"; started {started}, "
           f"{minutes:.1f} min; load average now {os.getloadavg()[0]:.2f} on "

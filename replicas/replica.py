@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncGenerator, Callable
 
+import mlx.nn as nn
+
 from replicas.engine.batch import Batch, LocalBatch
 from replicas.contract import (
     EmbeddingRequest,
@@ -33,13 +35,14 @@ from replicas.contract import (
 from replicas.embedder import Embedder
 from replicas.engine.core import Engine, EngineDead
 from replicas.engine.disk_cache import DiskTier, model_fingerprint
+from replicas.engine.draft_model import check_draft_model
 from replicas.engine.prefix_directory import DIRECTORY_FILE, PrefixDirectory
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 from replicas.engine.loading import LoadedModel, load_model
 from replicas.engine.lockstep import LockstepBatch
 from replicas.engine.quantized_kv import cache_maker
-from replicas.engine.memory import RankMemory, plan_memory
+from replicas.engine.memory import RankMemory, plan_memory, weights_bytes
 from replicas.options import ReplicaOptions
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
@@ -115,11 +118,14 @@ class ModelReplica:
             if sees(model.config, self.options.kind):
                 self._vision = VisionModel.load(model.path, model.model, self._timings)
             engine = self.options.engine
+            draft = self._draft(model)
             memory = plan_memory(model.model, budget, self.options.model_id,
-                                 self._vision.nbytes if self._vision else 0,
+                                 (self._vision.nbytes if self._vision else 0)
+                                 + (weights_bytes(draft) if draft else 0),
                                  cache_maker(engine.kv_bits, engine.kv_group_size))
             self._batch = LocalBatch(model.model, self.options.engine,
-                                     disk=self._disk_tier(model), held=self._directory.held)
+                                     disk=self._disk_tier(model), held=self._directory.held,
+                                     draft=draft)
             return model, self._batch, (memory,)
         if self.options.kind == "vision":
             raise VisionUnsupported("a sharded replica reads text only: set shards: 1")
@@ -127,9 +133,19 @@ class ModelReplica:
 
         model, local, group, ranks = open_shard(
             self.options.source, resolve_source(self.options.source), plan, self.options.engine,
-            self._directory.held)
+            self._directory.held, draft=lambda target: self._draft(target))
         self._batch = LockstepBatch(local, group, self._wake_shards, on_sync=self._timings.sync)
         return model, self._batch, ranks
+
+    def _draft(self, target: LoadedModel) -> nn.Module | None:
+        """The draft model speculation drafts with, checked against `target` (rank 0's)."""
+        spec = self.options.engine.speculative
+        if spec is None or spec.draft_model is None:
+            return None
+        draft = load_model(spec.draft_model, resolve_source(spec.draft_model))
+        check_draft_model(draft.model, draft.hf_tokenizer.get_vocab(),
+                          target.hf_tokenizer.get_vocab())
+        return draft.model
 
     def _disk_tier(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, under the model's fingerprint, where configured."""

@@ -28,7 +28,8 @@ from replicas.engine.request import PromptEmbeddings
 from replicas.engine.scoring import score_prompt
 from replicas.engine.shared_drafts import SharedDrafts
 from replicas.engine.sampling import LogitsProcessor, Sampler
-from replicas.engine.speculation import DecodeStats, can_roll_back
+from replicas.engine.draft_model import ModelDrafter
+from replicas.engine.speculation import DecodeStats, Drafter, can_roll_back
 from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
@@ -110,9 +111,12 @@ class LocalBatch:
 
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
                  = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None,
-                 shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None) -> None:
+                 shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None,
+                 draft: nn.Module | None = None) -> None:
         """`shared_drafts`: on a sharded replica, how this rank shares speculation's
-        decisions with the others, over the batch's stream."""
+        decisions with the others, over the batch's stream. `draft`: the draft model
+        speculation drafts with (`speculative.draft_model`)."""
+        self._draft = draft
         self._model = model
         self._config = config
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
@@ -157,10 +161,19 @@ class LocalBatch:
         )
         # Our decoding batch in place of mlx-lm's (`replicas.engine.generation`): mlx-lm
         # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
-        decoding = Generation.make(self._model, gen.sampler, self._speculative, self._shared)
+        decoding = Generation.make(self._model, gen.sampler, self._drafter(), self._shared)
         decoding.stats = self.decode_stats
         gen._generation_batch = decoding
         return gen
+
+    def _drafter(self) -> Drafter | None:
+        spec = self._speculative
+        if spec is None:
+            return None
+        if self._draft is not None:
+            return ModelDrafter(spec, self._draft, self._config.prefill_step_size)
+        # Prompt lookup; on a sharded replica's other ranks, never asked (rank 0 drafts).
+        return Drafter(spec)
 
     def decode_counts(self) -> DecodeCounts:
         d = self.decode_stats

@@ -13,16 +13,19 @@ Pooling = Literal["last_token", "mean", "cls"]
 
 
 @dataclass(frozen=True)
-class NgramConfig:
-    """Speculative decoding by prompt lookup (`replicas.engine.drafting`), in vLLM's names:
-    draft up to `num_speculative_tokens` tokens after the longest suffix of
-    `prompt_lookup_max` down to `prompt_lookup_min` tokens that occurred before; no drafts
-    while more than `disable_by_batch_size` rows decode (None: at any size)."""
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's names: draft up to `num_speculative_tokens` tokens
+    after the longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that
+    occurred before (prompt lookup, `replicas.engine.drafting`), or, with `draft_model`
+    (a source, as a model's), what that model writes greedily
+    (`replicas.engine.draft_model`); no drafts while more than `disable_by_batch_size` rows
+    decode (None: at any size)."""
 
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -60,7 +63,7 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     # Speculative decoding inside the batch (`replicas.engine.speculation`); None: off.
-    speculative: NgramConfig | None = None
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)

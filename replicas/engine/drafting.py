@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from replicas.engine.config import NgramConfig
+from replicas.engine.config import SpeculativeConfig
 
 
 class NgramIndex:
@@ -22,7 +22,7 @@ class NgramIndex:
     n-gram length.
     """
 
-    def __init__(self, config: NgramConfig) -> None:
+    def __init__(self, config: SpeculativeConfig) -> None:
         self._config = config
         self._tokens: list[int] = []
         # n-gram -> the position of its last token, for n-grams ending before the newest.

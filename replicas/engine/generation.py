@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 
-from replicas.engine.config import NgramConfig
+from replicas.engine.config import SpeculativeConfig
 from replicas.engine.penalties import Penalties, apply, window
 from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SeededSampler
 from replicas.engine.shared_drafts import SharedDrafts
@@ -47,10 +47,11 @@ class Generation(GenerationBatch):
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def make(cls, model: nn.Module, sampler: Sampler, speculative: NgramConfig | None,
+    def make(cls, model: nn.Module, sampler: Sampler, drafter: Drafter | None,
              shared: SharedDrafts | None = None) -> Generation:
+        """`drafter`: None without speculation."""
         batch = cls.empty(model, sampler)
-        batch.drafter = Drafter(speculative) if speculative is not None else None
+        batch.drafter = drafter
         batch.shared = shared
         return batch
 

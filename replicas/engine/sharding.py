@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.pipeline import PipelineMixin
 # Private helpers of the pinned mlx-lm: its own architecture lookup and Hub fetch, so a
@@ -33,7 +34,7 @@ from replicas.engine.kv_parts import KvParts
 from replicas.engine.lockstep import Follower
 from replicas.engine.stages import held_layers, split_stages, stage_layers
 from replicas.engine.quantized_kv import cache_maker
-from replicas.engine.memory import RankMemory, plan_memory
+from replicas.engine.memory import RankMemory, plan_memory, weights_bytes
 from replicas.engine.prefix_directory import HeldBlocks
 from replicas.engine.shared_drafts import SharedDrafts
 from replicas.startup import Progress
@@ -132,12 +133,15 @@ def _file(text: str) -> str:
 
 
 def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig,
-               held: HeldBlocks | None = None
+               held: HeldBlocks | None = None,
+               draft: Callable[[LoadedModel], nn.Module | None] | None = None
                ) -> tuple[LoadedModel, LocalBatch, mx.distributed.Group, tuple[RankMemory, ...]]:
     """Join the group, load this rank's shard (mlx-lm's `sharded_load`: a pipeline stage
     reads only its layers' files), make its local batch, and fix its memory: every rank
     measures its own KV and sets its own limit, and each learns every rank's. `held`: rank
-    0's prefix directory's view of its cache (every rank's cache holds the same entries)."""
+    0's prefix directory's view of its cache (every rank's cache holds the same entries).
+    `draft`: rank 0's draft model for speculation, given the loaded shard (rank 0 alone
+    drafts; the others receive its drafts)."""
     with Progress(f"joining {plan.label} of {source} over {plan.backend}"):
         group = join(plan)
     with Progress(f"loading model {source}, {plan.label}, from {resolved}"):
@@ -149,12 +153,14 @@ def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: Engin
     if plan.layers is not None:
         _check_stage(model, plan.layers, plan)
     loaded = loaded_model(source, resolved, model, tokenizer, model_conf)
+    drafts_with = draft(loaded) if draft is not None else None
     most = config.speculative.num_speculative_tokens if config.speculative else 0
     batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan), held=held,
                        shared_drafts=lambda stream: SharedDrafts(group, stream, plan.rank == 0,
-                                                                 most))
+                                                                 most), draft=drafts_with)
     # Every rank runs the probe's forward pass (and its collectives) here, together.
     mine = plan_memory(model, config.kv_budget_bytes, plan.label,
+                       weights_bytes(drafts_with) if drafts_with is not None else 0,
                        make_cache=cache_maker(config.kv_bits, config.kv_group_size))
     return loaded, batch, group, share_memory(group, mine, batch.stream)
 

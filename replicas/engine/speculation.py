@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from replicas.engine.config import NgramConfig
+from replicas.engine.config import SpeculativeConfig
 from replicas.engine.drafting import NgramIndex
 
 
@@ -50,7 +50,7 @@ def can_roll_back(model: nn.Module) -> bool:
 class Drafter:
     """Prompt-lookup drafts for the rows of one batch, an index per row (by uid)."""
 
-    def __init__(self, config: NgramConfig) -> None:
+    def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._indices: dict[int, NgramIndex] = {}
         # Each row's recent share of drafts kept: a row whose guesses miss drafts fewer,
@@ -65,13 +65,18 @@ class Drafter:
         """Row `uid`'s draft after `pending`: `history` is what its cache holds (it only
         ever grows by what was kept), `budget` the most tokens it may still emit after
         `pending`."""
+        most = self.config.num_speculative_tokens
+        return self._propose(uid, history, pending,
+                             min(max(1, round(most * self._kept.get(uid, 1.0))), budget))
+
+    def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
+                 ) -> list[int]:
         index = self._indices.get(uid)
         if index is None:
             index = self._indices[uid] = NgramIndex(self.config)
         index.extend(history[len(index):])
         index.extend([pending])
-        most = self.config.num_speculative_tokens
-        return index.draft(min(max(1, round(most * self._kept.get(uid, 1.0))), budget))
+        return index.draft(limit)
 
     def observe(self, uid: int, drafted: int, kept: int) -> None:
         """A pass kept `kept` of the row's `drafted` guesses."""
@@ -81,9 +86,10 @@ class Drafter:
     def keep(self, uids: Sequence[int]) -> None:
         """Forget the rows that left the batch."""
         live = set(uids)
+        for uid in [u for u in self._kept if u not in live]:
+            del self._kept[uid]
         for uid in [u for u in self._indices if u not in live]:
             del self._indices[uid]
-            self._kept.pop(uid, None)
 
 
 def accepted(drafts: Sequence[Sequence[int]], sampled: Sequence[Sequence[int]]) -> list[int]:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 
 from replicas.contract import OutputEvent
-from replicas.engine.config import EngineConfig, NgramConfig
+from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.kv_layout import KvLayout
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.integration.test_prompt_cache import CONVERSATION, output
@@ -111,7 +111,7 @@ def test_the_prefix_cache_serves_an_earlier_turn_from_quantized_kv(
 @pytest.mark.parametrize("bits", [8, 4])
 def test_speculation_rolls_a_quantized_cache_back_exactly(bits: int) -> None:
     rows = prompts()
-    spec = NgramConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
     plain, _, _ = decode("builtin:tiny", rows, [GREEDY] * len(rows), None, kv_bits=bits)
     fast, counts, _ = decode("builtin:tiny", rows, [GREEDY] * len(rows), spec, kv_bits=bits)
     assert fast == plain

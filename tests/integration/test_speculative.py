@@ -24,14 +24,14 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from replicas.contract import SamplingParams
 from replicas.engine.batch import Done, LocalBatch, Row
-from replicas.engine.config import EngineConfig, NgramConfig
+from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.loading import load_model
 from replicas.engine.penalties import PENALTY_CONTEXT, Penalties
 from replicas.engine.sampling import GuardedProcessors, make_request_sampler
 from replicas.engine.stats import DecodeCounts
 from replicas.sources import resolve_source
 
-SPEC = NgramConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 ROLLS_BACK = ["builtin:tiny", "builtin:pipe", "builtin:arch-mla"]  # qwen3, qwen2, MLA
 CANNOT = ["builtin:arch-sliding", "builtin:arch-ssm"]  # gpt-oss window, Nemotron-H SSM
 GREEDY = SamplingParams(temperature=0.0)
@@ -51,7 +51,7 @@ def prompts(vocab: int = 700, seed: int = 1) -> list[list[int]]:
 
 
 def decode(source: str, rows: Sequence[list[int]], params: Sequence[SamplingParams],
-           spec: NgramConfig | None, max_tokens: int | Sequence[int] = 48,
+           spec: SpeculativeConfig | None, max_tokens: int | Sequence[int] = 48,
            stops: frozenset[int] = frozenset(), extra: dict[int, Any] | None = None,
            cache: bool = False, kv_bits: int | None = None
            ) -> tuple[list[list[int]], DecodeCounts, LocalBatch]:

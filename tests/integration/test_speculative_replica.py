@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 
 from replicas.contract import GuidedSpec, OutputEvent
-from replicas.engine.config import EngineConfig, NgramConfig
+from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.integration.test_prompt_cache import output
 from tests.scripted import script_request
@@ -35,7 +35,7 @@ FORM = {"type": "object", "additionalProperties": False,
                        "year_of_birth_of_the_person": {"type": "integer"}}}
 
 
-def make(spec: NgramConfig | None) -> ModelReplica:
+def make(spec: SpeculativeConfig | None) -> ModelReplica:
     rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
                                       engine=EngineConfig(speculative=spec)))
     rep.start()
@@ -51,7 +51,7 @@ def plain() -> Iterator[ModelReplica]:
 
 @pytest.fixture(scope="module")
 def fast() -> Iterator[ModelReplica]:
-    rep = make(NgramConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    rep = make(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     yield rep
     rep.shutdown()
 

@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from replicas.engine.config import NgramConfig
+from replicas.engine.config import SpeculativeConfig
 from replicas.engine.drafting import NgramIndex
 from replicas.engine.speculation import Drafter, accepted
 
 
 def index(tokens: list[int], **config: int) -> NgramIndex:
-    built = NgramIndex(NgramConfig(**config))
+    built = NgramIndex(SpeculativeConfig(**config))
     built.extend(tokens)
     return built
 
@@ -52,14 +52,14 @@ def test_nothing_below_the_shortest_suffix_and_bounded_by_the_limit() -> None:
 def test_growing_token_by_token_drafts_as_building_at_once() -> None:
     rng = random.Random(0)
     tokens = [rng.randrange(6) for _ in range(300)]
-    grown = NgramIndex(NgramConfig(prompt_lookup_min=1))
+    grown = NgramIndex(SpeculativeConfig(prompt_lookup_min=1))
     for at, token in enumerate(tokens):
         grown.extend([token])
         assert grown.draft(4) == index(tokens[:at + 1], prompt_lookup_min=1).draft(4)
 
 
 def test_a_drafter_follows_what_the_cache_holds_and_forgets_rows_that_left() -> None:
-    drafter = Drafter(NgramConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
     history = [7, 8, 9, 4, 7]
     assert drafter.draft(uid=1, history=history, pending=8, budget=10) == [9, 4, 7]
     # The pass kept 8 and two drafts; the target's next token is now pending.
@@ -83,13 +83,13 @@ def test_kept_drafts_stop_at_the_first_the_target_did_not_sample(
 
 def test_config_refuses_an_empty_lookup_range() -> None:
     with pytest.raises(ValueError):
-        NgramConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+        SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError):
-        NgramConfig(num_speculative_tokens=0)
+        SpeculativeConfig(num_speculative_tokens=0)
 
 
 def test_a_row_whose_drafts_miss_drafts_fewer_and_recovers_when_they_hit() -> None:
-    drafter = Drafter(NgramConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     history = [1, 2, 3, 4, 5] * 4
 
     def next_draft(uid: int = 1) -> list[int]:

@@ -13,7 +13,7 @@ from deployments.app import build_app
 from deployments.config import AppArgs, ModelSettings
 from deployments.model_deployment import replica_options
 from replicas.engine.batch import Done
-from replicas.engine.config import NgramConfig
+from replicas.engine.config import SpeculativeConfig
 from replicas.builtin import ensure_builtin
 from replicas.engine.lockstep import _Finish, _Insert, _RowSpec
 from replicas.engine.sharding import ShardingError, sharding_mode
@@ -128,9 +128,14 @@ def test_speculation_and_kv_bits_settings_reach_the_engine() -> None:
                         "disable_by_batch_size": 8}})
     engine = replica_options(model).engine
     assert (engine.kv_bits, engine.kv_group_size) == (8, 32)
-    assert engine.speculative == NgramConfig(3, 4, 1, 8)
+    assert engine.speculative == SpeculativeConfig(3, 4, 1, 8)
     assert replica_options(ModelSettings.model_validate(
         {"id": "m", "source": "s"})).engine.speculative is None
+    drafted = replica_options(ModelSettings.model_validate({
+        "id": "m", "source": "builtin:bench",
+        "speculative": {"method": "draft", "draft_model": "builtin:tiny"}})).engine
+    assert drafted.speculative is not None
+    assert drafted.speculative.draft_model == "builtin:tiny"
     # A quantized cache has a disk tier too (stored as mlx-lm's QuantizedKVCache).
     disk = replica_options(ModelSettings.model_validate({
         "id": "m", "source": "builtin:tiny", "engine": {"kv_bits": 4},
@@ -140,7 +145,9 @@ def test_speculation_and_kv_bits_settings_reach_the_engine() -> None:
 
 @pytest.mark.parametrize("field, says", [
     ({"engine": {"kv_bits": 3}}, "kv_bits"),
-    ({"speculative": {"method": "draft"}}, "method"),
+    ({"speculative": {"method": "draft"}}, "draft_model goes with method: draft"),
+    ({"speculative": {"draft_model": "builtin:tiny"}}, "draft_model goes with method: draft"),
+    ({"speculative": {"method": "mtp"}}, "method"),
     ({"speculative": {"prompt_lookup_min": 5}}, "prompt_lookup_min must be <="),
     ({"speculative": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
 ])

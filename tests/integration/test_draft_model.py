@@ -1,0 +1,68 @@
+"""Speculation with a draft model (`speculative.method: draft`,
+`replicas.engine.draft_model`) through a whole replica of the built-in scripted model:
+every script comes out exactly as without speculation, alone and eight at once, whether
+the draft agrees with the model (the model itself: nearly every draft kept) or not
+(`builtin:pipe`, random weights on the same tokenizer: nearly every draft rejected).
+A draft model with another vocabulary is refused at load."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from replicas.engine.config import EngineConfig, SpeculativeConfig
+from replicas.engine.draft_model import check_draft_model
+from replicas.engine.loading import load_model
+from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.sources import resolve_source
+from tests.integration.test_prompt_cache import output
+from tests.integration.test_speculative_replica import SCRIPTS, requests, together
+from tests.scripted import script_request
+from tests.streams import stream_events
+
+
+def make(draft: str | None) -> ModelReplica:
+    spec = SpeculativeConfig(num_speculative_tokens=4, draft_model=draft) if draft else None
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
+                                      engine=EngineConfig(speculative=spec)))
+    rep.start()
+    return rep
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[ModelReplica]:
+    rep = make(None)
+    yield rep
+    rep.shutdown()
+
+
+@pytest.mark.parametrize("draft", ["builtin:tiny", "builtin:pipe"])
+def test_every_script_alone_and_batched_is_the_output_without_speculation(
+        plain: ModelReplica, draft: str) -> None:
+    fast = make(draft)
+    try:
+        for sid in SCRIPTS:
+            request = script_request(sid)
+            assert output(stream_events(fast, request)) == \
+                output(stream_events(plain, request)), sid
+        decode = fast.stats().decode
+        batch = requests()[-8:]
+        assert together(fast, batch) == [output(stream_events(plain, r)) for r in batch]
+    finally:
+        fast.shutdown()
+    assert decode is not None and decode.speculative and decode.drafted > 0
+    if draft == "builtin:tiny":  # the model drafting for itself: its drafts are its output
+        assert decode.accepted >= 0.8 * decode.drafted, decode
+        assert decode.tokens >= 2 * decode.passes, decode
+    else:  # random weights guess little right, and cost nothing in correctness
+        assert decode.accepted < 0.5 * decode.drafted, decode
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused() -> None:
+    tiny = load_model("builtin:tiny", resolve_source("builtin:tiny"))
+    vocab = tiny.hf_tokenizer.get_vocab()
+    check_draft_model(tiny.model, vocab, dict(vocab))  # the same: fine
+    other = {f"x{token}": i for token, i in vocab.items()}
+    with pytest.raises(ValueError, match="share the model's tokenizer"):
+        check_draft_model(tiny.model, other, vocab)
