@@ -7,32 +7,28 @@ sampler ("sample, then compare"): greedy output is the target's, sampled output 
 target's distribution. Drafting the draft model's own samples with the q/p acceptance rule
 would keep more drafts under sampling; that is not done here.
 
-Each row keeps its own draft cache (mlx-lm's, as `make_prompt_cache` builds it) and the
-tokens it holds. A step trims the cache back to what the row's history still shares with
-it (rejected drafts), feeds the rest (the prompt once, then the kept drafts and the new
-pending token), and writes up to `limit` tokens, one forward each. Rows draft one after
-another: a draft model is small, and one stream (where drafting pays) is one row. A long
-prompt's first draft prefills the draft model over it, in `prefill_step` chunks, inside
-that step.
+The draft model decodes as a batch beside the target's: one mlx-lm `BatchKVCache` per
+layer, a row per target row (by uid). A step makes k drafts per row in k forwards. The
+first brings every row to its sequence: the drafts the target rejected are rolled out of
+its cache, and what it kept plus its pending token are fed, all rows in one right-padded
+forward whose padding is then rolled into the left (`speculation.roll_back`, the verifying
+pass's own move); its logits at each row's newest token give the first draft. Then k - 1
+forwards of one token per row. A row new to the batch prefills its prompt alone (in
+`prefill_step` chunks, inside that step) and is merged in. Every row drafts every step,
+even one whose grammar drafts for it or whose budget is spent, so no row's cache falls
+behind.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
-from replicas.engine.speculation import Drafter
-
-
-@dataclass
-class _Row:
-    cache: list[Any]
-    fed: list[int] = field(default_factory=list)  # the tokens `cache` holds
+from replicas.engine.speculation import Ask, Drafter, roll_back
 
 
 def check_draft_model(draft: nn.Module, draft_vocab: dict[str, int],
@@ -42,9 +38,10 @@ def check_draft_model(draft: nn.Module, draft_vocab: dict[str, int],
     if draft_vocab != target_vocab:
         raise ValueError("speculative.draft_model must share the model's tokenizer (its "
                          "vocabulary differs)")
-    if not can_trim_prompt_cache(make_prompt_cache(draft)):
-        raise ValueError("speculative.draft_model's cache cannot drop rejected drafts "
-                         "(sliding window or recurrent layers)")
+    if not all(type(c) is KVCache for c in make_prompt_cache(draft)):
+        raise ValueError("speculative.draft_model needs plain attention layers (its cache "
+                         "must drop rejected drafts and batch: no sliding window or "
+                         "recurrent layers)")
 
 
 class ModelDrafter(Drafter):
@@ -54,45 +51,88 @@ class ModelDrafter(Drafter):
         super().__init__(config)
         self._model = model
         self._prefill_step = prefill_step
-        self._rows: dict[int, _Row] = {}
+        self._cache: list[Any] | None = None  # a BatchKVCache per layer, rows as `_uids`
+        self._uids: list[int] = []
+        self._fed: dict[int, list[int]] = {}  # the tokens each row's cache holds
 
     def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
                  ) -> list[int]:
-        if limit <= 0:
-            return []
-        row = self._rows.get(uid)
-        if row is None:
-            row = self._rows[uid] = _Row(make_prompt_cache(self._model))
-        sequence = [*history, pending]
-        shared = _common(row.fed, sequence)
-        if shared == len(sequence):  # nothing new to feed: re-feed the newest token
-            shared -= 1
-        if shared < len(row.fed):
-            trim_prompt_cache(row.cache, len(row.fed) - shared)
-        logits = self._feed(sequence[shared:], row.cache)
-        drafts: list[int] = []
-        while True:
-            token = cast(int, mx.argmax(logits, axis=-1).item())
-            drafts.append(token)
-            if len(drafts) == limit:
-                break
-            logits = self._feed([token], row.cache)
-        row.fed = sequence + drafts[:-1]  # the last draft was never fed
-        return drafts
+        # One row alone would be the whole batch: the others' caches would be dropped.
+        raise NotImplementedError("a draft model drafts for the whole batch: draft_rows")
 
-    def _feed(self, tokens: list[int], cache: list[Any]) -> mx.array:
-        """The draft model over `tokens` (chunked): the last position's logits."""
+    def draft_rows(self, asks: Sequence[Ask]) -> list[list[int]]:
+        limits = [self.limit(uid, budget) for uid, _, _, budget in asks]
+        steps = max(limits, default=0)
+        if steps == 0:
+            return [[] for _ in asks]
+        sequences = {uid: [*history, pending] for uid, history, pending, _ in asks}
+        self._leave(sequences)
+        for uid in [u for u in sequences if u not in self._fed]:
+            self._join(uid, sequences[uid][:-1])
+        logits = self._catch_up([sequences[uid] for uid in self._uids])
+        written: list[list[int]] = [[] for _ in self._uids]
+        column: list[int] = []
+        for step in range(steps):
+            if step:
+                assert self._cache is not None
+                logits = self._model(mx.array(column)[:, None], cache=self._cache)[:, -1, :]
+            column = cast(list[int], mx.argmax(logits, axis=-1).tolist())
+            for row, token in zip(written, column):
+                row.append(token)
+        for uid, row in zip(self._uids, written):
+            self._fed[uid] = sequences[uid] + row[:-1]  # the last token was never fed
+        at = {uid: i for i, uid in enumerate(self._uids)}
+        return [written[at[uid]][:n] for (uid, _, _, _), n in zip(asks, limits)]
+
+    def _leave(self, sequences: dict[int, list[int]]) -> None:
+        """Rows no longer asked about leave the batch."""
+        keep = [i for i, uid in enumerate(self._uids) if uid in sequences]
+        if len(keep) < len(self._uids):
+            self._uids = [self._uids[i] for i in keep]
+            if not keep:
+                self._cache = None
+            for layer in self._cache or ():
+                layer.filter(keep)
+        for uid in [u for u in self._fed if u not in sequences]:
+            del self._fed[uid]
+
+    def _catch_up(self, targets: list[list[int]]) -> mx.array:
+        """Every row brought to its whole sequence in one forward: rejected drafts rolled
+        out, what it kept and its pending token fed. Returns each row's next logits."""
+        assert self._cache is not None
+        # At least the newest token is fed: its logits start the drafts.
+        shared = [min(_common(self._fed[uid], want), len(want) - 1)
+                  for uid, want in zip(self._uids, targets)]
+        drop = [len(self._fed[uid]) - n for uid, n in zip(self._uids, shared)]
+        if any(drop):
+            roll_back(self._cache, drop)
+        feed = [want[n:] for want, n in zip(targets, shared)]
+        width = max(len(f) for f in feed)
+        logits = self._model(mx.array([f + [0] * (width - len(f)) for f in feed]),
+                             cache=self._cache)
+        last = logits[mx.arange(len(feed)), mx.array([len(f) - 1 for f in feed])]
+        roll_back(self._cache, [width - len(f) for f in feed])
+        for uid, want in zip(self._uids, targets):
+            self._fed[uid] = want
+        return last
+
+    def _join(self, uid: int, tokens: list[int]) -> None:
+        """A row new to the batch: its tokens prefilled alone, then merged in."""
+        cache = make_prompt_cache(self._model)
         for start in range(0, len(tokens), self._prefill_step):
-            chunk = tokens[start:start + self._prefill_step]
-            logits = self._model(mx.array([chunk]), cache=cache)
+            self._model(mx.array([tokens[start:start + self._prefill_step]]), cache=cache)
             mx.eval([c.state for c in cache])
-        return logits[0, -1]
+        merged = [BatchKVCache.merge([layer]) for layer in cache]
+        if self._cache is None:
+            self._cache = merged
+        else:
+            for mine, new in zip(self._cache, merged):
+                mine.extend(new)
+        self._uids.append(uid)
+        self._fed[uid] = list(tokens)
 
     def keep(self, uids: Sequence[int]) -> None:
-        super().keep(uids)
-        live = set(uids)
-        for uid in [u for u in self._rows if u not in live]:
-            del self._rows[uid]
+        super().keep(uids)  # rows that left go at the next draft's sync
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

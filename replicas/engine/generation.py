@@ -128,10 +128,14 @@ class Generation(GenerationBatch):
         drafts: list[list[int]] = []
         shared = self.shared
         if shared is None or shared.leads:
-            for i, uid in enumerate(self.uids):
-                budget = min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
-                drafts.append(self._forced(i, pending[i], budget)
-                              or drafter.draft(uid, self.tokens[i], pending[i], budget))
+            budgets = [min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
+                       for i in range(len(self.uids))]
+            forced = [self._forced(i, pending[i], b) for i, b in enumerate(budgets)]
+            # A row its grammar drafts for asks the drafter for nothing (budget 0).
+            guessed = drafter.draft_rows([(uid, self.tokens[i], pending[i],
+                                           0 if forced[i] else budgets[i])
+                                          for i, uid in enumerate(self.uids)])
+            drafts = [f or g for f, g in zip(forced, guessed)]
         if shared is not None:
             drafts = shared.drafts(drafts, len(self.uids))
         return (pending, drafts) if any(drafts) else None

@@ -26,6 +26,10 @@ from replicas.engine.config import SpeculativeConfig
 from replicas.engine.drafting import NgramIndex
 
 
+# One row's ask for a draft: (uid, history, pending token, budget), as `Drafter.draft` takes.
+Ask = tuple[int, Sequence[int], int, int]
+
+
 @dataclass
 class DecodeStats:
     """Counters of one batch's decoding, read for metrics (engine thread only)."""
@@ -61,13 +65,21 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         return limit is None or rows <= limit
 
+    def draft_rows(self, asks: Sequence[Ask]) -> list[list[int]]:
+        """Each row's draft (a draft model writes them for all rows at once)."""
+        return [self.draft(*ask) for ask in asks]
+
     def draft(self, uid: int, history: Sequence[int], pending: int, budget: int) -> list[int]:
         """Row `uid`'s draft after `pending`: `history` is what its cache holds (it only
         ever grows by what was kept), `budget` the most tokens it may still emit after
         `pending`."""
+        return self._propose(uid, history, pending, self.limit(uid, budget))
+
+    def limit(self, uid: int, budget: int) -> int:
+        """How many tokens row `uid` drafts now, at most `budget`: fewer where its recent
+        drafts missed."""
         most = self.config.num_speculative_tokens
-        return self._propose(uid, history, pending,
-                             min(max(1, round(most * self._kept.get(uid, 1.0))), budget))
+        return min(max(1, round(most * self._kept.get(uid, 1.0))), budget)
 
     def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
                  ) -> list[int]:

@@ -9,7 +9,7 @@ whose greedy output must be identical, and `bench` (bfloat16) sharded by tensor.
 parallelism sums each layer's partial products in another order; in bfloat16 that moves a
 logit by a rounding step, which flips the random-weight bench model's near-ties within a
 few dozen tokens, so bench is checked for self-consistency and used where only a long
-stream matters (a lost shard). `tiny-s2` speculates (rank 0 drafts, both ranks verify),
+stream matters (a lost shard). `tiny-s2` speculates (rank 0 drafts with a draft model, both ranks verify),
 and `tiny-pd2` is a split model whose prefill and decode replicas are both sharded, so its
 KV moves rank to rank. Test-only failpoints (`replicas.engine.failpoints`) are on in
 this cluster: a test arms one to make a step fail where it chooses.
@@ -67,11 +67,10 @@ def app_args() -> dict[str, Any]:
     models.append({"id": "tiny-q8", "source": SOURCES["tiny"], "placement": {"pin": False},
                    "engine": QUANTIZED})
     models.append({**sharded("tiny-q8-x2", SOURCES["tiny"], "tensor"), "engine": QUANTIZED})
-    # Speculative decoding on a sharded replica: rank 0 drafts, every rank verifies. The
-    # scripts repeat little of their prompts: single-token matches draft far more often.
+    # Speculative decoding on a sharded replica: rank 0 drafts (with tiny itself as the
+    # draft model, loaded on rank 0 alone), every rank verifies.
     models.append({**sharded(SPECULATING, SOURCES["tiny"], "tensor"), "speculative": {
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 1, "disable_by_batch_size": None}})
+        "method": "draft", "draft_model": SOURCES["tiny"], "num_speculative_tokens": 4}})
     # Prefill and decode roles, both sharded by tensor: KV moves rank to rank between them.
     models += [{**sharded(SPLIT, SOURCES["tiny"], "tensor"), "role": "decode",
                 "prefill_min_tokens": SPLIT_MIN_TOKENS},
