@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 import uuid
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Literal, Protocol, Sequence
 
 from replicas.engine.batch import Exported

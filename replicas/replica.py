@@ -42,7 +42,7 @@ from replicas.errors import ReplicaError
 from replicas.engine.loading import LoadedModel, load_model
 from replicas.engine.lockstep import LockstepBatch
 from replicas.engine.quantized_kv import cache_maker
-from replicas.engine.memory import RankMemory, plan_memory, weights_bytes
+from replicas.engine.memory import RankMemory, plan_memory
 from replicas.options import ReplicaOptions
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
@@ -120,9 +120,8 @@ class ModelReplica:
             engine = self.options.engine
             draft = self._draft(model)
             memory = plan_memory(model.model, budget, self.options.model_id,
-                                 (self._vision.nbytes if self._vision else 0)
-                                 + (weights_bytes(draft) if draft else 0),
-                                 cache_maker(engine.kv_bits, engine.kv_group_size))
+                                 self._vision.nbytes if self._vision else 0,
+                                 cache_maker(engine.kv_bits, engine.kv_group_size), draft)
             self._batch = LocalBatch(model.model, self.options.engine,
                                      disk=self._disk_tier(model), held=self._directory.held,
                                      draft=draft)

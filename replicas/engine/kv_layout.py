@@ -68,6 +68,14 @@ class KvLayout:
             low, high = (mid, high) if self.bytes_for(mid) <= nbytes else (low, mid)
         return low
 
+    def plus(self, other: KvLayout) -> KvLayout:
+        """Both caches a sequence holds (a target's and its draft model's)."""
+        windows = dict(self.windows)
+        for window, per in other.windows:
+            windows[window] = windows.get(window, 0) + per
+        return KvLayout(self.per_token + other.per_token, tuple(sorted(windows.items())),
+                        self.per_sequence + other.per_sequence)
+
     def describe(self) -> str:
         parts = [f"{self.per_token} bytes per token in full-attention layers"]
         parts += [f"{per} bytes per token up to {window} tokens in sliding-window layers"

@@ -97,12 +97,17 @@ class RankMemory:
 
 def plan_memory(model: Any, configured: int | None, label: str = "replica",
                 other_weights: int = 0,
-                make_cache: Callable[[Any], list[Any]] | None = None) -> RankMemory:
+                make_cache: Callable[[Any], list[Any]] | None = None,
+                draft: Any = None) -> RankMemory:
     """Measure this process's KV layout, fix its budget and set MLX's memory limit;
     `other_weights`: bytes of weights beside the language model's (a vision tower);
-    `make_cache`: how the batch makes a row's cache (None: mlx-lm's own)."""
+    `make_cache`: how the batch makes a row's cache (None: mlx-lm's own); `draft`: a
+    draft model, whose weights and per-row cache count too (every row drafts)."""
     weights = weights_bytes(model) + other_weights
     layout = measure_kv(model, make_cache) if make_cache else measure_kv(model)
+    if draft is not None:
+        weights += weights_bytes(draft)
+        layout = layout.plus(measure_kv(draft))
     host = machine()
     budget = configured if configured is not None else default_budget(host, weights)
     if budget < layout.bytes_for(CACHE_STEP):

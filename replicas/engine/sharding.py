@@ -34,7 +34,7 @@ from replicas.engine.kv_parts import KvParts
 from replicas.engine.lockstep import Follower
 from replicas.engine.stages import held_layers, split_stages, stage_layers
 from replicas.engine.quantized_kv import cache_maker
-from replicas.engine.memory import RankMemory, plan_memory, weights_bytes
+from replicas.engine.memory import RankMemory, plan_memory
 from replicas.engine.prefix_directory import HeldBlocks
 from replicas.engine.shared_drafts import SharedDrafts
 from replicas.startup import Progress
@@ -160,8 +160,8 @@ def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: Engin
                                                                  most), draft=drafts_with)
     # Every rank runs the probe's forward pass (and its collectives) here, together.
     mine = plan_memory(model, config.kv_budget_bytes, plan.label,
-                       weights_bytes(drafts_with) if drafts_with is not None else 0,
-                       make_cache=cache_maker(config.kv_bits, config.kv_group_size))
+                       make_cache=cache_maker(config.kv_bits, config.kv_group_size),
+                       draft=drafts_with)
     return loaded, batch, group, share_memory(group, mine, batch.stream)
 
 

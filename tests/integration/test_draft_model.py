@@ -3,7 +3,8 @@
 every script comes out exactly as without speculation, alone and eight at once, whether
 the draft agrees with the model (the model itself: nearly every draft kept) or not
 (`builtin:pipe`, random weights on the same tokenizer: nearly every draft rejected).
-A draft model with another vocabulary is refused at load."""
+Admission counts the draft model's cache beside the model's. A draft model with another
+vocabulary is refused at load."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.draft_model import check_draft_model
+from replicas.engine.kv_layout import measure_kv
 from replicas.engine.loading import load_model
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
@@ -47,6 +49,11 @@ def test_every_script_alone_and_batched_is_the_output_without_speculation(
             assert output(stream_events(fast, request)) == \
                 output(stream_events(plain, request)), sid
         decode = fast.stats().decode
+        # Admission counts the draft model's cache too: every row drafts.
+        plain_layout, fast_layout = (r.stats().memory.layout  # type: ignore[union-attr]
+                                     for r in (plain, fast))
+        draft_layout = measure_kv(load_model(draft, resolve_source(draft)).model)
+        assert fast_layout.per_token == plain_layout.per_token + draft_layout.per_token
         batch = requests()[-8:]
         assert together(fast, batch) == [output(stream_events(plain, r)) for r in batch]
     finally:
