@@ -14,8 +14,6 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncGenerator, Callable
 
-import mlx.nn as nn
-
 from replicas.engine.batch import Batch, LocalBatch
 from replicas.contract import (
     EmbeddingRequest,
@@ -34,8 +32,8 @@ from replicas.contract import (
 )
 from replicas.embedder import Embedder
 from replicas.engine.core import Engine, EngineDead
-from replicas.engine.disk_cache import DiskTier, model_fingerprint
-from replicas.engine.draft_model import check_draft_model
+from replicas.beside_model import kv_fingerprint, load_draft
+from replicas.engine.disk_cache import DiskTier
 from replicas.engine.prefix_directory import DIRECTORY_FILE, PrefixDirectory
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
@@ -118,7 +116,7 @@ class ModelReplica:
             if sees(model.config, self.options.kind):
                 self._vision = VisionModel.load(model.path, model.model, self._timings)
             engine = self.options.engine
-            draft = self._draft(model)
+            draft = load_draft(self.options, model)
             memory = plan_memory(model.model, budget, self.options.model_id,
                                  self._vision.nbytes if self._vision else 0,
                                  cache_maker(engine.kv_bits, engine.kv_group_size), draft)
@@ -132,19 +130,9 @@ class ModelReplica:
 
         model, local, group, ranks = open_shard(
             self.options.source, resolve_source(self.options.source), plan, self.options.engine,
-            self._directory.held, draft=lambda target: self._draft(target))
+            self._directory.held, draft=lambda target: load_draft(self.options, target))
         self._batch = LockstepBatch(local, group, self._wake_shards, on_sync=self._timings.sync)
         return model, self._batch, ranks
-
-    def _draft(self, target: LoadedModel) -> nn.Module | None:
-        """The draft model speculation drafts with, checked against `target` (rank 0's)."""
-        spec = self.options.engine.speculative
-        if spec is None or spec.draft_model is None:
-            return None
-        draft = load_model(spec.draft_model, resolve_source(spec.draft_model))
-        check_draft_model(draft.model, draft.hf_tokenizer.get_vocab(),
-                          target.hf_tokenizer.get_vocab())
-        return draft.model
 
     def _disk_tier(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, under the model's fingerprint, where configured."""
@@ -152,19 +140,11 @@ class ModelReplica:
         if engine.disk_cache_dir is None or engine.prompt_cache_bytes == 0:
             return None
         tier = DiskTier(Path(engine.disk_cache_dir), engine.disk_cache_bytes,
-                        self._kv_fingerprint(model), self._directory.held)
+                        kv_fingerprint(self.options, model), self._directory.held)
         # The directory's key table lives beside the tier's files: same model, same life.
         self._directory_file = tier.directory / DIRECTORY_FILE
         self._directory.load(self._directory_file)
         return tier
-
-    def _kv_fingerprint(self, model: LoadedModel) -> str:
-        """Whose KV this replica's fits: the disk tier's directory, a pull's check."""
-        engine, plan = self.options.engine, self.options.shard
-        # A shard's KV fits the same rank of a replica sharded alike.
-        layout = () if plan is None else (plan.mode, plan.size, plan.layers)
-        return model_fingerprint(model.path, model.model, engine.kv_bits, engine.kv_group_size,
-                                 *layout)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -196,7 +176,7 @@ class ModelReplica:
                             self.options.model_id)
             else:
                 self._puller = KvPuller(self.options.pull, self._engine.call, batch,
-                                        self._kv_fingerprint(model), self._ranks)
+                                        kv_fingerprint(self.options, model), self._ranks)
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
                                       self._format, self._tool_format, self.context_length,
                                       self._timings, self._engine.kv_budget.max_tokens,
