@@ -61,7 +61,7 @@ class ModelDrafter(Drafter):
         raise NotImplementedError("a draft model drafts for the whole batch: draft_rows")
 
     def draft_rows(self, asks: Sequence[Ask]) -> list[list[int]]:
-        limits = [self.limit(uid, budget) for uid, _, _, budget in asks]
+        limits = [max(0, self.limit(uid, budget)) for uid, _, _, budget in asks]
         steps = max(limits, default=0)
         if steps == 0:
             return [[] for _ in asks]
