@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
+from replicas.engine.request import common_prefix
 from replicas.engine.speculation import Ask, Drafter, roll_back
 
 
@@ -85,7 +86,8 @@ class ModelDrafter(Drafter):
         return [written[at[uid]][:n] for (uid, _, _, _), n in zip(asks, limits)]
 
     def _leave(self, sequences: dict[int, list[int]]) -> None:
-        """Rows no longer asked about leave the batch."""
+        """Rows no longer asked about leave the batch (rows that left the target's batch
+        go here, at the next draft, not at `keep`)."""
         keep = [i for i, uid in enumerate(self._uids) if uid in sequences]
         if len(keep) < len(self._uids):
             self._uids = [self._uids[i] for i in keep]
@@ -101,7 +103,7 @@ class ModelDrafter(Drafter):
         out, what it kept and its pending token fed. Returns each row's next logits."""
         assert self._cache is not None
         # At least the newest token is fed: its logits start the drafts.
-        shared = [min(_common(self._fed[uid], want), len(want) - 1)
+        shared = [min(common_prefix(self._fed[uid], want), len(want) - 1)
                   for uid, want in zip(self._uids, targets)]
         drop = [len(self._fed[uid]) - n for uid, n in zip(self._uids, shared)]
         if any(drop):
@@ -130,15 +132,3 @@ class ModelDrafter(Drafter):
                 mine.extend(new)
         self._uids.append(uid)
         self._fed[uid] = list(tokens)
-
-    def keep(self, uids: Sequence[int]) -> None:
-        super().keep(uids)  # rows that left go at the next draft's sync
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

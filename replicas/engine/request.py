@@ -92,3 +92,13 @@ class Submitted:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

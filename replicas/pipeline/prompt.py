@@ -16,7 +16,7 @@ from replicas.contract import (
     TokenPrompt,
     ToolSpec,
 )
-from replicas.engine.request import PromptEmbeddings
+from replicas.engine.request import PromptEmbeddings, common_prefix
 from replicas.errors import InvalidRequestError
 
 
@@ -83,12 +83,7 @@ def last_message_boundary(hf_tokenizer: Any, prompt: Prompt, reasoning: Reasonin
     except Exception:  # noqa: BLE001 - a template that refuses the shorter chat: no boundary
         return 0
     # The longest common start: the shorter chat may render its end differently.
-    common = 0
-    for a, b in zip(before, ids):
-        if a != b:
-            break
-        common += 1
-    return common
+    return common_prefix(before, ids)
 
 
 def encodable(text: str, param: str) -> str:

@@ -12,24 +12,20 @@ from typing import Iterator
 
 import pytest
 
-from replicas.engine.config import EngineConfig, SpeculativeConfig
+from replicas.engine.config import SpeculativeConfig
 from replicas.engine.draft_model import check_draft_model
 from replicas.engine.kv_layout import measure_kv
 from replicas.engine.loading import load_model
-from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.replica import ModelReplica
 from replicas.sources import resolve_source
 from tests.integration.test_prompt_cache import output
-from tests.integration.test_speculative_replica import SCRIPTS, requests, together
+from tests.integration.test_speculative_replica import SCRIPTS, make, requests, together
 from tests.scripted import script_request
 from tests.streams import stream_events
 
 
-def make(draft: str | None) -> ModelReplica:
-    spec = SpeculativeConfig(num_speculative_tokens=4, draft_model=draft) if draft else None
-    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
-                                      engine=EngineConfig(speculative=spec)))
-    rep.start()
-    return rep
+def drafting(draft: str) -> ModelReplica:
+    return make(SpeculativeConfig(num_speculative_tokens=4, draft_model=draft))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +38,7 @@ def plain() -> Iterator[ModelReplica]:
 @pytest.mark.parametrize("draft", ["builtin:tiny", "builtin:pipe"])
 def test_every_script_alone_and_batched_is_the_output_without_speculation(
         plain: ModelReplica, draft: str) -> None:
-    fast = make(draft)
+    fast = drafting(draft)
     try:
         for sid in SCRIPTS:
             request = script_request(sid)
