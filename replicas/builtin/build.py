@@ -160,15 +160,15 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str,
 
     mx.random.seed(recipe.seed)
     module = importlib.import_module(f"mlx_lm.models.{arch.model_type}")
-    model = module.Model(module.ModelArgs.from_dict(config))
     info: dict[str, Any] = {"name": recipe.name, "cache_key": key, "vocab_size": vocab_size}
     examples: list[Example] = []
     weights: dict[str, mx.array] | None = None
     if isinstance(recipe.weights, RandomInit):
         added = [token_id(tokenizer, t) for t in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS]
-        _randomize(model, recipe.weights, added)
+        model = _random_model(module, config, recipe.weights, added)
         info["weights"] = {"source": "random", "seed": recipe.seed}
     else:
+        model = module.Model(module.ModelArgs.from_dict(config))
         examples = _examples(out_dir, scripts, eos_id)
         expected = fingerprint(recipe, tokenizer.get_vocab(with_added_tokens=True), examples)
         choice = choose(expected, find_shipped(recipe.name)) if use_shipped \
@@ -249,6 +249,28 @@ def _examples(model_dir: Path, scripts: Sequence[Script], eos_id: int) -> list[E
         Example(r.label, tuple(prompt_ids(tokenizer, r)), tuple(completion_ids(tokenizer, r, eos_id)))
         for r in renderings(scripts)
     ]
+
+
+def _random_model(module: Any, config: dict[str, Any], init: RandomInit,
+                  silent_ids: Sequence[int]) -> nn.Module:
+    """The recipe's random model, drawn as `init.drawn_layers` layers where set and cut to
+    the config's, its layers from `init.live_layers` on made inert."""
+    layers = config["num_hidden_layers"]
+    drawn = module.Model(module.ModelArgs.from_dict(
+        {**config, "num_hidden_layers": init.drawn_layers or layers}))
+    _randomize(drawn, init, silent_ids)
+    if init.live_layers is not None:
+        for layer in drawn.model.layers[init.live_layers:]:
+            # Zero output projections: the layer's attention and MLP add exactly 0.
+            layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+            layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    if init.drawn_layers in (None, layers):
+        return drawn
+    model = module.Model(module.ModelArgs.from_dict(config))
+    kept = [(name, value) for name, value in tree_flatten(drawn.parameters())
+            if not (m := re.search(r"\blayers\.(\d+)\.", name)) or int(m.group(1)) < layers]
+    model.load_weights(kept)
+    return model
 
 
 def _randomize(model: nn.Module, init: RandomInit, silent_ids: Sequence[int]) -> None:

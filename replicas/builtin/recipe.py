@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,12 @@ class RandomInit:
     """
 
     logit_std: float
+    # Only the first `live_layers` layers add to the residual stream; the rest compute as
+    # usual but their output projections are zero, so they change nothing (None: all live).
+    live_layers: int | None = None
+    # Drawn as a model of this many layers (the seed's draws those would take), then cut to
+    # the architecture's: a cut model's layers, embeddings and head equal the whole one's.
+    drawn_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,16 @@ CEILING = Recipe(
 )
 
 
+# A target and a draft model that agree on every token (speculative decoding's best case,
+# load/bench_speculative.py): `agree` is `bench` drawn from the same seed, with its last 7
+# layers inert, so it costs what `bench` costs; `agree-draft` is its first layer alone,
+# embeddings and head included, at an eighth of the cost.
+AGREE = replace(BENCH, name="agree", weights=RandomInit(logit_std=5.0, live_layers=1))
+AGREE_DRAFT = replace(BENCH, name="agree-draft",
+                      architecture=replace(BENCH.architecture, num_hidden_layers=1),
+                      weights=RandomInit(logit_std=5.0, drawn_layers=8))
+
+
 def _cache_kind(name: str, seed: int, model_type: str, layers: int, **extra: Any) -> Recipe:
     """A small random-weights model whose cache is of one kind, in mlx-lm's own class for
     that architecture: KV memory accounting (`replicas.engine.kv_layout`) is checked on each."""
@@ -229,7 +245,8 @@ ARCH_SSM = _cache_kind(
     hybrid_override_pattern=["M", "*", "-", "M"])
 CACHE_KINDS = (ARCH_MLA, ARCH_SLIDING, ARCH_LINEAR, ARCH_SSM)
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING, *CACHE_KINDS)}
+RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING, AGREE, AGREE_DRAFT,
+                                                  *CACHE_KINDS)}
 
 
 def recipe_fields(recipe: Recipe) -> dict[str, Any]:

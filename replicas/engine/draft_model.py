@@ -2,10 +2,13 @@
 few tokens greedily, and the target verifies them in its batch pass like any draft
 (`replicas.engine.speculation`).
 
-Greedy drafts are deterministic guesses, so the verification stays exact for every
-sampler ("sample, then compare"): greedy output is the target's, sampled output keeps the
-target's distribution. Drafting the draft model's own samples with the q/p acceptance rule
-would keep more drafts under sampling; that is not done here.
+A greedy row's drafts are the draft model's argmax: deterministic guesses, checked by
+"sample, then compare", so greedy output is the target's. An unseeded sampled row's drafts
+are samples from the draft model's distribution under the row's own sampling shape, and
+the target keeps them by the q/p rule (`replicas.engine.rejection`), which keeps the
+target's distribution and keeps every draft of a draft that agrees with it. A seeded row
+drafts greedily: "sample, then compare" draws each position with the key it would use
+without speculation, so a seed gives the same text either way.
 
 The draft model decodes as a batch beside the target's: one mlx-lm `BatchKVCache` per
 layer, a row per target row (by uid). A step makes k drafts per row in k forwards. The
@@ -55,6 +58,7 @@ class ModelDrafter(Drafter):
         self._cache: list[Any] | None = None  # a BatchKVCache per layer, rows as `_uids`
         self._uids: list[int] = []
         self._fed: dict[int, list[int]] = {}  # the tokens each row's cache holds
+        self._q: dict[int, mx.array] = {}  # the last drafts' distributions, sampled rows'
 
     def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
                  ) -> list[int]:
@@ -62,28 +66,48 @@ class ModelDrafter(Drafter):
         raise NotImplementedError("a draft model drafts for the whole batch: draft_rows")
 
     def draft_rows(self, asks: Sequence[Ask]) -> list[list[int]]:
-        limits = [max(0, self.limit(uid, budget)) for uid, _, _, budget in asks]
+        self._q = {}
+        limits = [max(0, self.limit(a.uid, a.budget)) for a in asks]
         steps = max(limits, default=0)
         if steps == 0:
             return [[] for _ in asks]
-        sequences = {uid: [*history, pending] for uid, history, pending, _ in asks}
+        sequences = {a.uid: [*a.history, a.pending] for a in asks}
         self._leave(sequences)
         for uid in [u for u in sequences if u not in self._fed]:
             self._join(uid, sequences[uid][:-1])
         logits = self._catch_up([sequences[uid] for uid in self._uids])
+        shapes = {a.uid: a.shape for a in asks}
+        sampled = [(i, shape) for i, uid in enumerate(self._uids)
+                   if (shape := shapes[uid]) is not None]
         written: list[list[int]] = [[] for _ in self._uids]
+        q: list[list[mx.array]] = [[] for _ in sampled]  # per sampled row, per step
         column: list[int] = []
         for step in range(steps):
             if step:
                 assert self._cache is not None
                 logits = self._model(mx.array(column)[:, None], cache=self._cache)[:, -1, :]
-            column = cast(list[int], mx.argmax(logits, axis=-1).tolist())
+            tokens = mx.argmax(logits, axis=-1)
+            if sampled:  # sampled rows draw from their own shape over the draft's logits
+                dists = mx.concatenate([shape.logprobs(logits[i:i + 1]) for i, shape in sampled])
+                tokens[mx.array([i for i, _ in sampled])] = \
+                    mx.random.categorical(dists).astype(tokens.dtype)
+                for row, dist in zip(q, dists):
+                    row.append(dist)
+            column = cast(list[int], tokens.tolist())
             for row, token in zip(written, column):
                 row.append(token)
         for uid, row in zip(self._uids, written):
             self._fed[uid] = sequences[uid] + row[:-1]  # the last token was never fed
         at = {uid: i for i, uid in enumerate(self._uids)}
-        return [written[at[uid]][:n] for (uid, _, _, _), n in zip(asks, limits)]
+        n_of = {a.uid: n for a, n in zip(asks, limits)}
+        for (i, _), dists in zip(sampled, q):
+            uid = self._uids[i]
+            if n_of[uid]:
+                self._q[uid] = mx.stack(dists[:n_of[uid]])
+        return [written[at[a.uid]][:n] for a, n in zip(asks, limits)]
+
+    def sampled(self, uid: int) -> mx.array | None:
+        return self._q.get(uid)
 
     def _leave(self, sequences: dict[int, list[int]]) -> None:
         """Rows no longer asked about leave the batch (rows that left the target's batch

@@ -24,9 +24,11 @@ from mlx_lm.generate import GenerationBatch
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.penalties import Penalties, apply, window
-from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SeededSampler
+from replicas.engine.rejection import judge, verdict
+from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SamplingShape, \
+    SeededSampler
 from replicas.engine.shared_drafts import SharedDrafts
-from replicas.engine.speculation import DecodeStats, Drafter, accepted, roll_back
+from replicas.engine.speculation import Ask, DecodeStats, Drafter, accepted, roll_back
 
 Emitted = list[tuple[int, mx.array]]  # one row's tokens of a step, each with its logprobs
 
@@ -43,6 +45,8 @@ class Generation(GenerationBatch):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.stats = DecodeStats()
         self.drafter: Drafter | None = None
+        # This step's rows whose drafts the drafter sampled: the distribution of each.
+        self._sampled: dict[int, mx.array] = {}
         self.shared: SharedDrafts | None = None  # a sharded replica's
         super().__init__(*args, **kwargs)
 
@@ -132,10 +136,12 @@ class Generation(GenerationBatch):
                        for i in range(len(self.uids))]
             forced = [self._forced(i, pending[i], b) for i, b in enumerate(budgets)]
             # A row its grammar drafts for asks the drafter for nothing (budget 0).
-            guessed = drafter.draft_rows([(uid, self.tokens[i], pending[i],
-                                           0 if forced[i] else budgets[i])
+            guessed = drafter.draft_rows([Ask(uid, self.tokens[i], pending[i],
+                                              0 if forced[i] else budgets[i], self._shape(i))
                                           for i, uid in enumerate(self.uids)])
             drafts = [f or g for f, g in zip(forced, guessed)]
+            self._sampled = {i: q for i, uid in enumerate(self.uids)
+                             if not forced[i] and (q := drafter.sampled(uid)) is not None}
         if shared is not None:
             drafts = shared.drafts(drafts, len(self.uids))
         return (pending, drafts) if any(drafts) else None
@@ -168,6 +174,7 @@ class Generation(GenerationBatch):
         table: list[list[int]] = sampled.reshape(rows, width).tolist()  # type: ignore[assignment]
         kept = accepted(drafts, table)
         nexts = [table[i][n] for i, n in enumerate(kept)]
+        self._judge(drafts, logprobs, width, table, kept, nexts)
         positions = [[logprobs[i * width + j] for j in range(n + 1)] for i, n in enumerate(kept)]
         for i in range(rows):
             if self._own_processors(i):
@@ -192,6 +199,33 @@ class Generation(GenerationBatch):
             for uid, draft, n in zip(self.uids, drafts, kept):
                 self.drafter.observe(uid, len(draft), n)
         return emitted
+
+    def _shape(self, i: int) -> SamplingShape | None:
+        """Row `i`'s sampling shape where its drafts may be sampled and judged by the q/p
+        rule: an unseeded sampled row without its own processors (those read each kept
+        token once, in order) on this rank."""
+        if self._own_processors(i):
+            return None
+        return getattr(_local(self._sampler(i)), "shape", None)
+
+    def _judge(self, drafts: list[list[int]], logprobs: mx.array, width: int,
+               table: list[list[int]], kept: list[int], nexts: list[int]) -> None:
+        """Rows whose drafts were sampled: kept and next token by the q/p rule instead of
+        "sample, then compare" (in place)."""
+        judged = []
+        for i, q in self._sampled.items():
+            shape = self._shape(i)
+            assert shape is not None and q.shape[0] == len(drafts[i])
+            n = len(drafts[i])
+            p = shape.logprobs(logprobs[i * width:i * width + n])
+            judged.append((i, *judge(p[None], q[None], mx.array([drafts[i]]))))
+        self._sampled = {}
+        if not judged:
+            return
+        mx.eval([(keep, fix) for _, keep, fix in judged])
+        for i, keep, fix in judged:
+            kept[i], nexts[i] = verdict(keep[0].tolist(), fix[0].tolist(),  # type: ignore
+                                        table[i][len(drafts[i])])
 
     def _verify_own(self, i: int, inputs: list[int], draft: list[int],
                     logits: mx.array) -> tuple[int, int, list[mx.array]]:

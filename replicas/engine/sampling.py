@@ -7,6 +7,7 @@ are not processors here: `replicas.engine.penalties` applies them to the whole b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, List, Protocol, runtime_checkable
 
@@ -16,7 +17,6 @@ from mlx_lm.sample_utils import (
     apply_top_k,
     apply_top_p,
     greedy_sampler,
-    make_sampler,
 )
 
 from replicas.contract import SamplingParams
@@ -56,13 +56,53 @@ def make_request_sampler(params: SamplingParams, sampled_before: int = 0) -> Sam
     if params.temperature == 0:
         return greedy_sampler
     if params.seed is None:
-        return _shared_sampler(params.temperature, params.top_p, params.min_p, params.top_k)
+        return _shared_sampler(SamplingShape.of(params))
     return SeededSampler(params, sampled_before)
 
 
+@dataclass(frozen=True)
+class SamplingShape:
+    """What a sampled row draws from, as mlx-lm's `make_sampler` builds it: the filters over
+    the logprobs (top-p, min-p, top-k, in its order), then the temperature."""
+
+    temperature: float
+    top_p: float
+    min_p: float
+    top_k: int
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> SamplingShape:
+        return cls(params.temperature, params.top_p, params.min_p, params.top_k)
+
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """The logits `mx.random.categorical` draws the row's token from."""
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p, 1)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return logprobs * (1.0 / self.temperature)
+
+    def logprobs(self, logprobs: mx.array) -> mx.array:
+        """The log of the distribution the row draws from (a draft's q, the target's p)."""
+        scaled = self.scaled(logprobs)
+        return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+class SharedSampler:
+    """An unseeded sampler, one object per shape, so rows alike sample in one call."""
+
+    def __init__(self, shape: SamplingShape) -> None:
+        self.shape = shape
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(self.shape.scaled(logprobs))
+
+
 @lru_cache(maxsize=256)
-def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
-    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+def _shared_sampler(shape: SamplingShape) -> SharedSampler:
+    return SharedSampler(shape)
 
 
 class SeededSampler:
@@ -71,10 +111,7 @@ class SeededSampler:
     def __init__(self, params: SamplingParams, skip: int = 0) -> None:
         self._key = mx.random.key(params.seed or 0)
         self.advance(skip)  # the same split per token as `__call__`
-        self._inv_temp = 1.0 / params.temperature
-        self._top_p = params.top_p
-        self._min_p = params.min_p
-        self._top_k = params.top_k
+        self._shape = SamplingShape.of(params)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         self._key, step_key = mx.random.split(self._key)
@@ -97,13 +134,7 @@ class SeededSampler:
             self._key, _ = mx.random.split(self._key)
 
     def _draw(self, logprobs: mx.array, key: mx.array) -> mx.array:
-        if 0 < self._top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self._top_p)
-        if self._min_p:
-            logprobs = apply_min_p(logprobs, self._min_p, 1)
-        if self._top_k > 0:
-            logprobs = apply_top_k(logprobs, self._top_k)
-        return mx.random.categorical(logprobs * self._inv_temp, key=key)
+        return mx.random.categorical(self._shape.scaled(logprobs), key=key)
 
 
 @runtime_checkable

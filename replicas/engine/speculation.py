@@ -17,17 +17,27 @@ where all rows rejected as many, else rolled into each row's left padding (mlx-l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.drafting import NgramIndex
+from replicas.engine.sampling import SamplingShape
 
 
-# One row's ask for a draft: (uid, history, pending token, budget), as `Drafter.draft` takes.
-Ask = tuple[int, Sequence[int], int, int]
+class Ask(NamedTuple):
+    """One row's ask for a draft, as `Drafter.draft` takes it, plus how the row samples."""
+
+    uid: int
+    history: Sequence[int]
+    pending: int
+    budget: int
+    # A sampled row's distribution: a draft model samples its drafts from it, for the q/p
+    # rule (`replicas.engine.rejection`). None: drafts are guesses (greedy).
+    shape: SamplingShape | None = None
 
 
 @dataclass
@@ -67,7 +77,12 @@ class Drafter:
 
     def draft_rows(self, asks: Sequence[Ask]) -> list[list[int]]:
         """Each row's draft (a draft model writes them for all rows at once)."""
-        return [self.draft(*ask) for ask in asks]
+        return [self.draft(a.uid, a.history, a.pending, a.budget) for a in asks]
+
+    def sampled(self, uid: int) -> mx.array | None:
+        """The distribution (n, V) row `uid`'s last n drafts were sampled from, if they
+        were (a draft model's, for a sampled row); None for guesses."""
+        return None
 
     def draft(self, uid: int, history: Sequence[int], pending: int, budget: int) -> list[int]:
         """Row `uid`'s draft after `pending`: `history` is what its cache holds (it only

@@ -3,15 +3,18 @@
 every script comes out exactly as without speculation, alone and eight at once, whether
 the draft agrees with the model (the model itself: nearly every draft kept) or not
 (`builtin:pipe`, random weights on the same tokenizer: nearly every draft rejected).
+Sampled requests keep the agreeing draft's sampled drafts by the q/p rule.
 Admission counts the draft model's cache beside the model's. A draft model with another
 vocabulary is refused at load."""
 
 from __future__ import annotations
 
+import random
 from typing import Iterator
 
 import pytest
 
+from replicas.contract import SamplingParams, TextPrompt
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.draft_model import check_draft_model
 from replicas.engine.kv_layout import measure_kv
@@ -60,6 +63,26 @@ def test_every_script_alone_and_batched_is_the_output_without_speculation(
         assert decode.tokens >= 2 * decode.passes, decode
     else:  # random weights guess little right, and cost nothing in correctness
         assert decode.accepted < 0.5 * decode.drafted, decode
+
+
+def test_sampled_rows_keep_a_draft_that_agrees_by_the_qp_rule() -> None:
+    """Unseeded sampled requests on prompts the model never learned (so its next token is
+    uncertain): the draft model samples its drafts under each request's own temperature
+    and top-p, and the q/p rule keeps a draft that agrees with the model (the model
+    itself) nearly always. "Sample, then compare" kept about a third of them here."""
+    fast = drafting("builtin:tiny")
+    rng = random.Random(3)
+    words = "river stone apple quiet seven lantern orbit maple copper violet tide".split()
+    try:
+        sampling = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=48)
+        batch = [script_request("count-completion", sampling=sampling, prompt=TextPrompt(
+            " ".join(rng.choice(words) for _ in range(6)))) for _ in range(8)]
+        assert all(together(fast, batch))
+        decode = fast.stats().decode
+    finally:
+        fast.shutdown()
+    assert decode is not None and decode.drafted > 50, decode
+    assert decode.accepted >= 0.9 * decode.drafted, decode
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused() -> None:

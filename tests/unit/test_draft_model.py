@@ -1,6 +1,8 @@
 """The draft model's batch (`replicas.engine.draft_model.ModelDrafter`) keeps each row's
 cache true to its sequence while rows join, leave, keep some drafts and reject the rest:
-every draft equals what the draft model writes greedily for that row alone, from scratch."""
+every greedy row's draft equals what the draft model writes greedily for that row alone,
+from scratch, and a sampled row's drafts come with the distribution the draft model gives
+that row alone, under the row's sampling shape (the q of the q/p rule)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.draft_model import ModelDrafter
 from replicas.engine.loading import load_model
+from replicas.engine.sampling import SamplingShape
+from replicas.engine.speculation import Ask
 from replicas.sources import resolve_source
 
 
@@ -28,6 +32,9 @@ def alone(model: Any, sequence: list[int], n: int) -> list[int]:
         logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
 
 
+SHAPE = SamplingShape(temperature=0.8, top_p=0.9, min_p=0.0, top_k=20)
+
+
 def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
     model = load_model("builtin:tiny", resolve_source("builtin:tiny")).model
     drafter = ModelDrafter(SpeculativeConfig(num_speculative_tokens=3), model, prefill_step=8)
@@ -41,11 +48,22 @@ def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
         if step in (2, 6):  # a row joins with a longer prompt than the prefill step
             rows[next_uid] = [rng.randrange(3, 200) for _ in range(rng.randrange(10, 30))]
             next_uid += 1
-        asks = [(uid, seq[:-1], seq[-1], 3) for uid, seq in rows.items()]
+        asks = [Ask(uid, seq[:-1], seq[-1], 3, SHAPE if uid % 2 else None)
+                for uid, seq in rows.items()]
         drafts = drafter.draft_rows(asks)
-        for (uid, _, _, _), draft in zip(asks, drafts):
-            assert draft == alone(model, rows[uid], len(draft)), (step, uid)
+        for ask, draft in zip(asks, drafts):
+            uid = ask.uid
             assert len(draft) >= 1
+            q = drafter.sampled(uid)
+            if ask.shape is None:
+                assert draft == alone(model, rows[uid], len(draft)), (step, uid)
+                assert q is None
+            else:
+                assert q is not None and q.shape[0] == len(draft)
+                for j in range(len(draft)):
+                    logits = model(mx.array([rows[uid] + draft[:j]]))[:, -1]
+                    assert mx.allclose(q[j], SHAPE.logprobs(logits)[0], atol=1e-4), (step, j)
+                    assert q[j, draft[j]].item() > -30  # drawn from q: never a filtered token
             # The target keeps some drafts (none, some, all), then its own token.
             kept = rng.randrange(0, len(draft) + 1)
             rows[uid] = rows[uid] + draft[:kept] + [rng.randrange(3, 200)]
