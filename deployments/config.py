@@ -8,11 +8,9 @@ import mlx, which the cluster CLI that reads these settings must not need).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     ValidationInfo,

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
     if args.rounds < 3:
         parser.error("a headline figure is a median of at least 3 rounds")
     proc = start(args.source)

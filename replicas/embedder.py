@@ -137,7 +137,7 @@ class Embedder:
         try:
             vectors = embed_rows(self._model.model, [q.ids for q in taken], self._pooling,
                                  [q.job.dimensions for q in taken])
-        except Exception as exc:  # noqa: BLE001 - these requests fail alone
+        except Exception:  # noqa: BLE001 - these requests fail alone
             for job in {id(q.job): q.job for q in taken}.values():
                 log.exception("request %s: embedding failed", job.request_id)
                 if not job.done.done():

@@ -16,14 +16,16 @@ first brings every row to its sequence: the drafts the target rejected are rolle
 its cache, and what it kept plus its pending token are fed, all rows in one right-padded
 forward whose padding is then rolled into the left (`speculation.roll_back`, the verifying
 pass's own move); its logits at each row's newest token give the first draft. Then k - 1
-forwards of one token per row. A row new to the batch prefills its prompt alone (in
-`prefill_step` chunks, inside that step) and is merged in. Every row drafts every step,
-even one whose grammar drafts for it or whose budget is spent, so no row's cache falls
-behind.
+forwards of one token per row. A row new to the batch prefills its prompt alone, at most
+`prefill_step` tokens a step across such rows, and drafts nothing until it is merged in
+(the tokens it decoded meanwhile are fed by the next catch-up). Every row in the batch
+drafts every step, even one whose grammar drafts for it or whose budget is spent, so no
+row's cache falls behind.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence, cast
 
 import mlx.core as mx
@@ -48,6 +50,15 @@ def check_draft_model(draft: nn.Module, draft_vocab: dict[str, int],
                          "recurrent layers)")
 
 
+@dataclass
+class _Join:
+    """A row prefilling the draft model alone before it joins the batch."""
+
+    tokens: list[int]  # what it prefills: its sequence when it asked first, less the newest
+    cache: list[Any]
+    done: int = 0
+
+
 class ModelDrafter(Drafter):
     """A draft model's greedy drafts for the rows of one batch (engine thread only)."""
 
@@ -59,6 +70,7 @@ class ModelDrafter(Drafter):
         self._uids: list[int] = []
         self._fed: dict[int, list[int]] = {}  # the tokens each row's cache holds
         self._q: dict[int, mx.array] = {}  # the last drafts' distributions, sampled rows'
+        self._joining: dict[int, _Join] = {}  # rows whose tokens are still being prefilled
 
     def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
                  ) -> list[int]:
@@ -73,8 +85,9 @@ class ModelDrafter(Drafter):
             return [[] for _ in asks]
         sequences = {a.uid: [*a.history, a.pending] for a in asks}
         self._leave(sequences)
-        for uid in [u for u in sequences if u not in self._fed]:
-            self._join(uid, sequences[uid][:-1])
+        self._prefill(sequences)
+        if not self._uids:  # every row is still joining
+            return [[] for _ in asks]
         logits = self._catch_up([sequences[uid] for uid in self._uids])
         shapes = {a.uid: a.shape for a in asks}
         sampled = [(i, shape) for i, uid in enumerate(self._uids)
@@ -104,7 +117,7 @@ class ModelDrafter(Drafter):
             uid = self._uids[i]
             if n_of[uid]:
                 self._q[uid] = mx.stack(dists[:n_of[uid]])
-        return [written[at[a.uid]][:n] for a, n in zip(asks, limits)]
+        return [written[at[a.uid]][:n] if a.uid in at else [] for a, n in zip(asks, limits)]
 
     def sampled(self, uid: int) -> mx.array | None:
         return self._q.get(uid)
@@ -121,6 +134,8 @@ class ModelDrafter(Drafter):
                 layer.filter(keep)
         for uid in [u for u in self._fed if u not in sequences]:
             del self._fed[uid]
+        for uid in [u for u in self._joining if u not in sequences]:
+            del self._joining[uid]
 
     def _catch_up(self, targets: list[list[int]]) -> mx.array:
         """Every row brought to its whole sequence in one forward: rejected drafts rolled
@@ -142,12 +157,29 @@ class ModelDrafter(Drafter):
             self._fed[uid] = want
         return last
 
-    def _join(self, uid: int, tokens: list[int]) -> None:
-        """A row new to the batch: its tokens prefilled alone, then merged in."""
-        cache = make_prompt_cache(self._model)
-        for start in range(0, len(tokens), self._prefill_step):
-            self._model(mx.array([tokens[start:start + self._prefill_step]]), cache=cache)
-            mx.eval([c.state for c in cache])
+    def _prefill(self, sequences: dict[int, list[int]]) -> None:
+        """Rows new to the batch prefill their tokens alone, `prefill_step` tokens a step
+        in all (as the model's own prompts do), so a long prompt never stalls the batch
+        for long; a row drafts nothing until its prefill is done and it is merged in."""
+        for uid in sequences:
+            if uid not in self._fed and uid not in self._joining:
+                self._joining[uid] = _Join(sequences[uid][:-1], make_prompt_cache(self._model))
+        budget = self._prefill_step
+        for uid, join in list(self._joining.items()):
+            if budget <= 0:
+                return
+            chunk = join.tokens[join.done:join.done + budget]
+            if chunk:
+                self._model(mx.array([chunk]), cache=join.cache)
+                mx.eval([c.state for c in join.cache])
+            join.done += len(chunk)
+            budget -= len(chunk)
+            if join.done == len(join.tokens):
+                del self._joining[uid]
+                self._join(uid, join.tokens, join.cache)
+
+    def _join(self, uid: int, tokens: list[int], cache: list[Any]) -> None:
+        """A row whose tokens `cache` holds, merged into the batch."""
         merged = [BatchKVCache.merge([layer]) for layer in cache]
         if self._cache is None:
             self._cache = merged

@@ -22,7 +22,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 
-from replicas.engine.config import SpeculativeConfig
 from replicas.engine.penalties import Penalties, apply, window
 from replicas.engine.rejection import judge, verdict
 from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SamplingShape, \

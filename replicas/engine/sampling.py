@@ -16,6 +16,7 @@ from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    categorical_sampling,
     greedy_sampler,
 )
 
@@ -74,19 +75,23 @@ class SamplingShape:
     def of(cls, params: SamplingParams) -> SamplingShape:
         return cls(params.temperature, params.top_p, params.min_p, params.top_k)
 
-    def scaled(self, logprobs: mx.array) -> mx.array:
-        """The logits `mx.random.categorical` draws the row's token from."""
+    def filtered(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p:
             logprobs = apply_min_p(logprobs, self.min_p, 1)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
-        return logprobs * (1.0 / self.temperature)
+        return logprobs
+
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """The logits `mx.random.categorical` draws the row's token from."""
+        return self.filtered(logprobs) * (1.0 / self.temperature)
 
     def logprobs(self, logprobs: mx.array) -> mx.array:
-        """The log of the distribution the row draws from (a draft's q, the target's p)."""
-        scaled = self.scaled(logprobs)
+        """The log of the distribution the row draws from (a draft's q, the target's p), in
+        float32: in bfloat16 a q/p ratio would be off by a few percent."""
+        scaled = self.scaled(logprobs.astype(mx.float32))
         return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
 
@@ -97,7 +102,8 @@ class SharedSampler:
         self.shape = shape
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return mx.random.categorical(self.shape.scaled(logprobs))
+        # mlx-lm's own (compiled) draw, as its `make_sampler` makes it.
+        return categorical_sampling(self.shape.filtered(logprobs), self.shape.temperature)
 
 
 @lru_cache(maxsize=256)

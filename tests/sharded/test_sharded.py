@@ -293,6 +293,27 @@ def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI, 
         assert decode["drafted"] == 0
 
 
+def test_sampled_drafts_on_a_sharded_replica_are_kept_by_the_qp_rule(
+        client: openai.OpenAI, sharded_cluster: LocalCluster) -> None:
+    """Unseeded sampled requests on `tiny-s2`: rank 0's draft model samples the drafts, rank
+    0 judges them by the q/p rule and shares what it kept; the draft agrees with the model
+    (it is the model), so nearly all are kept, and every stream completes on both ranks."""
+    before = _driver(sharded_cluster, STATS_DRIVER, SPECULATING)[SPECULATING]["decode"]
+    words = "river stone apple quiet seven lantern orbit maple copper violet tide".split()
+    prompts = [" ".join(words[(i * 3 + j) % len(words)] for j in range(6)) for i in range(6)]
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model=SPECULATING, prompt=prompt, temperature=1.0,
+                                         top_p=0.95, max_tokens=32).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(ask, prompts))
+    assert all(texts)
+    decode = _driver(sharded_cluster, STATS_DRIVER, SPECULATING)[SPECULATING]["decode"]
+    drafted = decode["drafted"] - before["drafted"]
+    assert drafted > 20 and decode["accepted"] - before["accepted"] >= 0.85 * drafted, decode
+
+
 @pytest.mark.parametrize("model", ["tiny-x2", SPECULATING])
 def test_eight_concurrent_streams_keep_their_own_answers(client: openai.OpenAI,
                                                          model: str) -> None:

@@ -36,26 +36,34 @@ SHAPE = SamplingShape(temperature=0.8, top_p=0.9, min_p=0.0, top_k=20)
 
 
 def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
+    """Rows join with prompts longer than the prefill step, which they prefill across
+    steps (drafting nothing meanwhile, while the target decodes them a token a pass)."""
     model = load_model("builtin:tiny", resolve_source("builtin:tiny")).model
-    drafter = ModelDrafter(SpeculativeConfig(num_speculative_tokens=3), model, prefill_step=8)
+    drafter = ModelDrafter(SpeculativeConfig(num_speculative_tokens=3), model, prefill_step=16)
     rng = random.Random(7)
     rows = {uid: [rng.randrange(3, 200) for _ in range(rng.randrange(2, 20))]
             for uid in range(3)}
+    asked: dict[int, int] = {}  # the step each row first asked
+    waited: dict[int, int] = {}  # the steps each row drafted nothing
     next_uid = 3
-    for step in range(12):
+    for step in range(14):
         if step == 4:
             del rows[1]  # a row finished
-        if step in (2, 6):  # a row joins with a longer prompt than the prefill step
-            rows[next_uid] = [rng.randrange(3, 200) for _ in range(rng.randrange(10, 30))]
+        if step in (2, 6):  # a row joins with a prompt longer than the prefill step
+            rows[next_uid] = [rng.randrange(3, 200) for _ in range(rng.randrange(20, 40))]
             next_uid += 1
         asks = [Ask(uid, seq[:-1], seq[-1], 3, SHAPE if uid % 2 else None)
                 for uid, seq in rows.items()]
         drafts = drafter.draft_rows(asks)
         for ask, draft in zip(asks, drafts):
             uid = ask.uid
-            assert len(draft) >= 1
+            asked.setdefault(uid, step)
             q = drafter.sampled(uid)
-            if ask.shape is None:
+            if not draft:  # still prefilling: only before its first draft
+                assert uid not in waited or waited[uid] == step - asked[uid], (step, uid)
+                waited[uid] = waited.get(uid, 0) + 1
+                assert q is None
+            elif ask.shape is None:
                 assert draft == alone(model, rows[uid], len(draft)), (step, uid)
                 assert q is None
             else:
@@ -68,3 +76,6 @@ def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
             kept = rng.randrange(0, len(draft) + 1)
             rows[uid] = rows[uid] + draft[:kept] + [rng.randrange(3, 200)]
         drafter.keep(list(rows))
+    # The joiners (20-40 tokens, 16 a step) waited one step or two, and all drafted since.
+    assert all(1 <= waited.get(uid, 0) <= 3 for uid in (3, 4)), waited
+    assert all(step - asked[uid] > waited.get(uid, 0) for uid in rows)
