@@ -270,7 +270,7 @@ class EngineMetrics:
                         before_memory.preempted if before_memory else 0)]
         decode, before_decode = stats.decode, last.decode if last else None
         if decode is not None and decode.speculative:
-            spec_tags = {**tags, "method": "ngram"}
+            spec_tags = {**tags, "method": decode.method}
             current = (decode.passes, decode.tokens, decode.drafted, decode.accepted)
             previous = (before_decode.passes, before_decode.tokens, before_decode.drafted,
                         before_decode.accepted) if before_decode else (0, 0, 0, 0)

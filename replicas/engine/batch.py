@@ -176,9 +176,9 @@ class LocalBatch:
         return Drafter(spec)
 
     def decode_counts(self) -> DecodeCounts:
-        d = self.decode_stats
-        return DecodeCounts(self._speculative is not None, d.passes, d.tokens, d.drafted,
-                            d.accepted, d.forced, d.rows_off_path)
+        d, spec = self.decode_stats, self._speculative
+        return DecodeCounts(spec is not None, d.passes, d.tokens, d.drafted, d.accepted,
+                            d.forced, d.rows_off_path, spec.method if spec else "")
 
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]:
         """Add rows; each reuses the KV of its longest cached prompt prefix. Returns each

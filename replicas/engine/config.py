@@ -17,9 +17,8 @@ class SpeculativeConfig:
     """Speculative decoding, in vLLM's names: draft up to `num_speculative_tokens` tokens
     after the longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that
     occurred before (prompt lookup, `replicas.engine.drafting`), or, with `draft_model`
-    (a source, as a model's), what that model writes greedily
-    (`replicas.engine.draft_model`); no drafts while more than `disable_by_batch_size` rows
-    decode (None: at any size)."""
+    (a source, as a model's), what that model writes (`replicas.engine.draft_model`); no
+    drafts while more than `disable_by_batch_size` rows decode (None: at any size)."""
 
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
@@ -32,6 +31,11 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+
+    @property
+    def method(self) -> str:
+        """The config's `method`, as metrics label it."""
+        return "draft" if self.draft_model else "ngram"
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Speculative decoding (prompt lookup, `speculative: {method: ngram}`) over a real
-`serve run` of the default config, with the official SDKs over loopback.
+"""Speculative decoding over a real `serve run` of the default config, with the official
+SDKs over loopback, once per method: prompt lookup (`method: ngram`) and a draft model
+(`method: draft`, the built-in model drafting for itself).
 
 Greedy output must be the output without speculation: the built-in model reproduces its
 scripts exactly, so every API (Chat Completions, Responses, Anthropic Messages), streamed
@@ -47,17 +48,28 @@ from tests.serve_process import ROOT, config_copy, free_port, serve_run
 
 pytestmark = pytest.mark.e2e
 MODEL = "orchard-tiny"
-# The config's block, with prompt_lookup_min 1: the scripts' outputs repeat little of
-# their prompts, and single-token matches draft (and so verify and reject) far more often.
-SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-               "prompt_lookup_min": 1, "disable_by_batch_size": None}
+METHODS = {
+    # The config's block, with prompt_lookup_min 1: the scripts' outputs repeat little of
+    # their prompts, and single-token matches draft (and so verify and reject) far more.
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 1, "disable_by_batch_size": None},
+    # The model drafting for itself: every greedy draft kept, so every script's tokens
+    # come through runs of kept drafts.
+    "draft": {"method": "draft", "draft_model": "builtin:tiny", "num_speculative_tokens": 4,
+              "disable_by_batch_size": None},
+}
 SPEC_METRICS = ("orchard_spec_target_passes_total", "orchard_spec_output_tokens_total",
                 "orchard_spec_draft_tokens_total", "orchard_spec_accepted_tokens_total")
 METRICS_DEADLINE_S = 120.0
 
 
+@pytest.fixture(scope="module", params=sorted(METHODS))
+def method(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+def app(tmp_path_factory: pytest.TempPathFactory, method: str) -> Iterator[App]:
     """The real serve_config.yaml, each model speculating, on a free port, with a Ray
     temp dir (its metrics discovery file names this app's ports only) and an Orchard cache
     of its own (the built-in models linked in, as `private_serve` does), metrics every
@@ -70,7 +82,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     cache.mkdir()
     (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
     real = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    models = [{**m, "speculative": dict(SPECULATIVE)}
+    models = [{**m, "speculative": dict(METHODS[method])}
               for m in real["applications"][0]["args"]["models"]]
     assert [m["id"] for m in models] == [MODEL]
     port = free_port()
@@ -429,20 +441,20 @@ def test_guided_rows_beside_speculating_rows_keep_their_output(oai: openai.OpenA
 # ---- the metrics say it happened ----------------------------------------------------------
 
 
-def spec_counts(app: App) -> dict[str, float]:
+def spec_counts(app: App, method: str) -> dict[str, float]:
     text = app.scrape()
-    return {name: _total(text, name, model=MODEL, method="ngram") for name in SPEC_METRICS}
+    return {name: _total(text, name, model=MODEL, method=method) for name in SPEC_METRICS}
 
 
-def settled(app: App, quiet_s: float = 4.0, *, past: dict[str, float] | None = None
-            ) -> dict[str, float]:
+def settled(app: App, method: str, quiet_s: float = 4.0, *,
+            past: dict[str, float] | None = None) -> dict[str, float]:
     """The counters once they have not moved for `quiet_s` (and, given `past`, moved past
     it): Ray exports them with a delay."""
     deadline = time.monotonic() + METRICS_DEADLINE_S
-    last, since = spec_counts(app), time.monotonic()
+    last, since = spec_counts(app, method), time.monotonic()
     while True:
         time.sleep(0.5)
-        now = spec_counts(app)
+        now = spec_counts(app, method)
         if now != last:
             last, since = now, time.monotonic()
         moved = past is None or now["orchard_spec_target_passes_total"] > \
@@ -459,16 +471,16 @@ SEQUENTIAL = ("sum-think", "cities", "tea-steps", "unicode")
 
 
 def test_metrics_show_drafts_and_more_than_one_token_per_pass(oai: openai.OpenAI,
-                                                              app: App) -> None:
+                                                              app: App, method: str) -> None:
     """All the traffic before: drafts verified and kept. Then one row at a time, so a pass
     emits one row's tokens (a batch of n rows emits n per pass without any draft): plain
     scripts whose answers repeat their context emit more than one token per target pass
     on average, and every token they emitted is counted, once."""
-    before = settled(app)
+    before = settled(app, method)
     print(f"\nspeculative metrics before the sequential phase: {before}")
     text = app.scrape()
     assert {tags.get("method") for name in SPEC_METRICS for tags, _ in _samples(text, name)
-            if tags.get("model") == MODEL} == {"ngram"}
+            if tags.get("model") == MODEL} == {method}
     assert before["orchard_spec_draft_tokens_total"] > 0, before
     assert 0 < before["orchard_spec_accepted_tokens_total"] <= \
         before["orchard_spec_draft_tokens_total"], before
@@ -480,7 +492,7 @@ def test_metrics_show_drafts_and_more_than_one_token_per_pass(oai: openai.OpenAI
         body = oai.chat.completions.create(**chat_args(sid))
         assert body.choices[0].message.content == script(sid).answer, sid
         emitted += body.usage.completion_tokens
-    after = settled(app, past=before)
+    after = settled(app, method, past=before)
     delta = {name.removeprefix("orchard_spec_").removesuffix("_total"):
              after[name] - before[name] for name in SPEC_METRICS}
     print(f"\nspeculative metrics, whole run: {after}\nsequential phase: {delta}, "

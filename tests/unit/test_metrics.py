@@ -132,12 +132,16 @@ def test_speculation_is_counted_only_where_a_model_speculates(
     engine.record(_stats(decode=DecodeCounts(False, 10, 10, 0, 0, 0, 0)), none)
     assert not any(recorders[n].calls for n in metrics.SPECULATIVE_METRICS)
     engine = metrics.EngineMetrics("s")
-    engine.record(_stats(decode=DecodeCounts(True, 10, 25, 20, 15, 0, 0)), none)
-    engine.record(_stats(decode=DecodeCounts(True, 12, 28, 22, 16, 0, 0)), none)
+    engine.record(_stats(decode=DecodeCounts(True, 10, 25, 20, 15, 0, 0, "ngram")), none)
+    engine.record(_stats(decode=DecodeCounts(True, 12, 28, 22, 16, 0, 0, "ngram")), none)
     passes, tokens, drafted, kept = (recorders[n].calls for n in metrics.SPECULATIVE_METRICS)
     assert [c[1] for c in passes] == [10, 2] and [c[1] for c in tokens] == [25, 3]
     assert [c[1] for c in drafted] == [20, 2] and [c[1] for c in kept] == [15, 1]
     assert kept[0][2] == {"model": "s", "method": "ngram"}
+    engine = metrics.EngineMetrics("d")  # a draft model's counts carry its method
+    engine.record(_stats(decode=DecodeCounts(True, 4, 9, 8, 5, 0, 0, "draft")), none)
+    assert recorders[metrics.SPECULATIVE_METRICS[3]].calls[-1][2] == \
+        {"model": "d", "method": "draft"}
 
 
 def test_samples_and_memory_and_shards(recorders: dict[str, _Recorder]) -> None:
