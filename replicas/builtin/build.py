@@ -267,7 +267,7 @@ def _random_model(module: Any, config: dict[str, Any], init: RandomInit,
     if init.drawn_layers in (None, layers):
         return drawn
     model = module.Model(module.ModelArgs.from_dict(config))
-    kept = [(name, value) for name, value in tree_flatten(drawn.parameters())
+    kept = [(name, value) for name, value in dict(tree_flatten(drawn.parameters())).items()
             if not (m := re.search(r"\blayers\.(\d+)\.", name)) or int(m.group(1)) < layers]
     model.load_weights(kept)
     return model

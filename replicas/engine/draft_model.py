@@ -104,19 +104,19 @@ class ModelDrafter(Drafter):
                 dists = mx.concatenate([shape.logprobs(logits[i:i + 1]) for i, shape in sampled])
                 tokens[mx.array([i for i, _ in sampled])] = \
                     mx.random.categorical(dists).astype(tokens.dtype)
-                for row, dist in zip(q, dists):
-                    row.append(dist)
+                for of_row, dist in zip(q, dists):
+                    of_row.append(dist)
             column = cast(list[int], tokens.tolist())
             for row, token in zip(written, column):
                 row.append(token)
-        for uid, row in zip(self._uids, written):
-            self._fed[uid] = sequences[uid] + row[:-1]  # the last token was never fed
+        for uid, tokens_of in zip(self._uids, written):
+            self._fed[uid] = sequences[uid] + tokens_of[:-1]  # the last was never fed
         at = {uid: i for i, uid in enumerate(self._uids)}
         n_of = {a.uid: n for a, n in zip(asks, limits)}
-        for (i, _), dists in zip(sampled, q):
+        for (i, _), of_row in zip(sampled, q):
             uid = self._uids[i]
             if n_of[uid]:
-                self._q[uid] = mx.stack(dists[:n_of[uid]])
+                self._q[uid] = mx.stack(of_row[:n_of[uid]])
         return [written[at[a.uid]][:n] if a.uid in at else [] for a, n in zip(asks, limits)]
 
     def sampled(self, uid: int) -> mx.array | None:
