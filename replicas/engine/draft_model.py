@@ -1,5 +1,5 @@
 """Drafts from a draft model: a small model sharing the target's tokenizer writes the next
-few tokens greedily, and the target verifies them in its batch pass like any draft
+few tokens, and the target verifies them in its batch pass like any draft
 (`replicas.engine.speculation`).
 
 A greedy row's drafts are the draft model's argmax: deterministic guesses, checked by
@@ -60,7 +60,7 @@ class _Join:
 
 
 class ModelDrafter(Drafter):
-    """A draft model's greedy drafts for the rows of one batch (engine thread only)."""
+    """A draft model's drafts for the rows of one batch (engine thread only)."""
 
     def __init__(self, config: SpeculativeConfig, model: nn.Module, prefill_step: int) -> None:
         super().__init__(config)

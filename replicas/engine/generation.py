@@ -25,7 +25,7 @@ from mlx_lm.generate import GenerationBatch
 from replicas.engine.penalties import Penalties, apply, window
 from replicas.engine.rejection import judge, verdict
 from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SamplingShape, \
-    SeededSampler
+    SeededSampler, SharedSampler
 from replicas.engine.shared_drafts import SharedDrafts
 from replicas.engine.speculation import Ask, DecodeStats, Drafter, accepted, roll_back
 
@@ -203,9 +203,10 @@ class Generation(GenerationBatch):
         """Row `i`'s sampling shape where its drafts may be sampled and judged by the q/p
         rule: an unseeded sampled row without its own processors (those read each kept
         token once, in order) on this rank."""
-        if self._own_processors(i):
-            return None
-        return getattr(_local(self._sampler(i)), "shape", None)
+        sampler = _local(self._sampler(i))
+        if self._own_processors(i) or not isinstance(sampler, SharedSampler):
+            return None  # greedy, or seeded: drafts stay guesses (a seed's text is kept)
+        return sampler.shape
 
     def _judge(self, drafts: list[list[int]], logprobs: mx.array, width: int,
                table: list[list[int]], kept: list[int], nexts: list[int]) -> None:
