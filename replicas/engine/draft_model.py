@@ -12,10 +12,10 @@ without speculation, so a seed gives the same text either way.
 
 The draft model decodes as a batch beside the target's: one mlx-lm `BatchKVCache` per
 layer, a row per target row (by uid). A step makes k drafts per row in k forwards. The
-first brings every row to its sequence: the drafts the target rejected are rolled out of
+first brings every row to its sequence: the drafts the target rejected are dropped from
 its cache, and what it kept plus its pending token are fed, all rows in one right-padded
-forward whose padding is then rolled into the left (`speculation.roll_back`, the verifying
-pass's own move); its logits at each row's newest token give the first draft. Then k - 1
+forward whose padding is then dropped (`tails.drop_tails`, the verifying pass's own move);
+its logits at each row's newest token give the first draft. Then k - 1
 forwards of one token per row. A row new to the batch prefills its prompt alone, at most
 `prefill_step` tokens a step across such rows, and drafts nothing until it is merged in
 (the tokens it decoded meanwhile are fed by the next catch-up). Every row in the batch
@@ -34,7 +34,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.request import common_prefix
-from replicas.engine.speculation import Ask, Drafter, roll_back
+from replicas.engine.speculation import Ask, Drafter
+from replicas.engine.tails import drop_tails
 
 
 def check_draft_model(draft: nn.Module, draft_vocab: dict[str, int],
@@ -138,7 +139,7 @@ class ModelDrafter(Drafter):
             del self._joining[uid]
 
     def _catch_up(self, targets: list[list[int]]) -> mx.array:
-        """Every row brought to its whole sequence in one forward: rejected drafts rolled
+        """Every row brought to its whole sequence in one forward: rejected drafts dropped
         out, what it kept and its pending token fed. Returns each row's next logits."""
         assert self._cache is not None
         # At least the newest token is fed: its logits start the drafts.
@@ -146,13 +147,13 @@ class ModelDrafter(Drafter):
                   for uid, want in zip(self._uids, targets)]
         drop = [len(self._fed[uid]) - n for uid, n in zip(self._uids, shared)]
         if any(drop):
-            roll_back(self._cache, drop)
+            drop_tails(self._cache, drop)
         feed = [want[n:] for want, n in zip(targets, shared)]
         width = max(len(f) for f in feed)
         logits = self._model(mx.array([f + [0] * (width - len(f)) for f in feed]),
                              cache=self._cache)
         last = logits[mx.arange(len(feed)), mx.array([len(f) - 1 for f in feed])]
-        roll_back(self._cache, [width - len(f) for f in feed])
+        drop_tails(self._cache, [width - len(f) for f in feed])
         for uid, want in zip(self._uids, targets):
             self._fed[uid] = want
         return last

@@ -27,7 +27,8 @@ from replicas.engine.rejection import judge, verdict
 from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SamplingShape, \
     SeededSampler, SharedSampler
 from replicas.engine.shared_drafts import SharedDrafts
-from replicas.engine.speculation import Ask, DecodeStats, Drafter, accepted, roll_back
+from replicas.engine.speculation import Ask, DecodeStats, Drafter, accepted
+from replicas.engine.tails import Order, drop_tails, in_order, rotated
 
 Emitted = list[tuple[int, mx.array]]  # one row's tokens of a step, each with its logprobs
 
@@ -46,6 +47,7 @@ class Generation(GenerationBatch):
         self.drafter: Drafter | None = None
         # This step's rows whose drafts the drafter sampled: the distribution of each.
         self._sampled: dict[int, mx.array] = {}
+        self._orders: list[Order | None] = []  # per row: its slot order (`tails`)
         self.shared: SharedDrafts | None = None  # a sharded replica's
         super().__init__(*args, **kwargs)
 
@@ -96,8 +98,18 @@ class Generation(GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
+        self._orders = [self._orders[i] for i in keep]
         if self.drafter is not None:
             self.drafter.keep(self.uids)
+
+    def extend(self, batch: GenerationBatch) -> None:
+        super().extend(batch)
+        self._orders += [None] * (len(self.uids) - len(self._orders))
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        """Row `idx`'s cache with its positions in order (speculation may have moved its
+        oldest slots: `replicas.engine.tails`)."""
+        return in_order(super().extract_cache(idx), self._orders[idx])
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
         """mlx-lm's plain step (the next step's forward queued before this one's tokens are
@@ -190,7 +202,9 @@ class Generation(GenerationBatch):
             self.tokens[i].extend(inputs[i][:n + 1])
             if isinstance(sampler := _local(self._sampler(i)), SeededSampler):
                 sampler.advance(n + 1)
-        roll_back(self.prompt_cache, [width - 1 - n for n in kept])
+        moved = drop_tails(self.prompt_cache, [width - 1 - n for n in kept])
+        self._orders = [rotated(order, len(held), m)
+                        for order, held, m in zip(self._orders, self.tokens, moved)]
         self._next_tokens = mx.array(nexts)
         self._next_logprobs = [positions[i][n] for i, n in enumerate(kept)]
         self.stats.drafted += sum(len(d) for d in drafts)

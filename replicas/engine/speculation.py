@@ -9,15 +9,15 @@ is exactly rejection sampling: a draft d is kept with probability p(d), and on a
 target's token is a draw from p without d. Greedy output is the output without
 speculation, and seeded samplers draw position j with the key of the j-th next token.
 
-The rows' rejected positions are rolled out of the batch cache in one operation: trimmed
-where all rows rejected as many, else rolled into each row's left padding (mlx-lm's own
-`prepare(right_padding=...)`/`finalize()`, the move its prefill makes for ragged prompts).
+The rows' rejected positions leave the batch cache by `replicas.engine.tails.drop_tails`:
+trimmed where all rows rejected as many, and a row's excess filled with its oldest slots
+(a few slots moved, never the row's whole cache).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -128,15 +128,3 @@ def accepted(drafts: Sequence[Sequence[int]], sampled: Sequence[Sequence[int]]) 
             n += 1
         kept.append(n)
     return kept
-
-
-def roll_back(caches: list[Any], rejected: Sequence[int]) -> None:
-    """Drop each row's last `rejected[i]` positions from the batch cache."""
-    common = min(rejected)
-    ragged = [r - common for r in rejected]
-    for cache in caches:
-        if common:
-            cache.trim(common)
-        if any(ragged):
-            cache.prepare(right_padding=ragged)
-            cache.finalize()
