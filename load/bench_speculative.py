@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import shlex
@@ -176,15 +177,35 @@ def run_orchard(loaded: Any, batch: list[list[int]], max_tokens: int, temperatur
     return run, outputs
 
 
-def mismatch(name: str, a: Outputs, b: Outputs) -> list[str]:
-    """Rows whose tokens differ, with where."""
+TIES: list[str] = []  # rows that parted where the model's top two logits were equal
+
+
+def tied(loaded: Any, context: list[int], x: int, y: int) -> bool:
+    """Whether tokens x and y have the same logit after `context`, to one step of the
+    model's dtype, in a one-row forward: then which one a batch picks is rounding (the
+    order of a sum), not an error."""
+    logits = loaded.model(mx.array([context]))[0, -1]
+    a, b = (float(logits[t].astype(mx.float32).item()) for t in (x, y))
+    bits = {mx.bfloat16: 8, mx.float16: 11}.get(logits.dtype, 24)  # mantissa bits
+    return abs(a - b) <= 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-30))) - bits + 1)
+
+
+def mismatch(name: str, a: Outputs, b: Outputs, loaded: Any = None,
+             batch: list[list[int]] | None = None) -> list[str]:
+    """Rows whose tokens differ, with where; given the model and prompts, a row whose
+    outputs part where the model's top two logits tie is listed in `TIES` instead."""
     lines = []
     for i in sorted(a):
         if a[i] != b[i]:
             at = next((j for j, (x, y) in enumerate(zip(a[i], b[i])) if x != y),
                       min(len(a[i]), len(b[i])))
-            lines.append(f"  {name}: row {i} differs at token {at} of {len(a[i])}/{len(b[i])}: "
-                         f"{a[i][max(0, at - 3):at + 5]} vs {b[i][max(0, at - 3):at + 5]}")
+            line = (f"  {name}: row {i} differs at token {at} of {len(a[i])}/{len(b[i])}: "
+                    f"{a[i][max(0, at - 3):at + 5]} vs {b[i][max(0, at - 3):at + 5]}")
+            if (loaded is not None and batch is not None and at < min(len(a[i]), len(b[i]))
+                    and tied(loaded, batch[i] + a[i][:at], a[i][at], b[i][at])):
+                TIES.append(line + " (tied logits)")
+            else:
+                lines.append(line)
     return lines
 
 
@@ -346,8 +367,11 @@ def main() -> int:
                     show(r, n, workload, key, run)
                 if workload != "greedy":
                     continue
-                failures = (mismatch(f"round {r + 1} x{n} raw vs off", outs["raw"], outs["off"])
-                            + mismatch(f"round {r + 1} x{n} off vs on", outs["off"], outs["on"]))
+                prompt_rows = batches[r][n]
+                failures = (mismatch(f"round {r + 1} x{n} raw vs off", outs["raw"], outs["off"],
+                                     loaded, prompt_rows)
+                            + mismatch(f"round {r + 1} x{n} off vs on", outs["off"], outs["on"],
+                                       loaded, prompt_rows))
                 if with_bias:
                     failures += mismatch(f"round {r + 1} x{n} biased, raw vs Orchard",
                                          outs["raw+bias"], outs["off+bias"])
@@ -412,7 +436,10 @@ def main() -> int:
           "sequence's tokens per target pass), off and on; accept: accepted / drafted; both "
           "over all rounds.")
     if "greedy" in args.workloads:
-        print("greedy outputs: raw == off == on, every row, every round")
+        print("greedy outputs: raw == off == on, every row, every round"
+              + (f", except {len(TIES)} that parted where the model's top two logits tie "
+                 "(one step of its dtype; which one a batch picks is the order of a sum):\n"
+                 + "\n".join(TIES) if TIES else ""))
 
     if args.bias_streams:
         summary["bias"] = bias_table(
@@ -428,6 +455,7 @@ def main() -> int:
     args.out.write_text(json.dumps({
         "command": command, "started": started, "minutes": minutes, "engine_files": digest,
         "args": vars(args) | {"out": str(args.out)}, "summary": summary,
+        "greedy_ties": TIES,
         "runs": {w: {str(n): {e: [asdict(x) for x in v] for e, v in by.items()}
                      for n, by in ws.items()} for w, ws in runs.items()},
         "bias_runs": {k: [asdict(x) for x in v] for k, v in bias_runs.items()},
