@@ -34,6 +34,7 @@ from load.bench_vs_mlx_server import (
     mlx_server,
     running,
 )
+from load.serve_settings import controller_options
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
@@ -64,6 +65,7 @@ def orchard_command(setup: Setup, source: str, workdir: Path) -> tuple[Target, l
     if setup.cache_bytes is not None:
         model["prompt_cache"] = {"max_bytes": setup.cache_bytes}
     config = {"proxy_location": "EveryNode", "http_options": {"host": HOST, "port": ORCHARD_PORT},
+              "controller_options": controller_options(),
               "applications": [{"name": "orchard", "route_prefix": "/",
                                 "import_path": "deployments.app:build_app",
                                 "args": {"models": [model]}}]}

@@ -36,6 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
 from load.process_cpu import CpuSnapshot, per_token_table, process_tree  # noqa: E402
+from load.serve_settings import controller_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8000
@@ -182,8 +183,12 @@ LAYOUTS: dict[str, dict[str, bool]] = {"default": {}, "two-hop": {"colocate": Fa
 
 def start_server(source: str, model: str, flush_ms: float, layout: str = "default",
                  haproxy: bool = False, metrics: bool = True,
-                 settings: dict[str, object] | None = None) -> subprocess.Popen[bytes]:
-    """`serve run` of one model; `settings` are more of the model's config fields."""
+                 settings: dict[str, object] | None = None,
+                 actor_calls: bool = False) -> subprocess.Popen[bytes]:
+    """`serve run` of one model, with the Serve settings `serve_config.yaml` ships (its
+    `controller_options`); `settings` are more of the model's config fields; `actor_calls`:
+    Serve's own default transport between its proxy and the replica (Ray actor calls)
+    instead of the shipped gRPC."""
     if port_in_use(PORT):
         raise RuntimeError(f"something already listens on 127.0.0.1:{PORT} (a stale "
                            "`serve run`? `serve shutdown -y` / `ray stop`); refusing to "
@@ -191,6 +196,8 @@ def start_server(source: str, model: str, flush_ms: float, layout: str = "defaul
     config: dict[str, object] = {
         "proxy_location": "EveryNode",
         "http_options": {"host": "127.0.0.1", "port": PORT},
+        "controller_options": controller_options(
+            **({"RAY_SERVE_PROXY_USE_GRPC": "0"} if actor_calls else {})),
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
@@ -206,10 +213,11 @@ def start_server(source: str, model: str, flush_ms: float, layout: str = "defaul
 def run_config(config: dict[str, object], models: list[str],
                env: dict[str, str] | None = None,
                ready: Callable[[], bool] | None = None) -> subprocess.Popen[bytes]:
-    """`serve run` of `config` on 127.0.0.1, returned once every model answers a completion
-    (or `ready()` says the server serves)."""
+    """`serve run` of `config` on 127.0.0.1 (with the shipped Serve settings unless it sets
+    its own), returned once every model answers a completion (or `ready()` says the server
+    serves)."""
     path = Path(tempfile.mkdtemp()) / "bench_config.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
+    path.write_text(json.dumps({"controller_options": controller_options(), **config}))
     serve = Path(sys.executable).with_name("serve")
     proc = subprocess.Popen([str(serve), "run", str(path)], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -49,6 +49,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
 from load.bench_results import Level, Sample, by_prompt, problems  # noqa: E402
+from load.serve_settings import controller_options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "load" / "out"
@@ -196,6 +197,7 @@ def orchard(source: str, replicas: int, workdir: Path) -> tuple[Target, list[str
     config = {
         "proxy_location": "EveryNode",
         "http_options": {"host": HOST, "port": ORCHARD_PORT},
+        "controller_options": controller_options(),
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from deployments.serve_options import controller_options
 from replicas.builtin import ensure_builtin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +182,7 @@ class LocalCluster:
         config = {
             "proxy_location": "HeadOnly",  # one proxy, so the two nodes share no HTTP port
             "http_options": {"host": "127.0.0.1", "port": HTTP_PORT},
+            "controller_options": controller_options(),  # as serve_config.cluster.yaml
             "applications": [application],
         }
         path = self.root / f"deploy-{time.monotonic_ns()}.yaml"

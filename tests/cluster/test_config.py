@@ -23,6 +23,7 @@ from deployments.config import (
 )
 from deployments.model_clients import REPLICA_WAIT_S
 from deployments.model_deployment import ModelDeployment, replica_options
+from deployments.serve_options import controller_options
 from replicas.engine.config import EngineConfig
 from replicas.families.registry import CHANNEL_FORMATS, TOOL_FORMATS
 from replicas.replica import ReplicaOptions
@@ -49,6 +50,15 @@ def test_shipped_configs_validate(name: str) -> None:
     ServeDeploySchema.model_validate(config)  # the Serve side: what `serve deploy` checks
     for app in config["applications"]:
         AppArgs.model_validate(app["args"])
+
+
+@pytest.mark.parametrize("name", ["serve_config.cluster.yaml", "serve_config.yaml"])
+def test_shipped_configs_carry_orchards_serve_settings(name: str) -> None:
+    # One home: the YAML spells out deployments.serve_options, which tests and benchmarks
+    # that build their own config use, so what they run is what users run.
+    config = yaml.safe_load((ROOT / name).read_text())
+    assert config["controller_options"] == controller_options()
+    assert ServeDeploySchema.model_validate(config).controller_options is not None
 
 
 def test_cluster_config_pins_every_model_to_macs() -> None:

@@ -27,6 +27,7 @@ from openai import Stream
 from openai.types import Completion
 
 from deployments.app import build_app
+from deployments.serve_options import controller_options
 from ingress.openai.convert import chat_request
 from ingress.openai.models import ChatCompletionRequest
 from replicas.contract import Finished
@@ -58,7 +59,8 @@ def base_url() -> Iterator[str]:
     port = free_port()
     ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    controller_options=controller_options())
         models = [{"id": model, "source": "builtin:tiny", "num_replicas": 2,
                    "max_model_len": 4096, "routing": {"policy": policy}}
                   for model, policy in ((STICKY, "auto"), (SPREAD, "none"))]

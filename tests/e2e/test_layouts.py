@@ -20,7 +20,8 @@ import pytest
 import ray  # noqa: F401  (first: Ray puts the psutil it ships on the path)
 import psutil  # noqa: E402
 
-from tests.e2e.conftest import PORT, ROOT, Layout
+from deployments.serve_options import SERVE_ENV  # noqa: E402
+from tests.e2e.conftest import PORT, ROOT, Layout  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -120,3 +121,24 @@ def test_the_layout_is_the_one_claimed(layout: Layout) -> None:
     else:
         assert not haproxy, names(haproxy)
         assert all("ProxyActor" in " ".join(p.cmdline()) for p in holders), names(holders)
+
+
+def test_serve_runs_with_the_configs_serve_settings(layout: Layout) -> None:
+    # serve_config.yaml's `controller_options` reach the controller, and through it every
+    # proxy and replica it starts (so gRPC carries the proxy's traffic, deployments/
+    # serve_options.py): checked in the processes' own environments.
+    serve_procs = []
+    for proc in family(layout.pid):
+        try:
+            line = " ".join(proc.cmdline())
+            if "ServeController" in line or "ProxyActor" in line or "ServeReplica" in line:
+                serve_procs.append((line[:80], proc.environ()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    kinds = {k for k in ("ServeController", "ProxyActor", "ServeReplica")
+             if any(k in line for line, _ in serve_procs)}
+    expected = {"ServeController", "ServeReplica"} | (
+        set() if layout.name.endswith("-haproxy") else {"ProxyActor"})
+    assert expected <= kinds, [line for line, _ in serve_procs]
+    for line, env in serve_procs:
+        assert {k: env.get(k) for k in SERVE_ENV} == dict(SERVE_ENV), line

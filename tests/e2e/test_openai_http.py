@@ -171,3 +171,18 @@ def test_unknown_model_raises_sdk_not_found(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert MODEL in str(info.value)
+
+
+def test_a_body_past_grpcs_default_message_size_gets_the_apis_error(
+        server: str, client: openai.OpenAI) -> None:
+    # 6 MiB of prompt: past gRPC's 4 MiB default message size, which Serve's replicas keep
+    # (the proxy's hop is gRPC, deployments/serve_options.py), but within the edge's
+    # 32 MiB: every layout answers the context-length error, not an internal one.
+    text = "hello " * (6 * 1024 * 1024 // 6)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, max_tokens=4,
+                                       messages=[{"role": "user", "content": text}])
+    assert info.value.status_code == 400
+    assert "context length" in str(info.value)
+    ok = client.chat.completions.create(**chat_args("hello"))
+    assert ok.choices[0].message.content == script("hello").answer

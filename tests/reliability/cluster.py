@@ -43,6 +43,7 @@ import ray
 from ray import serve
 
 from deployments.app import build_app
+from deployments.serve_options import controller_options
 from replicas.builtin import ensure_builtin
 
 PORT = int(os.environ.get("ORCHARD_RELIABILITY_PORT", "8200"))
@@ -170,7 +171,8 @@ def serve_cluster() -> Iterator[str]:
         else:
             os.environ[KEYS_ENV] = previous
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT},
+                    controller_options=controller_options())
         serve.run(build_app(app_args()), name=APP, route_prefix="/")
         serve.run(build_app(colocated_args()), name=COLO_APP, route_prefix=COLO_PREFIX)
         serve.run(build_app(memory_args()), name=MEMORY_APP, route_prefix=MEMORY_PREFIX)
