@@ -92,10 +92,12 @@ class SpeculativeSettings(_Strict):
     Greedy output is unchanged and sampled output keeps the model's distribution; it pays
     where outputs repeat their context (code edits, quoted files, JSON echoes)."""
 
-    method: Literal["ngram", "draft"] = Field(
+    method: Literal["ngram", "draft", "mtp"] = Field(
         "ngram", description="`ngram`: prompt lookup, drafts copied from the sequence itself "
         "after its newest tokens' earlier occurrence (no draft model); `draft`: what "
-        "`draft_model` writes greedily.")
+        "`draft_model` writes; `mtp`: what the checkpoint's own multi-token-prediction "
+        "layer writes (DeepSeek V3, Kimi K2, GLM-4.5 as published, not quantized "
+        "conversions).")
     draft_model: str | None = Field(
         None, description="`method: draft`: a smaller model with the same tokenizer, named "
         "as `source` is (a Hugging Face repo, a path, builtin:NAME); loaded beside the model.")
@@ -119,7 +121,7 @@ class SpeculativeSettings(_Strict):
         """As the engine takes it (`replicas.engine.config.SpeculativeConfig`)."""
         from replicas.engine.config import SpeculativeConfig
 
-        return SpeculativeConfig(**self.model_dump(exclude={"method"}))
+        return SpeculativeConfig(**self.model_dump(exclude={"method"}), mtp=self.method == "mtp")
 
 
 class MemorySettings(_Strict):

@@ -1,5 +1,5 @@
-"""Speculative decoding by prompt lookup (or a draft model, `--draft-model`), and batched
-logit_bias: raw mlx-lm vs Orchard.
+"""Speculative decoding by prompt lookup (or a draft model, `--draft-model`, or the model's
+MTP layer, `--mtp`), and batched logit_bias: raw mlx-lm vs Orchard.
 
 In-process: raw mlx-lm's `BatchGenerator` vs Orchard's batch
 (`replicas.engine.batch.LocalBatch`) with speculation off and on, same model, prompts and
@@ -64,6 +64,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E4
 from replicas.contract import SamplingParams  # noqa: E402
 from replicas.engine.batch import LocalBatch, Row  # noqa: E402
 from replicas.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from replicas.engine.mtp import load_mtp  # noqa: E402
 from replicas.engine.penalties import Penalties  # noqa: E402
 from replicas.engine.sampling import make_request_sampler  # noqa: E402
 from replicas.sources import load_source  # noqa: E402
@@ -74,7 +75,8 @@ ENGINES = ("raw", "off", "on")
 BIAS_KEYS = ("raw", "raw+bias", "off", "off+bias")
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
 ENGINE_FILES = ("batch.py", "generation.py", "speculation.py", "drafting.py", "penalties.py",
-                "sampling.py", "config.py", "stats.py")
+                "sampling.py", "config.py", "stats.py", "draft_model.py", "mtp.py",
+                "mtp_drafter.py", "tails.py", "rejection.py")
 WORDS = ("the river runs past the old mill where children play in summer and the "
          "lighthouse keeper writes letters about storms ships and the quiet sea").split()
 
@@ -240,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-model", default=None, help="`on` drafts with this model "
                         "(speculative.method draft) instead of prompt lookup")
+    parser.add_argument("--mtp", action="store_true", help="`on` drafts with the model's "
+                        "MTP layer (speculative.method mtp; builtin:mtp-bench has one)")
     parser.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
@@ -323,7 +327,7 @@ def main() -> int:
     if args.bias_streams and "greedy" not in args.workloads:
         raise SystemExit("the bias table on --model runs in the greedy workload")
     spec = SpeculativeConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min,
-                             args.disable_by_batch_size, args.draft_model)
+                             args.disable_by_batch_size, args.draft_model, args.mtp)
     bias = {args.bias_token: args.bias_value}
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     print(f"command: {command}", flush=True)
@@ -331,7 +335,8 @@ def main() -> int:
     digest = engine_digest()
     clock = time.monotonic()
     loaded = load_source(args.model)
-    draft = load_source(args.draft_model).model if args.draft_model else None
+    draft = load_mtp(loaded.model, loaded.path, loaded.config) if args.mtp else \
+        load_source(args.draft_model).model if args.draft_model else None
     cheap = (load_source(args.bias_model)
              if args.bias_streams and args.bias_model != "none" else None)
     batches = [{n: prompts(loaded, n, args.prompt_words, args.seed + r) for n in args.streams}
@@ -397,7 +402,8 @@ def main() -> int:
     minutes = (time.monotonic() - clock) / 60
     print(f"\nmodel {args.model} ({loaded.path.name}), {args.rounds} rounds, speculation "
           f"num_speculative_tokens {spec.num_speculative_tokens}, "
-          + (f"draft model {spec.draft_model}" if spec.draft_model else
+          + ("the model's MTP layer" if spec.mtp else
+             f"draft model {spec.draft_model}" if spec.draft_model else
              f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
           + (f", off above {spec.disable_by_batch_size} rows" if spec.disable_by_batch_size
              is not None else "") + f"; started {started}, "

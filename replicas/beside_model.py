@@ -1,6 +1,6 @@
 """What a replica derives and loads beside its model, from its options: the fingerprint its
-KV is known by (the disk tier's directory, a pull's check), and the draft model speculation
-drafts with."""
+KV is known by (the disk tier's directory, a pull's check), and what speculation drafts with
+beside it: a draft model, or the checkpoint's MTP layer."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import mlx.nn as nn
 from replicas.engine.disk_cache import model_fingerprint
 from replicas.engine.draft_model import check_draft_model
 from replicas.engine.loading import LoadedModel, load_model
+from replicas.engine.mtp import Mtp, load_mtp
 from replicas.options import ReplicaOptions
 from replicas.sources import resolve_source
 
@@ -22,10 +23,13 @@ def kv_fingerprint(options: ReplicaOptions, model: LoadedModel) -> str:
                              *layout)
 
 
-def load_draft(options: ReplicaOptions, target: LoadedModel) -> nn.Module | None:
+def load_draft(options: ReplicaOptions, target: LoadedModel) -> nn.Module | Mtp | None:
     """The draft model (`speculative.draft_model`), checked against `target` (rank 0's
-    shard on a sharded replica); None without one."""
+    shard on a sharded replica), or `target`'s MTP layer (`speculative.method: mtp`);
+    None without either."""
     spec = options.engine.speculative
+    if spec is not None and spec.mtp:  # on a sharded replica, rank 0's shard lends its
+        return load_mtp(target.model, target.path, target.config)  # embeddings and head
     if spec is None or spec.draft_model is None:
         return None
     draft = load_model(spec.draft_model, resolve_source(spec.draft_model))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import json
 import logging
 import os
 import platform
@@ -25,9 +26,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import load_tokenizer
 
+from ..engine.mtp import NextN
 from ..startup import Progress
 from .recipe import RandomInit, Recipe, Training, cache_key
 from .scripts import Script, parse_scripts, renderings, scripts_text
@@ -194,6 +196,8 @@ def build(recipe: Recipe, scripts: Sequence[Script], out_dir: Path, key: str,
         model.set_dtype(getattr(mx, recipe.dtype))
         weights = dict(tree_flatten(model.parameters()))
         save_by_layer(out_dir, weights)
+        if isinstance(recipe.weights, RandomInit) and recipe.weights.mtp:
+            save_mtp(out_dir, mtp_weights(model, recipe.weights.mtp))
         verify_model_dir(out_dir, examples)
     info["parameters"] = sum(w.size for w in weights.values())
     info["verified_scripts"] = [e.script_id for e in examples]
@@ -240,6 +244,20 @@ def save_by_layer(out_dir: Path, weights: dict[str, mx.array]) -> None:
                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
+def save_mtp(out_dir: Path, weights: dict[str, mx.array]) -> None:
+    """The MTP layer in a file of its own, listed in the index as a checkpoint's are.
+    Not a `model*.safetensors` file: mlx-lm 0.32.2 loads all of those, and deepseek_v3's
+    `sanitize` drops only `model.layers.61` (the MTP layer of DeepSeek V3's 61), so a
+    small model's MTP layer there would fail its load."""
+    mx.save_safetensors(str(out_dir / MTP_FILE), weights, metadata={"format": "mlx"})
+    index_path = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = dict(sorted({**index["weight_map"],
+                                       **{k: MTP_FILE for k in weights}}.items()))
+    index["metadata"]["total_size"] += sum(v.nbytes for v in weights.values())
+    write_json(index_path, index)
+
+
 def _examples(model_dir: Path, scripts: Sequence[Script], eos_id: int) -> list[Example]:
     # One example per rendering the APIs produce (scripts.renderings), named by its label.
     # The tokenizer comes from the written files through mlx_lm's loader, so prompts
@@ -261,9 +279,7 @@ def _random_model(module: Any, config: dict[str, Any], init: RandomInit,
     _randomize(drawn, init, silent_ids)
     if init.live_layers is not None:
         for layer in drawn.model.layers[init.live_layers:]:
-            # Zero output projections: the layer's attention and MLP add exactly 0.
-            layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-            layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+            make_inert(layer)
     if init.drawn_layers in (None, layers):
         return drawn
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -271,6 +287,40 @@ def _random_model(module: Any, config: dict[str, Any], init: RandomInit,
             if not (m := re.search(r"\blayers\.(\d+)\.", name)) or int(m.group(1)) < layers]
     model.load_weights(kept)
     return model
+
+
+def make_inert(layer: nn.Module) -> None:
+    """Zero a decoder layer's output projections (attention's, every MLP's and expert's):
+    it computes as usual and adds exactly 0 to the residual stream."""
+    params: list[tuple[str, mx.array]] = tree_flatten(layer.parameters())  # type: ignore
+    zeroed = [(name, mx.zeros_like(value)) for name, value in params
+              if name.endswith(("o_proj.weight", "down_proj.weight"))]
+    layer.update(tree_unflatten(zeroed))
+
+
+MTP_FILE = "mtp.safetensors"
+
+
+def mtp_weights(model: nn.Module, kind: str) -> dict[str, mx.array]:
+    """An MTP layer for `model` as a DeepSeek V3 checkpoint holds it, under
+    `model.layers.{num_hidden_layers}.` (`RandomInit.mtp`). "agree": the layer passes the
+    next token's embedding through (eh_proj reads only that half) and adds nothing, and
+    its norm is the model's, so on a model whose layers are all inert it predicts exactly
+    what the model will after that token."""
+    index = model.args.num_hidden_layers
+    layer = NextN(model, type(model.model.layers[0])(model.args, index))
+    if kind == "agree":
+        hidden = model.args.hidden_size
+        layer.eh_proj.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], 1)
+        make_inert(layer.layer)
+        layer.norm.weight = model.model.norm.weight
+    names = {"norm.weight": "shared_head.norm.weight"}
+    params: list[tuple[str, mx.array]] = tree_flatten(layer.parameters())  # type: ignore
+    own = {names.get(k, k.removeprefix("layer.")): v for k, v in params}
+    own |= {"shared_head.head.weight": model.lm_head.weight,
+            "embed_tokens.weight": model.model.embed_tokens.weight}
+    dtype = model.lm_head.weight.dtype
+    return {f"model.layers.{index}.{k}": v.astype(dtype) for k, v in own.items()}
 
 
 def _randomize(model: nn.Module, init: RandomInit, silent_ids: Sequence[int]) -> None:

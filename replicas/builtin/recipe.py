@@ -92,6 +92,10 @@ class RandomInit:
     # Drawn as a model of this many layers (the seed's draws those would take), then cut to
     # the architecture's: a cut model's layers, embeddings and head equal the whole one's.
     drawn_layers: int | None = None
+    # An MTP layer in the files (`replicas.engine.mtp`), as DeepSeek V3 ships one: "random"
+    # weights, or "agree": it predicts what the model will (a model whose layers are all
+    # inert: its next token depends on its newest alone, and the layer reads that token).
+    mtp: str | None = None
 
 
 @dataclass(frozen=True)
@@ -245,8 +249,31 @@ ARCH_SSM = _cache_kind(
     hybrid_override_pattern=["M", "*", "-", "M"])
 CACHE_KINDS = (ARCH_MLA, ARCH_SLIDING, ARCH_LINEAR, ARCH_SSM)
 
+# DeepSeek V3 with the MTP layer its checkpoints ship (speculative.method: mtp): `mtp` draws
+# it at random (its drafts nearly all miss), `mtp-agree` makes it predict what the model
+# will (every draft kept); `mtp-bench` is `mtp-agree` at `bench`'s width and depth and in
+# its dtype, so the layer costs about a ninth of a pass. Its layers are dense (MLA attention,
+# no experts): MLX's CPU backend runs the experts' gathered matmul in float32 only.
+MTP = replace(ARCH_MLA, name="mtp", seed=20240615, architecture=replace(
+    ARCH_MLA.architecture, extra=(*ARCH_MLA.architecture.extra, ("num_nextn_predict_layers", 1))),
+    weights=RandomInit(logit_std=5.0, mtp="random"))
+MTP_AGREE = replace(MTP, name="mtp-agree",
+                    weights=RandomInit(logit_std=5.0, live_layers=0, mtp="agree"))
+MTP_BENCH = replace(MTP_AGREE, name="mtp-bench", dtype="bfloat16", architecture=replace(
+    MTP.architecture, hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+    num_attention_heads=8, extra=tuple(sorted({**dict(MTP.architecture.extra),
+                                               "num_key_value_heads": 8, "kv_lora_rank": 256,
+                                               "q_lora_rank": 384, "qk_nope_head_dim": 64,
+                                               "v_head_dim": 64, "first_k_dense_replace": 9,
+                                               }.items()))))
+
+# The same model with a random MTP layer: its drafts miss, which shows what drafting costs.
+MTP_BENCH_MISS = replace(MTP_BENCH, name="mtp-bench-miss",
+                         weights=RandomInit(logit_std=5.0, live_layers=0, mtp="random"))
+
 RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING, AGREE, AGREE_DRAFT,
-                                                  *CACHE_KINDS)}
+                                                  *CACHE_KINDS, MTP, MTP_AGREE, MTP_BENCH,
+                                                  MTP_BENCH_MISS)}
 
 
 def recipe_fields(recipe: Recipe) -> dict[str, Any]:

@@ -29,6 +29,8 @@ from replicas.engine.scoring import score_prompt
 from replicas.engine.shared_drafts import SharedDrafts
 from replicas.engine.sampling import LogitsProcessor, Sampler
 from replicas.engine.draft_model import ModelDrafter
+from replicas.engine.mtp import Mtp
+from replicas.engine.mtp_drafter import MtpDrafter
 from replicas.engine.speculation import DecodeStats, Drafter, can_roll_back
 from replicas.engine.stats import DecodeCounts
 
@@ -112,10 +114,10 @@ class LocalBatch:
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
                  = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None,
                  shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None,
-                 draft: nn.Module | None = None) -> None:
+                 draft: nn.Module | Mtp | None = None) -> None:
         """`shared_drafts`: on a sharded replica, how this rank shares speculation's
         decisions with the others, over the batch's stream. `draft`: the draft model
-        speculation drafts with (`speculative.draft_model`)."""
+        speculation drafts with (`speculative.draft_model`), or the model's MTP layer."""
         self._draft = draft
         self._model = model
         self._config = config
@@ -170,6 +172,8 @@ class LocalBatch:
         spec = self._speculative
         if spec is None:
             return None
+        if isinstance(self._draft, Mtp):
+            return MtpDrafter(spec, self._draft)
         if self._draft is not None:
             return ModelDrafter(spec, self._draft, self._config.prefill_step_size)
         # Prompt lookup; on a sharded replica's other ranks, never asked (rank 0 drafts).

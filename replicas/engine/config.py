@@ -17,7 +17,8 @@ class SpeculativeConfig:
     """Speculative decoding, in vLLM's names: draft up to `num_speculative_tokens` tokens
     after the longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that
     occurred before (prompt lookup, `replicas.engine.drafting`), or, with `draft_model`
-    (a source, as a model's), what that model writes (`replicas.engine.draft_model`); no
+    (a source, as a model's), what that model writes (`replicas.engine.draft_model`), or
+    with `mtp`, what the checkpoint's own MTP layer writes (`replicas.engine.mtp`); no
     drafts while more than `disable_by_batch_size` rows decode (None: at any size)."""
 
     num_speculative_tokens: int = 4
@@ -25,8 +26,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
     draft_model: str | None = None
+    mtp: bool = False
 
     def __post_init__(self) -> None:
+        if self.mtp and self.draft_model:
+            raise ValueError("an MTP layer and a draft model cannot both draft")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.num_speculative_tokens < 1:
@@ -35,7 +39,7 @@ class SpeculativeConfig:
     @property
     def method(self) -> str:
         """The config's `method`, as metrics label it."""
-        return "draft" if self.draft_model else "ngram"
+        return "mtp" if self.mtp else "draft" if self.draft_model else "ngram"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ row's cache falls behind.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,6 +51,65 @@ def check_draft_model(draft: nn.Module, draft_vocab: dict[str, int],
                          "recurrent layers)")
 
 
+def write_drafts(uids: Sequence[int], logits: mx.array, asks: Sequence[Ask],
+                 limits: Sequence[int], step: Callable[[list[int]], mx.array]
+                 ) -> tuple[list[list[int]], dict[int, mx.array]]:
+    """A drafter's tokens for its batch rows `uids`, from `logits` (each row's next
+    logits), one column a step for the most any ask's limit allows; `step` feeds a column
+    and returns the next logits. A greedy row takes the argmax, a sampled row (its ask has
+    a shape) a sample under its own shape. Returns each row's tokens, and the
+    distributions each sampled row's first `limit` drafts were drawn from (q), by uid."""
+    shapes = {a.uid: a.shape for a in asks}
+    n_of = {a.uid: n for a, n in zip(asks, limits)}
+    sampled = [(i, shape) for i, uid in enumerate(uids) if (shape := shapes.get(uid)) is not None]
+    written: list[list[int]] = [[] for _ in uids]
+    q: list[list[mx.array]] = [[] for _ in sampled]  # per sampled row, per step
+    column: list[int] = []
+    for n in range(max(limits, default=0)):
+        if n:
+            logits = step(column)
+        tokens = mx.argmax(logits, axis=-1)
+        if sampled:  # sampled rows draw from their own shape over the drafter's logits
+            dists = mx.concatenate([shape.logprobs(logits[i:i + 1]) for i, shape in sampled])
+            tokens[mx.array([i for i, _ in sampled])] = \
+                mx.random.categorical(dists).astype(tokens.dtype)
+            for of_row, dist in zip(q, dists):
+                of_row.append(dist)
+        column = cast(list[int], tokens.tolist())
+        for row, token in zip(written, column):
+            row.append(token)
+    drawn = {uids[i]: mx.stack(of_row[:n_of[uids[i]]]) for (i, _), of_row in zip(sampled, q)
+             if n_of.get(uids[i])}
+    return written, drawn
+
+
+class BatchDrafter(Drafter):
+    """A drafter that writes every row's drafts at once, with a model's forwards (a draft
+    model, an MTP layer): one row alone would be the whole batch."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self._q: dict[int, mx.array] = {}  # the last drafts' distributions, sampled rows'
+
+    def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
+                 ) -> list[int]:
+        raise NotImplementedError("this drafter drafts for the whole batch: draft_rows")
+
+    def draft_rows(self, asks: Sequence[Ask]) -> list[list[int]]:
+        self._q = {}
+        limits = [max(0, self.limit(a.uid, a.budget)) for a in asks]
+        if max(limits, default=0) == 0:
+            return [[] for _ in asks]
+        return self._draft_batch(asks, limits)
+
+    def _draft_batch(self, asks: Sequence[Ask], limits: list[int]) -> list[list[int]]:
+        """Each ask's draft, at most its limit (some limit is positive)."""
+        raise NotImplementedError
+
+    def sampled(self, uid: int) -> mx.array | None:
+        return self._q.get(uid)
+
+
 @dataclass
 class _Join:
     """A row prefilling the draft model alone before it joins the batch."""
@@ -60,7 +119,7 @@ class _Join:
     done: int = 0
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(BatchDrafter):
     """A draft model's drafts for the rows of one batch (engine thread only)."""
 
     def __init__(self, config: SpeculativeConfig, model: nn.Module, prefill_step: int) -> None:
@@ -70,58 +129,24 @@ class ModelDrafter(Drafter):
         self._cache: list[Any] | None = None  # a BatchKVCache per layer, rows as `_uids`
         self._uids: list[int] = []
         self._fed: dict[int, list[int]] = {}  # the tokens each row's cache holds
-        self._q: dict[int, mx.array] = {}  # the last drafts' distributions, sampled rows'
         self._joining: dict[int, _Join] = {}  # rows whose tokens are still being prefilled
 
-    def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
-                 ) -> list[int]:
-        # One row alone would be the whole batch: the others' caches would be dropped.
-        raise NotImplementedError("a draft model drafts for the whole batch: draft_rows")
-
-    def draft_rows(self, asks: Sequence[Ask]) -> list[list[int]]:
-        self._q = {}
-        limits = [max(0, self.limit(a.uid, a.budget)) for a in asks]
-        steps = max(limits, default=0)
-        if steps == 0:
-            return [[] for _ in asks]
+    def _draft_batch(self, asks: Sequence[Ask], limits: list[int]) -> list[list[int]]:
         sequences = {a.uid: [*a.history, a.pending] for a in asks}
         self._leave(sequences)
         self._prefill(sequences)
         if not self._uids:  # every row is still joining
             return [[] for _ in asks]
         logits = self._catch_up([sequences[uid] for uid in self._uids])
-        shapes = {a.uid: a.shape for a in asks}
-        sampled = [(i, shape) for i, uid in enumerate(self._uids)
-                   if (shape := shapes[uid]) is not None]
-        written: list[list[int]] = [[] for _ in self._uids]
-        q: list[list[mx.array]] = [[] for _ in sampled]  # per sampled row, per step
-        column: list[int] = []
-        for step in range(steps):
-            if step:
-                assert self._cache is not None
-                logits = self._model(mx.array(column)[:, None], cache=self._cache)[:, -1, :]
-            tokens = mx.argmax(logits, axis=-1)
-            if sampled:  # sampled rows draw from their own shape over the draft's logits
-                dists = mx.concatenate([shape.logprobs(logits[i:i + 1]) for i, shape in sampled])
-                tokens[mx.array([i for i, _ in sampled])] = \
-                    mx.random.categorical(dists).astype(tokens.dtype)
-                for of_row, dist in zip(q, dists):
-                    of_row.append(dist)
-            column = cast(list[int], tokens.tolist())
-            for row, token in zip(written, column):
-                row.append(token)
+        assert self._cache is not None
+        cache = self._cache
+        written, self._q = write_drafts(
+            self._uids, logits, asks, limits,
+            lambda column: self._model(mx.array(column)[:, None], cache=cache)[:, -1, :])
         for uid, tokens_of in zip(self._uids, written):
             self._fed[uid] = sequences[uid] + tokens_of[:-1]  # the last was never fed
         at = {uid: i for i, uid in enumerate(self._uids)}
-        n_of = {a.uid: n for a, n in zip(asks, limits)}
-        for (i, _), of_row in zip(sampled, q):
-            uid = self._uids[i]
-            if n_of[uid]:
-                self._q[uid] = mx.stack(of_row[:n_of[uid]])
         return [written[at[a.uid]][:n] if a.uid in at else [] for a, n in zip(asks, limits)]
-
-    def sampled(self, uid: int) -> mx.array | None:
-        return self._q.get(uid)
 
     def _leave(self, sequences: dict[int, list[int]]) -> None:
         """Rows no longer asked about leave the batch (rows that left the target's batch

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 
+from replicas.engine.mtp import hidden_and_logits
 from replicas.engine.penalties import Penalties, apply, window
 from replicas.engine.rejection import judge, verdict
 from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SamplingShape, \
@@ -70,6 +71,9 @@ class Generation(GenerationBatch):
         if drafting is None:
             tokens, lps = self._step()
             emitted = [[(t, lp)] for t, lp in zip(tokens, lps)]
+            if self.drafter is not None:  # resting rows count the steps to their probe
+                for uid in self.uids:
+                    self.drafter.observe(uid, 0, 0)
         else:
             emitted = self._speculate(*drafting)
         self.stats.passes += len(self.uids)
@@ -117,7 +121,8 @@ class Generation(GenerationBatch):
         inputs: mx.array = self._next_tokens
         self._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm inits it None
         self._current_logprobs = self._next_logprobs
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        logits, hidden = self._forward(inputs[:, None])
+        logits = logits[:, -1, :]
         penalties = self._penalties()
         looks_back = any(p and p.looks_back for p in penalties)
         logits = apply(logits, penalties, window(self.tokens, inputs) if looks_back else None)
@@ -125,6 +130,8 @@ class Generation(GenerationBatch):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self._next_tokens = self._sample(logprobs, 1)
         self._next_logprobs = list(logprobs)
+        if hidden is not None and self.drafter is not None:
+            self.drafter.saw(self.uids, hidden, self._next_tokens[:, None], [1] * len(self.uids))
         mx.async_eval(self._next_tokens, self._next_logprobs, context)
         mx.eval(inputs, self._current_logprobs)
         tokens: list[int] = inputs.tolist()  # type: ignore[assignment]
@@ -132,19 +139,31 @@ class Generation(GenerationBatch):
             held.append(token)
         return tokens, self._current_logprobs
 
+    def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The model's logits over `inputs`, and its last hidden states where the drafter
+        reads them (MTP)."""
+        if self.drafter is not None and self.drafter.wants_hidden:
+            hidden, logits = hidden_and_logits(self.model, inputs, self.prompt_cache)
+            return logits, hidden
+        return self.model(inputs, cache=self.prompt_cache), None
+
     def _drafts(self) -> tuple[list[int], list[list[int]]] | None:
         """Each row's pending token and its drafts, or None for a plain step. Drafting
         reads the pending tokens, so it waits for the step computed ahead."""
         drafter = self.drafter
         if drafter is None or not drafter.active(len(self.uids)):
             return None
-        pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
         limit = drafter.config.num_speculative_tokens
-        drafts: list[list[int]] = []
+        budgets = [min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
+                   for i in range(len(self.uids))]
         shared = self.shared
+        if shared is None and not any(drafter.limit(uid, b) for uid, b in zip(self.uids, budgets)) \
+                and not any(isinstance(p, Drafting) for i in range(len(self.uids))
+                            for p in self._own_processors(i)):
+            return None  # every row rests: a plain step, without waiting for the pending tokens
+        pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
+        drafts: list[list[int]] = []
         if shared is None or shared.leads:
-            budgets = [min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
-                       for i in range(len(self.uids))]
             forced = [self._forced(i, pending[i], b) for i, b in enumerate(budgets)]
             # A row its grammar drafts for asks the drafter for nothing (budget 0).
             guessed = drafter.draft_rows([Ask(uid, self.tokens[i], pending[i],
@@ -172,7 +191,7 @@ class Generation(GenerationBatch):
         its pending one."""
         rows, width = len(pending), 1 + max(len(d) for d in drafts)
         inputs = [[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts)]
-        logits = self.model(mx.array(inputs), cache=self.prompt_cache)
+        logits, hidden = self._forward(mx.array(inputs))
         logits = logits.reshape(rows * width, logits.shape[-1])
         penalties = [p for p in self._penalties() for _ in range(width)]
         looks_back = any(p and p.looks_back for p in penalties)
@@ -202,6 +221,11 @@ class Generation(GenerationBatch):
             self.tokens[i].extend(inputs[i][:n + 1])
             if isinstance(sampler := _local(self._sampler(i)), SeededSampler):
                 sampler.advance(n + 1)
+        if hidden is not None and self.drafter is not None:  # each kept position, its next
+            following = [[*drafts[i][:n], nexts[i]] for i, n in enumerate(kept)]
+            self.drafter.saw(self.uids, hidden,
+                             mx.array([f + [0] * (width - len(f)) for f in following]),
+                             [n + 1 for n in kept])
         moved = drop_tails(self.prompt_cache, [width - 1 - n for n in kept])
         self._orders = [rotated(order, len(held), m)
                         for order, held, m in zip(self._orders, self.tokens, moved)]

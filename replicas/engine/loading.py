@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from replicas.engine.mla import absorb_short_passes
 from replicas.startup import Progress
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ def load_model(source: str, resolved: Path | str) -> LoadedModel:
 def loaded_model(source: str, resolved: Path | str, model: nn.Module,
                  tokenizer: TokenizerWrapper, config: dict[str, Any]) -> LoadedModel:
     """What mlx-lm loaded (whole or one shard), with what serving needs to know of it."""
+    absorb_short_passes(model)  # MLA's verifying passes stay in the latent space
     path = Path(resolved) if isinstance(resolved, Path) else Path(getattr(model, "model_path", "."))
     eos = set(tokenizer.eos_token_ids)
     eos |= _generation_config_eos(resolved)

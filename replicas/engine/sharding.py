@@ -30,6 +30,7 @@ from mlx_lm.utils import _get_classes, sharded_load
 from replicas.engine.batch import LocalBatch
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
 from replicas.engine.loading import LoadedModel, loaded_model
+from replicas.engine.mtp import Mtp
 from replicas.engine.kv_parts import KvParts
 from replicas.engine.lockstep import Follower
 from replicas.engine.stages import held_layers, split_stages, stage_layers
@@ -134,7 +135,7 @@ def _file(text: str) -> str:
 
 def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: EngineConfig,
                held: HeldBlocks | None = None,
-               draft: Callable[[LoadedModel], nn.Module | None] | None = None
+               draft: Callable[[LoadedModel], nn.Module | Mtp | None] | None = None
                ) -> tuple[LoadedModel, LocalBatch, mx.distributed.Group, tuple[RankMemory, ...]]:
     """Join the group, load this rank's shard (mlx-lm's `sharded_load`: a pipeline stage
     reads only its layers' files), make its local batch, and fix its memory: every rank

@@ -40,6 +40,10 @@ class Ask(NamedTuple):
     shape: SamplingShape | None = None
 
 
+# A row whose drafts nearly all missed rests, drafting one token every this many steps.
+PROBE_EVERY = 8
+
+
 @dataclass
 class DecodeStats:
     """Counters of one batch's decoding, read for metrics (engine thread only)."""
@@ -64,12 +68,17 @@ def can_roll_back(model: nn.Module) -> bool:
 class Drafter:
     """Prompt-lookup drafts for the rows of one batch, an index per row (by uid)."""
 
+    # Whether it drafts from the model's hidden states (MTP): the batch then runs the
+    # model's forward split there and hands them over (`saw`).
+    wants_hidden = False
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._indices: dict[int, NgramIndex] = {}
         # Each row's recent share of drafts kept: a row whose guesses miss drafts fewer,
         # since every drafted position costs compute whether it is kept or not.
         self._kept: dict[int, float] = {}
+        self._rested: dict[int, int] = {}  # steps each resting row has not drafted
 
     def active(self, rows: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -92,9 +101,14 @@ class Drafter:
 
     def limit(self, uid: int, budget: int) -> int:
         """How many tokens row `uid` drafts now, at most `budget`: fewer where its recent
-        drafts missed."""
+        drafts missed, and none where nearly all did, but for one every `PROBE_EVERY`
+        steps to see whether they hit again. A step where no row drafts is a plain one,
+        which keeps mlx-lm's one-step-ahead overlap: drafts that miss cost little then."""
         most = self.config.num_speculative_tokens
-        return min(max(1, round(most * self._kept.get(uid, 1.0))), budget)
+        n = round(most * self._kept.get(uid, 1.0))
+        if n == 0 and self._rested.get(uid, 0) >= PROBE_EVERY - 1:
+            n = 1
+        return min(n, budget)
 
     def _propose(self, uid: int, history: Sequence[int], pending: int, limit: int
                  ) -> list[int]:
@@ -105,16 +119,26 @@ class Drafter:
         index.extend([pending])
         return index.draft(limit)
 
+    def saw(self, uids: Sequence[int], hidden: mx.array, following: mx.array,
+            counts: Sequence[int]) -> None:
+        """A target pass's hidden states, for a drafter that `wants_hidden`."""
+
     def observe(self, uid: int, drafted: int, kept: int) -> None:
-        """A pass kept `kept` of the row's `drafted` guesses."""
+        """A pass kept `kept` of the row's `drafted` guesses (none drafted: a step it
+        rested, or one without speculation)."""
         if drafted:
             self._kept[uid] = 0.5 * self._kept.get(uid, 1.0) + 0.5 * kept / drafted
+            self._rested[uid] = 0
+        else:
+            self._rested[uid] = self._rested.get(uid, 0) + 1
 
     def keep(self, uids: Sequence[int]) -> None:
         """Forget the rows that left the batch."""
         live = set(uids)
         for uid in [u for u in self._kept if u not in live]:
             del self._kept[uid]
+        for uid in [u for u in self._rested if u not in live]:
+            del self._rested[uid]
         for uid in [u for u in self._indices if u not in live]:
             del self._indices[uid]
 

@@ -40,4 +40,4 @@ class DecodeCounts:
     accepted: int
     forced: int  # drafts a grammar forced
     rows_off_path: int  # row-steps whose logits took a per-row Python call
-    method: str = ""  # speculative.method where speculative: "ngram" or "draft"
+    method: str = ""  # speculative.method where speculative: "ngram", "draft" or "mtp"

@@ -39,15 +39,17 @@ NODE_MEMORY = {"pipe-u2": [3 << 30, 1 << 30]}
 # while both are under 256.
 SMALL_BUDGET_TOKENS = 600
 SMALL_BUDGET = SMALL_BUDGET_TOKENS * 512
-SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench"}
+SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench",
+           "mtp-agree": "builtin:mtp-agree"}
 HEARTBEAT_TIMEOUT_S = 5.0
 QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32
 RESUME_WAIT_S = 300.0
 SPLIT, SPLIT_MIN_TOKENS = "tiny-pd2", 64
 SPECULATING = "tiny-s2"
+MTP_SHARDED = "mla-mtp-x2"
 # Sharded replicas: each takes one unit of apple_silicon on each node, and a replaced one
 # briefly two.
-SHARDED_REPLICAS = 10
+SHARDED_REPLICAS = 11
 
 
 def app_args() -> dict[str, Any]:
@@ -71,6 +73,11 @@ def app_args() -> dict[str, Any]:
     # draft model, loaded on rank 0 alone), every rank verifies.
     models.append({**sharded(SPECULATING, SOURCES["tiny"], "tensor"), "speculative": {
         "method": "draft", "draft_model": SOURCES["tiny"], "num_speculative_tokens": 4}})
+    # The checkpoint's MTP layer on a sharded replica: rank 0 reads the model's hidden
+    # states (whole after the tensor-parallel sums) and drafts; DeepSeek V3 (MLA, MoE).
+    models.append({"id": "mla", "source": SOURCES["mtp-agree"], "placement": {"pin": False}})
+    models.append({**sharded(MTP_SHARDED, SOURCES["mtp-agree"], "tensor"), "speculative": {
+        "method": "mtp", "num_speculative_tokens": 3}})
     # Prefill and decode roles, both sharded by tensor: KV moves rank to rank between them.
     models += [{**sharded(SPLIT, SOURCES["tiny"], "tensor"), "role": "decode",
                 "prefill_min_tokens": SPLIT_MIN_TOKENS},

@@ -10,7 +10,7 @@ import pytest
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.drafting import NgramIndex
-from replicas.engine.speculation import Drafter, accepted
+from replicas.engine.speculation import PROBE_EVERY, Drafter, accepted
 
 
 def index(tokens: list[int], **config: int) -> NgramIndex:
@@ -88,7 +88,7 @@ def test_config_refuses_an_empty_lookup_range() -> None:
         SpeculativeConfig(num_speculative_tokens=0)
 
 
-def test_a_row_whose_drafts_miss_drafts_fewer_and_recovers_when_they_hit() -> None:
+def test_a_row_whose_drafts_miss_drafts_fewer_rests_and_recovers_when_they_hit() -> None:
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     history = [1, 2, 3, 4, 5] * 4
 
@@ -101,11 +101,18 @@ def test_a_row_whose_drafts_miss_drafts_fewer_and_recovers_when_they_hit() -> No
         return drafted
 
     assert len(next_draft()) == 4
-    for _ in range(3):
+    for _ in range(2):
         drafter.observe(1, drafted=4, kept=0)
-    assert len(next_draft()) == 1  # never none: a row keeps a chance to recover
+    assert len(next_draft()) == 1  # a quarter kept of late: one draft
+    drafter.observe(1, drafted=1, kept=0)
+    # Nearly nothing kept: the row rests (plain steps), but probes every PROBE_EVERY.
+    lengths = []
+    for _ in range(2 * PROBE_EVERY):
+        lengths.append(len(next_draft()))
+        drafter.observe(1, drafted=lengths[-1], kept=0)
+    assert lengths == ([0] * (PROBE_EVERY - 1) + [1]) * 2
     for _ in range(3):
-        drafter.observe(1, drafted=1, kept=1)
+        drafter.observe(1, drafted=1, kept=1)  # the probes hit: it drafts again
     assert len(next_draft()) == 4
     drafter.observe(2, drafted=0, kept=0)  # a pass without drafts teaches nothing
     assert len(drafter.draft(uid=2, history=[7, 8, 7], pending=8, budget=10)) == 4

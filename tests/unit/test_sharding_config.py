@@ -136,6 +136,10 @@ def test_speculation_and_kv_bits_settings_reach_the_engine() -> None:
         "speculative": {"method": "draft", "draft_model": "builtin:tiny"}})).engine
     assert drafted.speculative is not None
     assert drafted.speculative.draft_model == "builtin:tiny"
+    mtp = replica_options(ModelSettings.model_validate({
+        "id": "m", "source": "builtin:mtp", "speculative": {"method": "mtp"}})).engine
+    assert mtp.speculative is not None and mtp.speculative.mtp
+    assert (mtp.speculative.method, mtp.speculative.draft_model) == ("mtp", None)
     # A quantized cache has a disk tier too (stored as mlx-lm's QuantizedKVCache).
     disk = replica_options(ModelSettings.model_validate({
         "id": "m", "source": "builtin:tiny", "engine": {"kv_bits": 4},
@@ -147,7 +151,9 @@ def test_speculation_and_kv_bits_settings_reach_the_engine() -> None:
     ({"engine": {"kv_bits": 3}}, "kv_bits"),
     ({"speculative": {"method": "draft"}}, "draft_model goes with method: draft"),
     ({"speculative": {"draft_model": "builtin:tiny"}}, "draft_model goes with method: draft"),
-    ({"speculative": {"method": "mtp"}}, "method"),
+    ({"speculative": {"method": "mtp", "draft_model": "builtin:tiny"}},
+     "draft_model goes with method: draft"),
+    ({"speculative": {"method": "eagle"}}, "method"),
     ({"speculative": {"prompt_lookup_min": 5}}, "prompt_lookup_min must be <="),
     ({"speculative": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
 ])

@@ -1,0 +1,33 @@
+"""The checkpoint's MTP layer on a sharded replica (`speculative.method: mtp`, shards: 2 by
+tensor, in the sharded cluster of `conftest.py`): rank 0 reads the model's hidden states,
+whole after the tensor-parallel sums, drafts with its MTP layer and shares the drafts;
+both ranks verify."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.cluster.conftest import LocalCluster
+from tests.sharded.conftest import MTP_SHARDED
+from tests.sharded.test_sharded import PROMPTS, STATS_DRIVER, _driver, client, generate
+
+__all__ = ["client"]  # the fixture, shared with test_sharded.py
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_mtp_drafts_on_a_sharded_replica_keep_the_whole_models_text(
+        client: openai.OpenAI, sharded_cluster: LocalCluster, stream: bool) -> None:
+    """DeepSeek V3 with its MTP layer (`builtin:mtp-agree`, whose layer predicts what the
+    model will) by tensor: rank 0 drafts from the model's hidden states, both ranks
+    verify; greedy text is the unsharded model's, several tokens a pass."""
+    before = _driver(sharded_cluster, STATS_DRIVER, MTP_SHARDED)[MTP_SHARDED]["decode"]
+    for prompt in PROMPTS:
+        expected = generate(client, "mla", prompt, stream=False)
+        assert generate(client, MTP_SHARDED, prompt, stream=stream) == expected, prompt
+        assert len(expected[0]) > 20
+    decode = _driver(sharded_cluster, STATS_DRIVER, MTP_SHARDED)[MTP_SHARDED]["decode"]
+    assert decode["method"] == "mtp" and decode["accepted"] > before["accepted"]
+    assert decode["tokens"] - before["tokens"] > 2 * (decode["passes"] - before["passes"])
