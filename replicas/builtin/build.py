@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import load_tokenizer
 
-from ..engine.mtp import NextN
+from ..engine.mtp import NextN, file_key
 from ..startup import Progress
 from .recipe import RandomInit, Recipe, Training, cache_key
 from .scripts import Script, parse_scripts, renderings, scripts_text
@@ -314,9 +314,8 @@ def mtp_weights(model: nn.Module, kind: str) -> dict[str, mx.array]:
         layer.eh_proj.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], 1)
         make_inert(layer.layer)
         layer.norm.weight = model.model.norm.weight
-    names = {"norm.weight": "shared_head.norm.weight"}
     params: list[tuple[str, mx.array]] = tree_flatten(layer.parameters())  # type: ignore
-    own = {names.get(k, k.removeprefix("layer.")): v for k, v in params}
+    own = {file_key(k): v for k, v in params}
     own |= {"shared_head.head.weight": model.lm_head.weight,
             "embed_tokens.weight": model.model.embed_tokens.weight}
     dtype = model.lm_head.weight.dtype

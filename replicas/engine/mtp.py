@@ -37,6 +37,14 @@ FAMILIES = frozenset({"mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe"})
 # repeat the model's head and embeddings in the files, and the model's own are used.
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
 _SHARED = ("shared_head.head.", "embed_tokens.")
+# `NextN.norm` is the checkpoint's `shared_head.norm`; `NextN.layer`'s weights sit at the
+# top of `model.layers.{N}`, beside the layer's own parts.
+_NORM, _FILE_NORM = "norm.weight", "shared_head.norm.weight"
+
+
+def file_key(param: str) -> str:
+    """A `NextN` parameter's name under `model.layers.{N}.` in a checkpoint."""
+    return _FILE_NORM if param == _NORM else param.removeprefix("layer.")
 
 
 class NextN(nn.Module):
@@ -117,19 +125,18 @@ def load_mtp(model: nn.Module, path: Path, config: dict[str, Any]) -> Mtp:
         raise ValueError(f"speculative.method mtp: {path} has no {prefix}* weights (a "
                          "quantized conversion drops them: use the original checkpoint)")
     own = {k: v for k, v in weights.items() if k.startswith(_OWN)}
-    # The model's own sanitize readies the decoder layer's weights, under the name of its
-    # last layer (of the same kind in these families: MoE), which it does not drop.
+    # The model's own sanitize readies the decoder layer's weights under the name of its
+    # last layer, which it does not drop (it treats a layer by the weights it holds).
     last = f"model.layers.{index - 1}."
     readied = model.sanitize({last + k: v for k, v in weights.items() if k not in own})
     layer_weights = {"layer." + k[len(last):]: v for k, v in readied.items()
                      if k.startswith(last)}
-    names = {"shared_head.norm.weight": "norm.weight"}
     nextn = NextN(model, type(model.model.layers[0])(model.args, index))
     if any(k.endswith(".scales") for k in layer_weights):
         quant = config.get("quantization") or {}
         nn.quantize(nextn, group_size=quant.get("group_size", 64), bits=quant.get("bits", 4),
                     class_predicate=lambda p, _: f"{p}.scales" in layer_weights)
-    nextn.load_weights([*((names.get(k, k), v) for k, v in own.items()),
+    nextn.load_weights([*((_NORM if k == _FILE_NORM else k, v) for k, v in own.items()),
                         *layer_weights.items()])
     nextn.eval()
     absorb_short_passes(nextn)

@@ -76,12 +76,10 @@ class MtpDrafter(BatchDrafter):
             return mtp.logits(state["out"])[:, -1, :]
 
         # Rows with nothing fed this step (none in practice) draft nothing.
-        live = [uid for uid in self._uids if self._fresh.get(uid)]
         limits = [n if self._fresh.get(a.uid) else 0 for a, n in zip(asks, limits)]
         written, self._q = write_drafts(self._uids, mtp.logits(outs)[:, -1, :], asks, limits,
                                         step)
-        return [written[at[a.uid]][:n] if a.uid in at and a.uid in live else []
-                for a, n in zip(asks, limits)]
+        return [written[at[a.uid]][:n] if a.uid in at else [] for a, n in zip(asks, limits)]
 
     def keep(self, uids: Sequence[int]) -> None:
         super().keep(uids)
