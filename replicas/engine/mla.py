@@ -1,14 +1,19 @@
-"""MLA attention (DeepSeek V3, Kimi K2) in its absorbed form for short passes.
+"""MLA attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash) in its absorbed form for short
+passes, and over a quantized cache.
 
-mlx-lm 0.32.2's `DeepseekV3Attention` attends over the compressed latents directly only
-for a pass of one position; any longer pass first decompresses every cached latent into
-full keys and values for all heads. That suits a prefill, but a speculative verifying pass
-(the pending token and a few drafts, `replicas.engine.speculation`) would then pay for the
-whole context's decompression every step: O(context) on top of the pass, where the
-one-position step pays O(context) only in the latent width. A short pass here takes the
-one-position route (queries absorbed into the latent space, the output unembedded after),
-which holds for any number of queries given the causal mask: so a verifying pass computes
-what the plain steps do, and costs them a few positions more, not a decompression.
+mlx-lm 0.32.2's MLA attention attends over the compressed latents directly only for a pass
+of one position; any longer pass first decompresses every cached latent into full keys and
+values for all heads. That suits a prefill, but a speculative verifying pass (the pending
+token and a few drafts, `replicas.engine.speculation`) would then pay for the whole
+context's decompression every step: O(context) on top of the pass, where the one-position
+step pays O(context) only in the latent width. A short pass here takes the one-position
+route (queries absorbed into the latent space, the output unembedded after), which holds
+for any number of queries given the causal mask: so a verifying pass computes what the
+plain steps do, and costs them a few positions more, not a decompression.
+
+mlx-lm's MLA also reads its cache as plain arrays, so `kv_bits` (a packed latent and rope
+key, `replicas.engine.quantized_kv`) fails in it. Over a quantized cache every pass runs
+here: short ones absorbed against the packed latent, long ones on the latent unpacked.
 """
 
 from __future__ import annotations
@@ -17,22 +22,25 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
+from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteAttention
 
 # Passes up to this many positions stay in the latent space: a verifying pass is at most
 # 1 + num_speculative_tokens (16) wide; prefill chunks are far wider.
 SHORT_PASS = 17
 
 
-class ShortPassMLA(DeepseekV3Attention):
-    """mlx-lm's MLA attention, absorbed for passes of up to `SHORT_PASS` positions."""
+class LatentAttention(nn.Module):
+    """Mixed in before an mlx-lm MLA attention class whose `__call__` is DeepSeek V3's
+    (the same projections, names and rope): its own route for what it does well."""
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None
                  ) -> mx.array:
         B, L, _ = x.shape
-        if L == 1 or L > SHORT_PASS or mask is None:
-            return super().__call__(x, mask, cache)
+        quantized = hasattr(cache, "bits")
+        if not quantized and (L == 1 or L > SHORT_PASS or mask is None):
+            return super().__call__(x, mask, cache)  # type: ignore[misc]
         # mlx-lm's own steps, as its one-position branch takes them.
         if self.q_lora_rank is None:
             q = self.q_proj(x)
@@ -47,17 +55,63 @@ class ShortPassMLA(DeepseekV3Attention):
         q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
+        if quantized:  # the rope key is a sixteenth of the latent or less: unpack it whole
+            k_pe = _unpack(k_pe, cache)
         pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
-        pe_scores = mx.where(mask, pe_scores,
-                             mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-        output = scaled_dot_product_attention(self.embed_q(q_nope), latent, latent,
-                                              cache=cache, scale=self.scale, mask=pe_scores)
-        output = self.unembed_out(output)
+        if mask is not None:
+            pe_scores = mx.where(mask, pe_scores,
+                                 mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
+        if L > SHORT_PASS:  # a prefill over a quantized cache: mlx-lm's decompressing route
+            latent = _unpack(latent, cache)
+            output = mx.fast.scaled_dot_product_attention(
+                q_nope, self.embed_q(latent, transpose=False), self.unembed_out(latent),
+                scale=self.scale, mask=pe_scores)
+        else:
+            output = self.unembed_out(self._absorbed(self.embed_q(q_nope), latent,
+                                                     pe_scores, cache))
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _absorbed(self, queries: mx.array, latent: Any, pe_scores: mx.array, cache: Any
+                  ) -> mx.array:
+        """Every head's queries against the one latent, `pe_scores` added to the scores."""
+        if not hasattr(cache, "bits"):
+            return mx.fast.scaled_dot_product_attention(queries, latent, latent,
+                                                        scale=self.scale, mask=pe_scores)
+        # mlx-lm's quantized attention takes a mask per key head, and the latent is one
+        # head under a mask per query head: so the heads ride in the positions' axis.
+        B, H, L, _ = queries.shape
+        output = quantized_scaled_dot_product_attention(
+            queries.reshape(B, 1, H * L, -1), latent, latent, scale=self.scale,
+            mask=pe_scores.reshape(B, 1, H * L, -1), group_size=cache.group_size,
+            bits=cache.bits)
+        return output.reshape(B, H, L, -1)
+
+
+def _unpack(packed: Any, cache: Any) -> mx.array:
+    """A packed (codes, scales, biases) cache part as plain values."""
+    codes, scales, biases = packed
+    return mx.dequantize(codes, scales, biases, group_size=cache.group_size, bits=cache.bits)
+
+
+# mlx-lm's MLA classes whose `__call__` is DeepSeek V3's, each with its absorbing subclass.
+# The others (DeepSeek V3.2's indexer, Kimi Linear, Kimi K3, LongCat, Mistral 4) differ in
+# their projections or scales and keep mlx-lm's route (`replicas.engine.quantized_kv`
+# refuses `kv_bits` for them).
+ABSORBING: dict[type, type] = {
+    cls: type(f"Absorbing{cls.__name__}", (LatentAttention, cls), {})
+    for cls in (DeepseekV3Attention, Glm4MoeLiteAttention)}
 
 
 def absorb_short_passes(model: nn.Module) -> None:
-    """Every MLA attention of `model` (in place) takes short passes absorbed."""
+    """Every MLA attention of `model` (in place) that Orchard knows takes short passes and
+    quantized caches its own way."""
     for _, module in model.named_modules():
-        if type(module) is DeepseekV3Attention:
-            module.__class__ = ShortPassMLA
+        absorbing = ABSORBING.get(type(module))
+        if absorbing is not None:
+            module.__class__ = absorbing
+
+
+def mla_attentions(model: nn.Module) -> list[nn.Module]:
+    """`model`'s MLA attention modules (any mlx-lm class with a compressed latent)."""
+    return [m for _, m in model.named_modules()
+            if hasattr(m, "kv_lora_rank") and hasattr(m, "embed_q")]

@@ -32,6 +32,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from replicas.engine.mla import ABSORBING, mla_attentions
+
 # One quantized tensor as `mx.quantize` packs it: (uint32 codes, scales, biases), every
 # part (batch, kv heads, positions, ...), positions on axis 2.
 Packed = tuple[mx.array, ...]
@@ -326,6 +328,22 @@ def _check(bits: int, group_size: int) -> None:
         raise ValueError(f"KV cache group size must be one of {GROUP_SIZES}, got {group_size}")
 
 
+def _check_latents(model: nn.Module, group_size: int) -> None:
+    """MLA caches a latent and a rope key per token: Orchard's attention reads them packed
+    (`replicas.engine.mla`), mlx-lm's own cannot, and each must split into whole groups."""
+    for attention in mla_attentions(model):
+        name = type(attention).__name__
+        if type(attention) not in ABSORBING.values():
+            raise ValueError(f"kv_bits: this model's MLA attention ({name}) reads its KV "
+                             "cache unquantized; serve it without kv_bits")
+        widths = {"latent": attention.kv_lora_rank, "rope key": attention.qk_rope_head_dim}
+        if any(w % group_size for w in widths.values()):
+            raise ValueError(
+                f"kv_bits: this model's MLA caches a {widths['latent']}-wide latent and a "
+                f"{widths['rope key']}-wide rope key per token, and kv_group_size "
+                f"{group_size} must divide both: choose a smaller kv_group_size")
+
+
 def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int) -> list[Any]:
     """`make_prompt_cache(model)` with each plain `KVCache` layer quantized to `bits`;
     sliding-window, recurrent and `CacheList` layers stay as mlx-lm makes them."""
@@ -337,5 +355,7 @@ def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int) ->
     assert isinstance(params, list)
     if any(quantize) and any(name.split(".")[-1] == "sinks" for name, _ in params):
         raise ValueError("mlx-lm's quantized attention does not support attention sinks")
+    if any(quantize):
+        _check_latents(model, group_size)
     return [QuantizedRowKVCache(group_size=group_size, bits=bits) if q else c
             for q, c in zip(quantize, cache)]

@@ -1,43 +1,118 @@
-"""MLA's short passes in the latent space (`replicas.engine.mla`): a pass of a few positions
-over a cached context gives what mlx-lm's decompressing route gives, and every model the
-production loader returns takes it; long passes (prefill) keep mlx-lm's route."""
+"""MLA's own route (`replicas.engine.mla`): a pass of a few positions over a cached context
+gives what mlx-lm's decompressing route gives, in each mlx-lm MLA class Orchard absorbs,
+and every model the production loader returns takes it; long passes (prefill) keep
+mlx-lm's route; over a quantized cache every pass gives what mlx-lm's route gives on the
+same KV unpacked."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx_lm.models import glm4_moe_lite
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 
 from replicas.engine.loading import load_model
-from replicas.engine.mla import SHORT_PASS, ShortPassMLA
+from replicas.engine.mla import ABSORBING, SHORT_PASS, absorb_short_passes, mla_attentions
+from replicas.engine.quantized_kv import make_quantized_prompt_cache
 from replicas.sources import resolve_source
 
-
-def attentions(model: object) -> list[object]:
-    return [m for _, m in model.named_modules()  # type: ignore[attr-defined]
-            if isinstance(m, DeepseekV3Attention)]
+CONTEXT = mx.array([[3 + i % 90 for i in range(40)]])
 
 
-@pytest.mark.parametrize("width", [2, 5, SHORT_PASS])
-def test_a_short_pass_gives_what_mlx_lms_route_gives(width: int) -> None:
-    model = load_model("builtin:arch-mla", resolve_source("builtin:arch-mla")).model
-    assert attentions(model) and all(type(a) is ShortPassMLA for a in attentions(model))
-    context = mx.array([[3 + i % 90 for i in range(40)]])
+def arch_mla() -> nn.Module:
+    return load_model("builtin:arch-mla", resolve_source("builtin:arch-mla")).model
+
+
+def glm_lite() -> nn.Module:
+    """GLM-4.7-Flash's class at a test's size, random weights."""
+    mx.random.seed(7)
+    model = glm4_moe_lite.Model(glm4_moe_lite.ModelArgs(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16))
+    absorb_short_passes(model)
+    return model
+
+
+def mlx_lms_route(model: nn.Module, run: Callable[[], mx.array]) -> mx.array:
+    """`run()` with every MLA attention back in mlx-lm's own class."""
+    attentions = mla_attentions(model)
+    absorbing = [type(a) for a in attentions]
+    for attention in attentions:
+        attention.__class__ = type(attention).__mro__[2]  # past the mixin: mlx-lm's class
+    try:
+        return run()
+    finally:
+        for attention, cls in zip(attentions, absorbing):
+            attention.__class__ = cls
+
+
+def passes(model: nn.Module, width: int, make_cache: Callable[[], list[Any]]
+           ) -> Callable[[], mx.array]:
     step = mx.array([[7 + i for i in range(width)]])
 
     def run() -> mx.array:
-        cache = make_prompt_cache(model)
-        model(context, cache=cache)
+        cache = make_cache()
+        model(CONTEXT, cache=cache)
         return model(step, cache=cache)
+    return run
 
-    absorbed = run()
-    for attention in attentions(model):
-        attention.__class__ = DeepseekV3Attention
-    try:
-        decompressed = run()
-    finally:
-        for attention in attentions(model):
-            attention.__class__ = ShortPassMLA
+
+@pytest.mark.parametrize("build", [arch_mla, glm_lite], ids=["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("width", [2, 5, SHORT_PASS])
+def test_a_short_pass_gives_what_mlx_lms_route_gives(build: Callable[[], nn.Module],
+                                                     width: int) -> None:
+    model = build()
+    assert mla_attentions(model)
+    assert all(type(a) in ABSORBING.values() for a in mla_attentions(model))
+    run = passes(model, width, lambda: make_prompt_cache(model))
+    absorbed, decompressed = run(), mlx_lms_route(model, run)
     assert mx.allclose(absorbed, decompressed, atol=1e-4, rtol=1e-4)
     assert mx.argmax(absorbed, -1).tolist() == mx.argmax(decompressed, -1).tolist()
+
+
+class Unpacked:
+    """A quantized cache's layer read back as plain arrays: what mlx-lm's route can take."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer, self.offset = layer, layer.offset
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return self.layer.make_mask(*args, **kwargs)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        packed = self.layer.update_and_fetch(keys, values)
+        self.offset = self.layer.offset
+        return tuple(mx.dequantize(*p, group_size=self.layer.group_size,  # type: ignore
+                                   bits=self.layer.bits) for p in packed)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("width", [1, 5, SHORT_PASS + 3])
+def test_over_a_quantized_cache_every_pass_reads_the_packed_kv_as_mlx_lm_would_unpacked(
+        bits: int, width: int) -> None:
+    model = arch_mla()
+    own = passes(model, width, lambda: make_quantized_prompt_cache(model, bits, 32))
+    packed = make_quantized_prompt_cache(model, bits, 32)  # made while Orchard's classes hold
+    theirs = passes(model, width, lambda: [Unpacked(c) for c in packed])
+    ours, reference = own(), mlx_lms_route(model, theirs)
+    assert mx.allclose(ours, reference, atol=1e-3, rtol=1e-3)
+    assert mx.argmax(ours, -1).tolist() == mx.argmax(reference, -1).tolist()
+
+
+def test_kv_bits_is_refused_in_config_terms_where_the_groups_do_not_fit() -> None:
+    model = arch_mla()  # a 64-wide latent, a 32-wide rope key
+    with pytest.raises(ValueError, match="kv_group_size 64 must divide both"):
+        make_quantized_prompt_cache(model, 8, 64)
+
+
+def test_kv_bits_is_refused_for_an_mla_class_orchard_does_not_absorb() -> None:
+    model = glm_lite()
+    for attention in mla_attentions(model):
+        attention.__class__ = glm4_moe_lite.Glm4MoeLiteAttention
+    with pytest.raises(ValueError, match="reads its KV cache unquantized"):
+        make_quantized_prompt_cache(model, 8, 32)
