@@ -18,7 +18,8 @@ _PACKAGE_DIR = Path(__file__).parent
 # config.json's `architectures` for each model type a recipe may use.
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                  "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+                  "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                  "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "mistral4": "Mistral4ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,18 @@ ARCH_SSM = _cache_kind(
     hybrid_override_pattern=["M", "*", "-", "M"])
 CACHE_KINDS = (ARCH_MLA, ARCH_SLIDING, ARCH_LINEAR, ARCH_SSM)
 
+# The other MLA families whose attention Orchard absorbs (`replicas.engine.mla`), at
+# `arch-mla`'s shape: GLM-4.7-Flash (glm4_moe_lite), and Mistral Small 4 (mistral4), whose
+# queries grow by Llama 4's scale past 64 positions here.
+_MLA_SHAPE = {k: v for k, v in ARCH_MLA.architecture.extra}
+ARCH_GLM_LITE = _cache_kind("arch-glm-lite", 20240616, "glm4_moe_lite", 2, **_MLA_SHAPE)
+ARCH_MISTRAL4 = _cache_kind(
+    "arch-mistral4", 20240617, "mistral4", 2, **_MLA_SHAPE, routed_scaling_factor=1.0,
+    norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "llama_4_scaling_beta": 0.1,
+                                          "original_max_position_embeddings": 64})
+MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4)
+
 # DeepSeek V3 with the MTP layer its checkpoints ship (speculative.method: mtp): `mtp` draws
 # it at random (its drafts nearly all miss), `mtp-agree` makes it predict what the model
 # will (every draft kept); `mtp-bench` is `mtp-agree` at `bench`'s width and depth and in
@@ -274,8 +287,8 @@ MTP_BENCH_MISS = replace(MTP_BENCH, name="mtp-bench-miss",
                          weights=RandomInit(logit_std=5.0, live_layers=0, mtp="random"))
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING, AGREE, AGREE_DRAFT,
-                                                  *CACHE_KINDS, MTP, MTP_AGREE, MTP_BENCH,
-                                                  MTP_BENCH_MISS)}
+                                                  *CACHE_KINDS, *MLA_FAMILIES, MTP, MTP_AGREE,
+                                                  MTP_BENCH, MTP_BENCH_MISS)}
 
 
 def recipe_fields(recipe: Recipe) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""MLA attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash) in its absorbed form for short
-passes, and over a quantized cache.
+"""MLA attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash, LongCat-Flash, Mistral Small 4) in
+its absorbed form for short passes, and over a quantized cache.
 
 mlx-lm 0.32.2's MLA attention attends over the compressed latents directly only for a pass
 of one position; any longer pass first decompresses every cached latent into full keys and
@@ -22,9 +22,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
+from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteAttention
+from mlx_lm.models.longcat_flash import LongcatFlashMLA
+from mlx_lm.models.mistral4 import Mistral4Attention
 
 # Passes up to this many positions stay in the latent space: a verifying pass is at most
 # 1 + num_speculative_tokens (16) wide; prefill chunks are far wider.
@@ -32,27 +34,23 @@ SHORT_PASS = 17
 
 
 class LatentAttention(nn.Module):
-    """Mixed in before an mlx-lm MLA attention class whose `__call__` is DeepSeek V3's
-    (the same projections, names and rope): its own route for what it does well."""
+    """Mixed in before an mlx-lm MLA attention class (`ABSORBING`): its own route for what
+    it does well, Orchard's for short passes and packed caches."""
 
-    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None
-                 ) -> mx.array:
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        # mlx-lm's layers pass (mask, cache), by position or by name; Mistral 4's pass its
+        # per-position query scale first.
+        attn_scale = args[0] if len(args) == 3 else None
+        given = dict(zip(("mask", "cache"), args[1:] if len(args) == 3 else args)) | kwargs
+        mask, cache = given.get("mask"), given.get("cache")
         B, L, _ = x.shape
         quantized = hasattr(cache, "bits")
         if not quantized and (L == 1 or L > SHORT_PASS or mask is None):
-            return super().__call__(x, mask, cache)  # type: ignore[misc]
-        # mlx-lm's own steps, as its one-position branch takes them.
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3)
-        q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
-        compressed, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
-        k_pe = k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
-        latent = mx.expand_dims(self.kv_a_layernorm(compressed), axis=1)
+            return super().__call__(x, *args, **kwargs)  # type: ignore[misc]
         offset = cache.offset if cache is not None else 0
-        q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
+        q_nope, q_pe, latent, k_pe = self._project(x, offset, attn_scale)
+        if isinstance(mask, str):  # "causal", from a single sequence's cache
+            mask = create_causal_mask(L, offset)
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
         if quantized:  # the rope key is a sixteenth of the latent or less: unpack it whole
@@ -69,7 +67,33 @@ class LatentAttention(nn.Module):
         else:
             output = self.unembed_out(self._absorbed(self.embed_q(q_nope), latent,
                                                      pe_scores, cache))
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output)
+
+    def _project(self, x: mx.array, offset: int, attn_scale: mx.array | None
+                 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The queries' two parts, the latent and the rope key, as mlx-lm's class makes
+        them: DeepSeek V3's steps, with LongCat's two scales and Mistral 4's query scale
+        where the class has them."""
+        B, L, _ = x.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        heads = getattr(self, "num_heads", None) or self.num_attention_heads
+        q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+        if getattr(self, "mla_scale_q_lora", None) is not None:
+            q = q * self.mla_scale_q_lora
+        q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
+        compressed, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+        k_pe = k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
+        latent = self.kv_a_layernorm(compressed)
+        if getattr(self, "mla_scale_kv_lora", None) is not None:
+            latent = latent * self.mla_scale_kv_lora
+        q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
+        if attn_scale is not None:
+            q_nope, q_pe = q_nope * attn_scale, q_pe * attn_scale
+        return q_nope, q_pe, mx.expand_dims(latent, axis=1), k_pe
 
     def _absorbed(self, queries: mx.array, latent: Any, pe_scores: mx.array, cache: Any
                   ) -> mx.array:
@@ -93,13 +117,13 @@ def _unpack(packed: Any, cache: Any) -> mx.array:
     return mx.dequantize(codes, scales, biases, group_size=cache.group_size, bits=cache.bits)
 
 
-# mlx-lm's MLA classes whose `__call__` is DeepSeek V3's, each with its absorbing subclass.
-# The others (DeepSeek V3.2's indexer, Kimi Linear, Kimi K3, LongCat, Mistral 4) differ in
-# their projections or scales and keep mlx-lm's route (`replicas.engine.quantized_kv`
-# refuses `kv_bits` for them).
+# mlx-lm's MLA classes Orchard absorbs, each with its absorbing subclass. The others keep
+# mlx-lm's route (`replicas.engine.quantized_kv` refuses `kv_bits` for them): DeepSeek
+# V3.2's and GLM-5's attend through a sparse indexer; Kimi Linear's, Kimi K3's and Ling's
+# sit beside linear-attention layers, whose caches cannot roll drafts back anyway.
 ABSORBING: dict[type, type] = {
     cls: type(f"Absorbing{cls.__name__}", (LatentAttention, cls), {})
-    for cls in (DeepseekV3Attention, Glm4MoeLiteAttention)}
+    for cls in (DeepseekV3Attention, Glm4MoeLiteAttention, LongcatFlashMLA, Mistral4Attention)}
 
 
 def absorb_short_passes(model: nn.Module) -> None:

@@ -34,7 +34,10 @@ from replicas.sources import resolve_source
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 # With a draft model, unseeded sampled rows draft samples, kept by the q/p rule.
 DRAFTING = SpeculativeConfig(num_speculative_tokens=4, draft_model="builtin:tiny")
-ROLLS_BACK = ["builtin:tiny", "builtin:pipe", "builtin:arch-mla"]  # qwen3, qwen2, MLA
+# qwen3, qwen2, and the MLA families whose attention Orchard absorbs (`replicas.engine.mla`):
+# DeepSeek V3, GLM-4.7-Flash, Mistral Small 4.
+ROLLS_BACK = ["builtin:tiny", "builtin:pipe", "builtin:arch-mla", "builtin:arch-glm-lite",
+              "builtin:arch-mistral4"]
 CANNOT = ["builtin:arch-sliding", "builtin:arch-ssm"]  # gpt-oss window, Nemotron-H SSM
 GREEDY = SamplingParams(temperature=0.0)
 

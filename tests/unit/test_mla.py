@@ -11,7 +11,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models import glm4_moe_lite
+from mlx_lm.models import glm4_moe_lite, longcat_flash, mistral4
 from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.loading import load_model
@@ -26,16 +26,52 @@ def arch_mla() -> nn.Module:
     return load_model("builtin:arch-mla", resolve_source("builtin:arch-mla")).model
 
 
-def glm_lite() -> nn.Module:
-    """GLM-4.7-Flash's class at a test's size, random weights."""
-    mx.random.seed(7)
-    model = glm4_moe_lite.Model(glm4_moe_lite.ModelArgs(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
-        qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16))
+# Each family's own model class at a test's size, random weights: 4 heads over a 32-wide
+# latent and a 32-wide rope key.
+SHAPE = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, kv_lora_rank=32,
+             q_lora_rank=48, qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def absorbed(model: nn.Module) -> nn.Module:
     absorb_short_passes(model)
     return model
+
+
+def glm_lite() -> nn.Module:
+    """GLM-4.7-Flash's class."""
+    mx.random.seed(7)
+    return absorbed(glm4_moe_lite.Model(glm4_moe_lite.ModelArgs(
+        **SHAPE, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2)))
+
+
+def longcat() -> nn.Module:
+    """LongCat-Flash's class, with both of its latent scales."""
+    mx.random.seed(8)
+    return absorbed(longcat_flash.Model(longcat_flash.ModelArgs(
+        **SHAPE, model_type="longcat_flash", attention_method="MLA",
+        zero_expert_type="identity", ffn_hidden_size=96, moe_topk=2,
+        expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2, num_layers=2,
+        max_position_embeddings=4096, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
+        rope_theta=10000.0, mla_scale_q_lora=True, mla_scale_kv_lora=True,
+        attention_bias=False)))
+
+
+def mistral_small_4() -> nn.Module:
+    """Mistral 4's class, its query scale growing past position 16."""
+    mx.random.seed(9)
+    return absorbed(mistral4.Model(mistral4.ModelArgs(
+        **SHAPE, model_type="mistral4", intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        routed_scaling_factor=1.0, norm_topk_prob=True, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                    "llama_4_scaling_beta": 0.1,
+                                    "original_max_position_embeddings": 16})))
+
+
+FAMILIES = [arch_mla, glm_lite, longcat, mistral_small_4]
+IDS = ["deepseek_v3", "glm4_moe_lite", "longcat_flash", "mistral4"]
 
 
 def mlx_lms_route(model: nn.Module, run: Callable[[], mx.array]) -> mx.array:
@@ -62,7 +98,7 @@ def passes(model: nn.Module, width: int, make_cache: Callable[[], list[Any]]
     return run
 
 
-@pytest.mark.parametrize("build", [arch_mla, glm_lite], ids=["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("build", FAMILIES, ids=IDS)
 @pytest.mark.parametrize("width", [2, 5, SHORT_PASS])
 def test_a_short_pass_gives_what_mlx_lms_route_gives(build: Callable[[], nn.Module],
                                                      width: int) -> None:
@@ -91,11 +127,13 @@ class Unpacked:
                                    bits=self.layer.bits) for p in packed)
 
 
+@pytest.mark.parametrize("build", [f for f in FAMILIES if f is not longcat],
+                         ids=[i for i in IDS if i != "longcat_flash"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("width", [1, 5, SHORT_PASS + 3])
 def test_over_a_quantized_cache_every_pass_reads_the_packed_kv_as_mlx_lm_would_unpacked(
-        bits: int, width: int) -> None:
-    model = arch_mla()
+        build: Callable[[], nn.Module], bits: int, width: int) -> None:
+    model = build()
     own = passes(model, width, lambda: make_quantized_prompt_cache(model, bits, 32))
     packed = make_quantized_prompt_cache(model, bits, 32)  # made while Orchard's classes hold
     theirs = passes(model, width, lambda: [Unpacked(c) for c in packed])
@@ -116,3 +154,8 @@ def test_kv_bits_is_refused_for_an_mla_class_orchard_does_not_absorb() -> None:
         attention.__class__ = glm4_moe_lite.Glm4MoeLiteAttention
     with pytest.raises(ValueError, match="reads its KV cache unquantized"):
         make_quantized_prompt_cache(model, 8, 32)
+
+
+def test_kv_bits_is_refused_where_no_cache_layer_can_be_quantized() -> None:
+    with pytest.raises(ValueError, match=r"none of this model's cache layers \(CacheList\)"):
+        make_quantized_prompt_cache(longcat(), 8, 32)  # its paired attentions share a layer
