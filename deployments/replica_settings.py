@@ -96,8 +96,8 @@ class SpeculativeSettings(_Strict):
         "ngram", description="`ngram`: prompt lookup, drafts copied from the sequence itself "
         "after its newest tokens' earlier occurrence (no draft model); `draft`: what "
         "`draft_model` writes; `mtp`: what the checkpoint's own multi-token-prediction "
-        "layer writes (DeepSeek V3, Kimi K2, GLM-4.5 as published, not quantized "
-        "conversions).")
+        "layer writes (DeepSeek V3, Kimi K2, GLM-4.5, GLM-4.7-Flash as published, not "
+        "quantized conversions).")
     draft_model: str | None = Field(
         None, description="`method: draft`: a smaller model with the same tokenizer, named "
         "as `source` is (a Hugging Face repo, a path, builtin:NAME); loaded beside the model.")

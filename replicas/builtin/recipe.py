@@ -286,9 +286,15 @@ MTP_BENCH = replace(MTP_AGREE, name="mtp-bench", dtype="bfloat16", architecture=
 MTP_BENCH_MISS = replace(MTP_BENCH, name="mtp-bench-miss",
                          weights=RandomInit(logit_std=5.0, live_layers=0, mtp="random"))
 
+# GLM-4.7-Flash (glm4_moe_lite) with its checkpoint's MTP layer, agreeing as `mtp-agree`'s.
+MTP_GLM_LITE = replace(ARCH_GLM_LITE, name="mtp-glm-lite", seed=20240618,
+                       architecture=replace(ARCH_GLM_LITE.architecture, extra=(
+                           *ARCH_GLM_LITE.architecture.extra, ("num_nextn_predict_layers", 1))),
+                       weights=RandomInit(logit_std=5.0, live_layers=0, mtp="agree"))
+
 RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING, AGREE, AGREE_DRAFT,
                                                   *CACHE_KINDS, *MLA_FAMILIES, MTP, MTP_AGREE,
-                                                  MTP_BENCH, MTP_BENCH_MISS)}
+                                                  MTP_BENCH, MTP_BENCH_MISS, MTP_GLM_LITE)}
 
 
 def recipe_fields(recipe: Recipe) -> dict[str, Any]:

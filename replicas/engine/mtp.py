@@ -32,7 +32,8 @@ from replicas.engine.mla import absorb_short_passes
 
 # mlx-lm's model modules whose checkpoints carry DeepSeek-style MTP layers, at
 # `model.layers.{num_hidden_layers + k}`.
-FAMILIES = frozenset({"mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe"})
+FAMILIES = frozenset({"mlx_lm.models.deepseek_v3", "mlx_lm.models.glm4_moe",
+                      "mlx_lm.models.glm4_moe_lite"})
 # The layer's own parts, beside the decoder layer's; `shared_head.head` and `embed_tokens`
 # repeat the model's head and embeddings in the files, and the model's own are used.
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")

@@ -25,8 +25,10 @@ def loaded(name: str) -> LoadedModel:
     return load_model(name, resolve_source(name))
 
 
-def test_the_layer_loads_from_the_checkpoints_own_files() -> None:
-    model = loaded("builtin:mtp")
+@pytest.mark.parametrize("name,decoder", [("builtin:mtp", "DeepseekV3DecoderLayer"),
+                                          ("builtin:mtp-glm-lite", "Glm4MoeLiteDecoderLayer")])
+def test_the_layer_loads_from_the_checkpoints_own_files(name: str, decoder: str) -> None:
+    model = loaded(name)
     mtp = load_mtp(model.model, model.path, model.config)
     index = json.loads((model.path / "model.safetensors.index.json").read_text())
     stored = mx.load(str(model.path / MTP_FILE))
@@ -42,13 +44,14 @@ def test_the_layer_loads_from_the_checkpoints_own_files() -> None:
                           stored[prefix + "self_attn.q_a_proj.weight"])
     assert mx.array_equal(mtp.layer.layer.mlp.switch_mlp.down_proj.weight,
                           stored[prefix + "mlp.switch_mlp.down_proj.weight"])
-    assert type(mtp.layer.layer).__name__ == "DeepseekV3DecoderLayer"
+    assert type(mtp.layer.layer).__name__ == decoder
 
 
-def test_an_agreeing_layer_predicts_the_models_token_after_next() -> None:
-    """`builtin:mtp-agree`: from the model's hidden state at i and token i+1, the layer's
-    argmax is the model's own next token after i+1, at every position."""
-    model = loaded("builtin:mtp-agree")
+@pytest.mark.parametrize("name", ["builtin:mtp-agree", "builtin:mtp-glm-lite"])
+def test_an_agreeing_layer_predicts_the_models_token_after_next(name: str) -> None:
+    """An agreeing layer (DeepSeek V3's, GLM-4.7-Flash's): from the model's hidden state at
+    i and token i+1, its argmax is the model's own next token after i+1, at every position."""
+    model = loaded(name)
     mtp = load_mtp(model.model, model.path, model.config)
     ids = mx.array([[random.Random(1).randrange(3, 200) for _ in range(24)]])
     hidden, logits = hidden_and_logits(model.model, ids, None)
