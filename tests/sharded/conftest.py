@@ -42,7 +42,7 @@ SMALL_BUDGET = SMALL_BUDGET_TOKENS * 512
 SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench",
            "mtp-agree": "builtin:mtp-agree"}
 HEARTBEAT_TIMEOUT_S = 5.0
-QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32
+QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32, mla's rope key too
 RESUME_WAIT_S = 300.0
 SPLIT, SPLIT_MIN_TOKENS = "tiny-pd2", 64
 SPECULATING = "tiny-s2"
@@ -74,10 +74,13 @@ def app_args() -> dict[str, Any]:
     models.append({**sharded(SPECULATING, SOURCES["tiny"], "tensor"), "speculative": {
         "method": "draft", "draft_model": SOURCES["tiny"], "num_speculative_tokens": 4}})
     # The checkpoint's MTP layer on a sharded replica: rank 0 reads the model's hidden
-    # states (whole after the tensor-parallel sums) and drafts; DeepSeek V3 (MLA, MoE).
-    models.append({"id": "mla", "source": SOURCES["mtp-agree"], "placement": {"pin": False}})
+    # states (whole after the tensor-parallel sums) and drafts; DeepSeek V3 (MLA, MoE), its
+    # KV quantized, which each rank's MLA attention reads packed (a latent 64 wide and a
+    # rope key 32 wide: groups of 32 fit).
+    models.append({"id": "mla", "source": SOURCES["mtp-agree"], "placement": {"pin": False},
+                   "engine": QUANTIZED})
     models.append({**sharded(MTP_SHARDED, SOURCES["mtp-agree"], "tensor"), "speculative": {
-        "method": "mtp", "num_speculative_tokens": 3}})
+        "method": "mtp", "num_speculative_tokens": 3}, "engine": QUANTIZED})
     # Prefill and decode roles, both sharded by tensor: KV moves rank to rank between them.
     models += [{**sharded(SPLIT, SOURCES["tiny"], "tensor"), "role": "decode",
                 "prefill_min_tokens": SPLIT_MIN_TOKENS},

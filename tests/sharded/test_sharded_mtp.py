@@ -1,7 +1,8 @@
 """The checkpoint's MTP layer on a sharded replica (`speculative.method: mtp`, shards: 2 by
 tensor, in the sharded cluster of `conftest.py`): rank 0 reads the model's hidden states,
 whole after the tensor-parallel sums, drafts with its MTP layer and shares the drafts;
-both ranks verify."""
+both ranks verify, each over its 8-bit KV cache (`engine.kv_bits`), which Orchard's MLA
+attention reads packed (`replicas.engine.mla`)."""
 
 from __future__ import annotations
 
@@ -29,5 +30,9 @@ def test_mtp_drafts_on_a_sharded_replica_keep_the_whole_models_text(
         assert generate(client, MTP_SHARDED, prompt, stream=stream) == expected, prompt
         assert len(expected[0]) > 20
     decode = _driver(sharded_cluster, STATS_DRIVER, MTP_SHARDED)[MTP_SHARDED]["decode"]
+    # The whole model's KV is the packed form: 8-bit codes plus a float32 scale and bias
+    # per 32 values, 1.25 bytes a value, over each of 2 layers' latent (64) and rope key (32).
+    whole = _driver(sharded_cluster, STATS_DRIVER, "mla")["mla"]["memory"]["layout"]
+    assert whole["per_token"] == 2 * (64 + 32) * 1.25
     assert decode["method"] == "mtp" and decode["accepted"] > before["accepted"]
     assert decode["tokens"] - before["tokens"] > 2 * (decode["passes"] - before["passes"])
