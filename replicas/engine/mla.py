@@ -53,7 +53,7 @@ class LatentAttention(nn.Module):
             mask = create_causal_mask(L, offset)
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
-        if quantized:  # the rope key is a sixteenth of the latent or less: unpack it whole
+        if quantized:  # the rope key is narrow (64 of DeepSeek V3's 576): unpack it whole
             k_pe = _unpack(k_pe, cache)
         pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
         if mask is not None:

@@ -350,15 +350,15 @@ def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int) ->
     _check(bits, group_size)
     cache = make_prompt_cache(model)
     quantize = [type(c) is KVCache for c in cache]
-    # mlx-lm's quantized attention refuses attention sinks (gpt-oss): fail here, not mid-request.
-    params = tree_flatten(model.parameters())
-    assert isinstance(params, list)
-    if any(quantize) and any(name.split(".")[-1] == "sinks" for name, _ in params):
-        raise ValueError("mlx-lm's quantized attention does not support attention sinks")
     if not any(quantize):  # e.g. LongCat's paired attentions (`CacheList`)
         kinds = sorted({type(c).__name__ for c in cache})
         raise ValueError(f"kv_bits: none of this model's cache layers ({', '.join(kinds)}) "
                          "has a quantized form in the batch; serve it without kv_bits")
+    # mlx-lm's quantized attention refuses attention sinks (gpt-oss): fail here, not mid-request.
+    params = tree_flatten(model.parameters())
+    assert isinstance(params, list)
+    if any(name.split(".")[-1] == "sinks" for name, _ in params):
+        raise ValueError("mlx-lm's quantized attention does not support attention sinks")
     _check_latents(model, group_size)
     return [QuantizedRowKVCache(group_size=group_size, bits=bits) if q else c
             for q, c in zip(quantize, cache)]

@@ -1,8 +1,9 @@
 """Speculation with the checkpoint's MTP layer (`speculative.method: mtp`,
-`replicas.engine.mtp_drafter`) through a whole replica of a DeepSeek V3 model (MLA, MoE):
-every script's request, guided ones included, comes out exactly as without speculation,
-alone and eight at once, whether the layer agrees with the model (`builtin:mtp-agree`:
-every draft kept) or not (`builtin:mtp`, random: nearly every draft rejected). Sampled
+`replicas.engine.mtp_drafter`) through a whole replica of a DeepSeek V3 model (MLA, MoE),
+and of GLM-4.7-Flash's: every script's request, guided ones included, comes out exactly as
+without speculation, alone and eight at once, whether the layer agrees with the model
+(`builtin:mtp-agree`, `builtin:mtp-glm-lite`: every draft kept where no grammar masks the
+model's choice) or not (`builtin:mtp`, random: nearly every draft rejected). Sampled
 requests keep an agreeing layer's sampled drafts by the q/p rule. Rows that decode without
 drafting (a large batch under `disable_by_batch_size`) draft again once it shrinks.
 Admission counts the layer's cache beside the model's."""
