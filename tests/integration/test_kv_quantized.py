@@ -91,14 +91,10 @@ def test_batched_requests_equal_each_alone(quantized: tuple[int, ModelReplica]) 
     assert [output(events) for events in asyncio.run(together())] == list(alone.values())
 
 
-def test_the_prefix_cache_serves_an_earlier_turn_from_quantized_kv(
-        quantized: tuple[int, ModelReplica]) -> None:
-    bits, rep = quantized
-    fresh = make(bits, cache=False)
-    try:
-        expected = [text(fresh, sid) for sid in CONVERSATION]
-    finally:
-        fresh.shutdown()
+def check_conversation_from_the_cache(rep: ModelReplica, fresh: ModelReplica) -> None:
+    """Each turn of `CONVERSATION` on `rep` (its prefix cache on) is `fresh`'s (no cache),
+    and a later turn is served in part from the cache."""
+    expected = [text(fresh, sid) for sid in CONVERSATION]
     got = []
     for sid in CONVERSATION:  # tool-result's prompt starts with tool-one's prompt and answer
         events = stream_events(rep, script_request(sid))
@@ -106,6 +102,16 @@ def test_the_prefix_cache_serves_an_earlier_turn_from_quantized_kv(
         if sid == "tool-result":
             assert events[-1].usage.cached_tokens > 0  # type: ignore[union-attr]
     assert got == expected
+
+
+def test_the_prefix_cache_serves_an_earlier_turn_from_quantized_kv(
+        quantized: tuple[int, ModelReplica]) -> None:
+    bits, rep = quantized
+    fresh = make(bits, cache=False)
+    try:
+        check_conversation_from_the_cache(rep, fresh)
+    finally:
+        fresh.shutdown()
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -19,11 +19,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.quantized_kv import make_quantized_prompt_cache
 from replicas.replica import ModelReplica, ReplicaOptions
-from tests.integration.test_kv_quantized import layout
-from tests.integration.test_prompt_cache import CONVERSATION, output
+from tests.integration.test_kv_quantized import check_conversation_from_the_cache, layout
 from tests.integration.test_speculative import GREEDY, decode, model, prompts
-from tests.scripted import script_request
-from tests.streams import stream_events
 
 SOURCE = "builtin:arch-mla"
 GROUP = 32  # the built-in MLA's rope key is 32 wide
@@ -97,13 +94,6 @@ def test_the_prefix_cache_serves_an_earlier_turn_from_the_packed_latent(
     bits, rep = quantized
     fresh = make(bits, cache=False)
     try:
-        expected = [output(stream_events(fresh, script_request(sid))) for sid in CONVERSATION]
+        check_conversation_from_the_cache(rep, fresh)
     finally:
         fresh.shutdown()
-    got = []
-    for sid in CONVERSATION:  # tool-result's prompt starts with tool-one's prompt and answer
-        events = stream_events(rep, script_request(sid))
-        got.append(output(events))
-        if sid == "tool-result":
-            assert events[-1].usage.cached_tokens > 0  # type: ignore[union-attr]
-    assert got == expected
