@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -13,11 +14,13 @@ from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
 from deployments.prefix_router import PrefixAffinityRouter
 from deployments.roles import served
+from deployments.serve_options import check_http_ports
 from replicas.sources import BUILTIN_PREFIX, resolve_source
 
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppArgs.model_validate(args)
+    check_http_ports(config.http_replicas, os.environ)
     for model in config.models:
         if model.source.startswith(BUILTIN_PREFIX):
             # Build the project's own models here, once, before any replica starts: the app

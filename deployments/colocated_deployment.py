@@ -20,6 +20,7 @@ from deployments.model_clients import LocalModelClient
 from deployments.model_deployment import ReplicaOwner
 from deployments.observability import request_observer
 from deployments.response_store import response_store
+from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
 from ingress.client import ModelCard
 
@@ -29,6 +30,7 @@ from ingress.client import ModelCard
 class ColocatedModel(ReplicaOwner):
     def __init__(self, settings: dict[str, Any], card: dict[str, Any],
                  edge: EdgeArgs = EdgeArgs()) -> None:
+        bind_like_serves_proxy()  # this replica may hold the port (serve_options.py)
         config = ModelSettings.model_validate(settings)
         super().__init__(config, edge.ingress.max_stops, edge.observability)
         self._client = LocalModelClient(self._replica, ModelCard(**card),

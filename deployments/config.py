@@ -283,7 +283,8 @@ class IngressSettings(_Strict):
         "auto", description="Serve HTTP from the model's own replicas: one process and one Ray "
         "hop fewer per token, admission in the replica. `auto` (default): when one model runs "
         "on exactly one fixed replica and `num_replicas` here is 1; `true`: one model at any "
-        "scale (Serve's proxy then picks a replica, with no cache-aware routing); `false`: "
+        "scale (behind Serve's proxy, which then picks a replica with no cache-aware routing: "
+        "the shipped config's one port serves one replica); `false`: "
         "always an ingress deployment in front. Colocated, `num_replicas`, "
         "`max_ongoing_requests`, `replica_wait_s` and the resume settings "
         "here are unused: the replica is the HTTP server, so its streams end with it.")
@@ -376,6 +377,16 @@ class AppArgs(_Strict):
             return False
         model = self.models[0]
         return model.num_replicas == 1 and model.autoscaling_config is None
+
+    @property
+    def http_replicas(self) -> int | None:
+        """How many replicas serve HTTP at most (None: autoscaled without a bound)."""
+        if not self.colocated:
+            return self.ingress.num_replicas
+        model = self.models[0]
+        if model.autoscaling_config is not None:
+            return model.autoscaling_config.get("max_replicas")
+        return None if model.num_replicas == "auto" else model.num_replicas
 
     @model_validator(mode="after")
     def _names_unique(self) -> "AppArgs":

@@ -16,6 +16,7 @@ from deployments.metrics import stream_resumes
 from deployments.model_clients import RayModelClient, ResumePolicy
 from deployments.observability import request_observer
 from deployments.response_store import response_store
+from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
 from ingress.client import ModelCard
 from ingress.options import EdgeOptions, ImageLimits
@@ -63,6 +64,7 @@ class EdgeArgs:
 class Ingress:
     def __init__(self, cards: list[dict[str, Any]], *handles: DeploymentHandle,
                  edge: EdgeArgs = EdgeArgs()) -> None:
+        bind_like_serves_proxy()  # this replica may hold the port (serve_options.py)
         model_cards = [ModelCard(**card) for card in cards]
         by_id = {card.id: handle for card, handle in zip(model_cards, handles)}
         settings = edge.ingress

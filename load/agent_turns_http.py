@@ -34,7 +34,7 @@ from load.bench_vs_mlx_server import (
     mlx_server,
     running,
 )
-from load.serve_settings import controller_options
+from load.serve_settings import serve_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
@@ -64,8 +64,7 @@ def orchard_command(setup: Setup, source: str, workdir: Path) -> tuple[Target, l
         "engine": {"max_batch_size": MAX_BATCH, "prefill_batch_size": PREFILL_BATCH}}
     if setup.cache_bytes is not None:
         model["prompt_cache"] = {"max_bytes": setup.cache_bytes}
-    config = {"proxy_location": "EveryNode", "http_options": {"host": HOST, "port": ORCHARD_PORT},
-              "controller_options": controller_options(),
+    config = {**serve_settings(ORCHARD_PORT),
               "applications": [{"name": "orchard", "route_prefix": "/",
                                 "import_path": "deployments.app:build_app",
                                 "args": {"models": [model]}}]}

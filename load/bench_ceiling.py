@@ -6,7 +6,8 @@ throughput. Raw mlx-lm, Orchard and mlx_lm.server on `builtin:ceiling`, same 2 c
 At each of `--streams` concurrent streams, `--tokens` greedy tokens per request:
 
 - raw: mlx-lm's `BatchGenerator` in this process (`RawModel.batched`, one sequence at 1);
-- orchard: a real `serve run`, default layout, on 127.0.0.1:8000;
+- orchard: a real `serve run` of the shipped settings, default layout: its replica serves
+  127.0.0.1:8000 itself (`--via-proxy`: the same server through Serve's proxy at 8001);
 - mlx_server: `mlx_lm.server` on the same model files, on 127.0.0.1:8101, with the batching
   limits of `bench_vs_mlx_server.py` (32 decoding, 8 prefilling: Orchard's defaults).
 
@@ -229,9 +230,10 @@ def one_round(index: int, raw: RawModel, model_path: Path, bias: dict[str, float
     proc = start_server(args.model, MODEL_ID, args.flush_ms, layout="default",
                         haproxy=args.haproxy, settings=settings,
                         actor_calls=args.actor_calls)
+    port = PORT + 1 if args.via_proxy else PORT  # Serve's proxy: one port above the replica
     try:
         for n in args.streams:
-            runs["orchard"][n] = measure_http(PORT, MODEL_ID, lambda: process_tree(proc.pid), n,
+            runs["orchard"][n] = measure_http(port, MODEL_ID, lambda: process_tree(proc.pid), n,
                                               args, bias, f"r{index}-orchard-x{n}")
             require_alive(proc)
             show("orchard", n, runs["orchard"][n])
@@ -367,9 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--haproxy", action="store_true",
                         help="start Ray with Serve's HAProxy direct ingress (README, Layouts): "
                              "no chunk crosses Ray")
+    parser.add_argument("--via-proxy", action="store_true",
+                        help="send Orchard's requests through Serve's proxy (port 8001), not to "
+                             "the replica's own port (8000) as the shipped config's clients do")
     parser.add_argument("--actor-calls", action="store_true",
-                        help="Serve's own default transport between its proxy and the replica "
-                             "(Ray actor calls), not the gRPC that serve_config.yaml sets")
+                        help="with --via-proxy: Serve's own default transport between its proxy "
+                             "and the replica (Ray actor calls), not the gRPC that "
+                             "serve_config.yaml sets")
     parser.add_argument("--eos-bias", action="store_true",
                         help="send a logit_bias against EOS to both servers (for a model that "
                              "may end early; builtin:ceiling never does)")
@@ -379,7 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.haproxy and args.via_proxy:
+        parser.error("--haproxy puts HAProxy on 8000 and starts no Serve proxy to go through")
     if args.flush_ms is None:
         args.flush_ms = orchard_flush_ms()
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
@@ -396,6 +405,7 @@ def main() -> int:
     print(f"\nmodel {args.model} ({model_path}), {args.tokens} greedy tokens per request, "
           f"{eos}, {args.rounds} rounds x {args.waves} waves, orchard layout default"
           f"{' behind HAProxy direct ingress' if args.haproxy else ''}"
+          f"{' through Serve proxy' if args.via_proxy else ''}"
           f"{', Ray actor calls (Serve default)' if args.actor_calls else ', gRPC (as shipped)'}, "
           f"stream_flush_ms {args.flush_ms:g}, stream_chunks_per_s "
           f"{'default' if args.chunks_per_s is None else f'{args.chunks_per_s:g}'}, mlx_lm.server as shipped (prompt cache on, "

@@ -30,6 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
+from load.serve_settings import serve_settings  # noqa: E402
 from load.bench_serving import LAYOUTS, paused, port_in_use, run_config, stop_server  # noqa: E402
 
 PORT = 8000
@@ -95,8 +96,7 @@ def start_server(source: str, port: int, layout: str) -> subprocess.Popen[bytes]
         raise RuntimeError(f"something already listens on 127.0.0.1:{port}; refusing to "
                            "benchmark it (--port picks another)")
     config: dict[str, Any] = {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": "127.0.0.1", "port": port},
+        **serve_settings(port),
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{"id": MODEL, "source": source, "max_ongoing_requests": 64}],

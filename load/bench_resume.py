@@ -33,6 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
+from load.serve_settings import serve_settings  # noqa: E402
 from load.bench_serving import BASE, pct, port_in_use, run_config, stop_server  # noqa: E402
 from load.process_cpu import process_tree  # noqa: E402
 
@@ -185,7 +186,7 @@ def main() -> None:
     if port_in_use(8000):
         raise SystemExit("something already listens on 127.0.0.1:8000; refusing to measure it")
     config: dict[str, object] = {
-        "proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": 8000},
+        **serve_settings(8000),
         "applications": [{"name": "orchard", "route_prefix": "/",
                           "import_path": "deployments.app:build_app",
                           "args": {"ingress": {"colocate": False,

@@ -36,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
 from load.process_cpu import CpuSnapshot, per_token_table, process_tree  # noqa: E402
-from load.serve_settings import controller_options  # noqa: E402
+from load.serve_settings import serve_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8000
@@ -194,10 +194,9 @@ def start_server(source: str, model: str, flush_ms: float, layout: str = "defaul
                            "`serve run`? `serve shutdown -y` / `ray stop`); refusing to "
                            "benchmark it")
     config: dict[str, object] = {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": "127.0.0.1", "port": PORT},
-        "controller_options": controller_options(
-            **({"RAY_SERVE_PROXY_USE_GRPC": "0"} if actor_calls else {})),
+        # HAProxy takes the port itself and Serve gives each replica one of its own range.
+        **serve_settings(PORT, direct=not haproxy,
+                         **({"RAY_SERVE_PROXY_USE_GRPC": "0"} if actor_calls else {})),
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
@@ -217,7 +216,7 @@ def run_config(config: dict[str, object], models: list[str],
     its own), returned once every model answers a completion (or `ready()` says the server
     serves)."""
     path = Path(tempfile.mkdtemp()) / "bench_config.yaml"
-    path.write_text(json.dumps({"controller_options": controller_options(), **config}))
+    path.write_text(json.dumps({**serve_settings(), **config}))
     serve = Path(sys.executable).with_name("serve")
     proc = subprocess.Popen([str(serve), "run", str(path)], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

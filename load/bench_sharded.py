@@ -22,6 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
+from load.serve_settings import serve_settings  # noqa: E402
 from load.bench_serving import (  # noqa: E402
     PORT,
     Run,
@@ -39,7 +40,7 @@ def config(source: str) -> dict[str, Any]:
                # Loopback only: both ranks run here.
                **({"distributed": {"host": "127.0.0.1"}} if shards > 1 else {})}
               for name, shards in MODELS.items()]
-    return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": PORT},
+    return {**serve_settings(PORT),
             "applications": [{"name": "orchard", "route_prefix": "/",
                               "import_path": "deployments.app:build_app",
                               "args": {"models": models,

@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
+from load.serve_settings import serve_settings  # noqa: E402
 from load.bench_serving import paused, run_config, stop_server  # noqa: E402
 
 PORT = 8000
@@ -140,8 +141,7 @@ async def http_run(requests: list[list[bytes]], max_tokens: int, concurrency: in
 
 def start_server(source: str) -> Any:
     config = {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": "127.0.0.1", "port": PORT},
+        **serve_settings(PORT),
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{"id": MODEL, "source": source, "max_ongoing_requests": 64}]},

@@ -49,12 +49,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
 from load.bench_results import Level, Sample, by_prompt, problems  # noqa: E402
-from load.serve_settings import controller_options  # noqa: E402
+from load.serve_settings import serve_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "load" / "out"
 HOST = "127.0.0.1"
-ORCHARD_PORT, MLX_PORT = 8100, 8101
+ORCHARD_PORT, MLX_PORT = 8100, 8102  # Orchard's: its replica; Serve's proxy takes 8101
 MAX_BATCH, PREFILL_BATCH = 32, 8  # the same batching limits on both servers
 STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 300
@@ -195,9 +195,7 @@ def mlx_server(model_path: Path, prompt_cache: bool) -> tuple[Target, list[str]]
 
 def orchard(source: str, replicas: int, workdir: Path) -> tuple[Target, list[str]]:
     config = {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": HOST, "port": ORCHARD_PORT},
-        "controller_options": controller_options(),
+        **serve_settings(ORCHARD_PORT),
         "applications": [{
             "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
             "args": {"models": [{

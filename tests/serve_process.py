@@ -6,6 +6,7 @@ Shared by the suites that run the real server from a config file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 import yaml
 
+from deployments.serve_options import serving_on
 from load.process_cpu import process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,16 +37,22 @@ def serve_exe() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port whose next is free too: a config copy's replica serves the port and
+    Serve's proxy the next (`serving_on`)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        with contextlib.suppress(OSError), socket.socket() as sock:
+            sock.bind(("127.0.0.1", port + 1))
+            return port
 
 
 def config_copy(tmp_dir: Path, port: int, models: list[dict[str, Any]] | None = None,
-                base: Path = ROOT / "serve_config.yaml") -> Path:
-    """`base` (the real config) on `port`, with its models replaced when `models` is given."""
-    config = yaml.safe_load(base.read_text())
-    config["http_options"]["port"] = port
+                base: Path = ROOT / "serve_config.yaml", *, direct: bool = True) -> Path:
+    """`base` (the real config) serving on `port` (`serving_on`), with its models replaced
+    when `models` is given."""
+    config = serving_on(yaml.safe_load(base.read_text()), port, direct=direct)
     if models is not None:
         config["applications"][0]["args"]["models"] = models
     path = tmp_dir / "serve_config.yaml"
@@ -159,10 +167,12 @@ def _descendants(root: int) -> list[tuple[int, bytes]]:
 
 @contextmanager
 def private_serve(tmp: Path, models: list[dict[str, Any]], builtins: tuple[str, ...],
-                  ingress: dict[str, Any] | None = None) -> Iterator[ServeProcess]:
+                  ingress: dict[str, Any] | None = None,
+                  port: int | None = None) -> Iterator[ServeProcess]:
     """The real config serving `models` on a free port, with a Ray and an Orchard cache of
     its own (the built-in models, built once here, shared through a link), so its store
-    file and its Ray never meet another suite's; `ingress` is merged into the config's."""
+    file and its Ray never meet another suite's; `ingress` is merged into the config's;
+    `port`: this one rather than a free one."""
     from replicas.builtin import ensure_builtin
     from replicas.builtin.build import default_cache_root
 
@@ -171,7 +181,7 @@ def private_serve(tmp: Path, models: list[dict[str, Any]], builtins: tuple[str, 
     cache = tmp / "cache"
     cache.mkdir()
     (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
-    port = free_port()
+    port = port or free_port()
     path = config_copy(tmp, port, models=models)
     if ingress:
         config = yaml.safe_load(path.read_text())

@@ -23,7 +23,13 @@ from deployments.config import (
 )
 from deployments.model_clients import REPLICA_WAIT_S
 from deployments.model_deployment import ModelDeployment, replica_options
-from deployments.serve_options import controller_options
+from deployments.serve_options import (
+    check_http_ports,
+    controller_options,
+    direct_ingress_env,
+    serving_on,
+)
+from load.serve_settings import serve_settings
 from replicas.engine.config import EngineConfig
 from replicas.families.registry import CHANNEL_FORMATS, TOOL_FORMATS
 from replicas.replica import ReplicaOptions
@@ -57,8 +63,54 @@ def test_shipped_configs_carry_orchards_serve_settings(name: str) -> None:
     # One home: the YAML spells out deployments.serve_options, which tests and benchmarks
     # that build their own config use, so what they run is what users run.
     config = yaml.safe_load((ROOT / name).read_text())
-    assert config["controller_options"] == controller_options()
+    if name == "serve_config.yaml":  # one Mac: its replica serves 8000, Serve's proxy 8001
+        assert config == serving_on(config, 8000)
+    else:  # a cluster: Serve's proxy on the head serves the port
+        assert config["controller_options"] == controller_options()
     assert ServeDeploySchema.model_validate(config).controller_options is not None
+
+
+def test_benchmarks_serve_as_the_shipped_config_on_any_port() -> None:
+    # load/ reads the shipped YAML (it never imports deployments/): moved to another port, its
+    # Serve blocks are what the tests' `serving_on` makes of the same config.
+    shipped = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    for port in (8000, 8300):
+        moved = serving_on(shipped, port)
+        assert serve_settings(port) == {k: moved[k] for k in
+                                        ("proxy_location", "http_options", "controller_options")}
+    assert serving_on(shipped, 8300)["http_options"]["port"] == 8301
+    proxied = serve_settings(8300, direct=False)  # HAProxy's, or several HTTP replicas
+    assert proxied == {k: serving_on(shipped, 8300, direct=False)[k] for k in proxied}
+    assert proxied["http_options"]["port"] == 8300
+    assert proxied["controller_options"] == controller_options()
+
+
+@pytest.mark.parametrize(("ingress", "model", "replicas"), [
+    ({}, {}, 1),  # the shipped config: colocated, one replica
+    ({"colocate": False}, {"num_replicas": 3}, 1),  # one ingress in front of three
+    ({"num_replicas": 2}, {}, 2),
+    ({"colocate": True}, {"num_replicas": 2}, 2),
+    ({"colocate": True}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, 4),
+    ({"colocate": True}, {"num_replicas": "auto"}, None),
+])
+def test_direct_ingress_takes_as_many_http_replicas_as_it_has_ports(
+        ingress: dict[str, Any], model: dict[str, Any], replicas: int | None) -> None:
+    args = AppArgs.model_validate({"models": [{"id": "m", "source": "builtin:tiny", **model}],
+                                   "ingress": ingress})
+    assert args.http_replicas == replicas
+    one_port = direct_ingress_env(8000)
+    if replicas == 1:
+        check_http_ports(args.http_replicas, one_port)
+    else:
+        with pytest.raises(ValueError, match="gives them port 8000"):
+            check_http_ports(args.http_replicas, one_port)
+    # Serve's proxy, Serve's own port range, or HAProxy balancing over it: no refusal.
+    check_http_ports(args.http_replicas, {})
+    check_http_ports(args.http_replicas, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"})
+    check_http_ports(args.http_replicas, {**one_port, "RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    if replicas is not None:
+        wide = {**one_port, "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(8000 + replicas)}
+        check_http_ports(args.http_replicas, wide)
 
 
 def test_cluster_config_pins_every_model_to_macs() -> None:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from deployments.serve_options import serving_on
 from replicas.builtin import ensure_builtin
 from tests.serve_process import ready, serve_exe, stop
 
@@ -26,12 +27,12 @@ BASE_URL = f"http://127.0.0.1:{PORT}"
 STARTUP_TIMEOUT_S = 300
 
 
-def config_path(tmp_dir: Path, *, two_hop: bool) -> Path:
+def config_path(tmp_dir: Path, *, two_hop: bool, haproxy: bool = False) -> Path:
     real = ROOT / "serve_config.yaml"
-    if PORT == 8000 and not two_hop:
+    if PORT == 8000 and not (two_hop or haproxy):
         return real
-    config = yaml.safe_load(real.read_text())
-    config["http_options"]["port"] = PORT
+    # Behind HAProxy, HAProxy holds the port and Serve gives the replica one of its own range.
+    config = serving_on(yaml.safe_load(real.read_text()), PORT, direct=not haproxy)
     if two_hop:
         args = config["applications"][0]["args"]
         args["ingress"] = {**args.get("ingress", {}), "colocate": False}
@@ -87,10 +88,10 @@ def _haproxy_available() -> bool:
 
 
 # Every end-to-end test runs against three layouts: the real config as it is (one model on
-# one replica: HTTP served from the model replica), the same with `ingress.colocate: false`
-# (an ingress replica in front, the layout of several models or replicas), and the real
-# config behind Serve's HAProxy direct ingress (the replica serves HTTP itself, no Ray hop
-# per token). One server at a time; each is torn down before the next starts.
+# one replica, which serves HTTP on the port itself), the same with `ingress.colocate: false`
+# (an ingress replica in front, the layout of several models or replicas, serving the port),
+# and the real config behind Serve's HAProxy (HAProxy on the port, the replica on one of
+# Serve's own range). One server at a time; each is torn down before the next starts.
 @pytest.fixture(scope="package", params=["default", "two-hop", "default-haproxy"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     haproxy = request.param == "default-haproxy"
@@ -102,7 +103,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     log = log_path.open("w")
     env = {**os.environ, **(HAPROXY_ENV if haproxy else {}),
            "RAY_SERVE_LOG_TO_STDERR": "1", "PYTHONPATH": str(ROOT)}
-    config = config_path(tmp_path_factory.mktemp("serve"), two_hop=request.param == "two-hop")
+    config = config_path(tmp_path_factory.mktemp("serve"), two_hop=request.param == "two-hop",
+                         haproxy=haproxy)
     _wait_port_free(PORT)
     proc = subprocess.Popen([serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

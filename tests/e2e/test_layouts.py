@@ -4,7 +4,8 @@ Serve's own status (`serve.status()`, asked by a short driver process connected 
 server's Ray cluster) lists the application's deployments: a colocated app is the model
 deployment alone (its replica serves HTTP), the two-hop app has an `Ingress` in front of
 it. Which process holds the HTTP port says who is in front: HAProxy where claimed, else
-Serve's proxy actor. The processes are found among the `serve run` process's descendants,
+the replica that serves HTTP itself (Serve's direct ingress, as `serve_config.yaml` sets it),
+with Serve's proxy one port above. The processes are found among the `serve run` process's descendants,
 so another server on this machine never answers for ours.
 """
 
@@ -20,7 +21,7 @@ import pytest
 import ray  # noqa: F401  (first: Ray puts the psutil it ships on the path)
 import psutil  # noqa: E402
 
-from deployments.serve_options import SERVE_ENV  # noqa: E402
+from deployments.serve_options import SERVE_ENV, direct_ingress_env  # noqa: E402
 from tests.e2e.conftest import PORT, ROOT, Layout  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -118,15 +119,21 @@ def test_the_layout_is_the_one_claimed(layout: Layout) -> None:
         # HAProxy in front: it holds the HTTP port, and Serve's proxy actor does not.
         assert haproxy, names(family(layout.pid))
         assert {p.name() for p in holders} == {"haproxy"}, names(holders)
-    else:
+    else:  # the replica that serves HTTP holds the port; Serve's proxy is one above it
         assert not haproxy, names(haproxy)
-        assert all("ProxyActor" in " ".join(p.cmdline()) for p in holders), names(holders)
+        http = "ServeReplica:orchard:" + (INGRESS_DEPLOYMENT if layout.name == "two-hop"
+                                          else MODEL_DEPLOYMENT)
+        assert all(http in " ".join(p.cmdline()) for p in holders), names(holders)
+        proxies = listeners(layout.pid, PORT + 1)
+        assert proxies and all("ProxyActor" in " ".join(p.cmdline()) for p in proxies), \
+            names(proxies)
 
 
 def test_serve_runs_with_the_configs_serve_settings(layout: Layout) -> None:
     # serve_config.yaml's `controller_options` reach the controller, and through it every
-    # proxy and replica it starts (so gRPC carries the proxy's traffic, deployments/
-    # serve_options.py): checked in the processes' own environments.
+    # proxy and replica it starts (so the replica serves the port itself and gRPC carries the
+    # proxy's traffic, deployments/serve_options.py): checked in the processes' own
+    # environments. Behind HAProxy the direct-ingress port settings are left to Serve.
     serve_procs = []
     for proc in family(layout.pid):
         try:
@@ -140,5 +147,7 @@ def test_serve_runs_with_the_configs_serve_settings(layout: Layout) -> None:
     expected = {"ServeController", "ServeReplica"} | (
         set() if layout.name.endswith("-haproxy") else {"ProxyActor"})
     assert expected <= kinds, [line for line, _ in serve_procs]
+    expected_env = {**SERVE_ENV, **({} if layout.name.endswith("-haproxy")
+                                    else direct_ingress_env(PORT))}
     for line, env in serve_procs:
-        assert {k: env.get(k) for k in SERVE_ENV} == dict(SERVE_ENV), line
+        assert {k: env.get(k) for k in expected_env} == expected_env, line

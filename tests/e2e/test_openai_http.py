@@ -176,8 +176,8 @@ def test_unknown_model_raises_sdk_not_found(client: openai.OpenAI) -> None:
 def test_a_body_past_grpcs_default_message_size_gets_the_apis_error(
         server: str, client: openai.OpenAI) -> None:
     # 6 MiB of prompt: past gRPC's 4 MiB default message size, which Serve's replicas keep
-    # (the proxy's hop is gRPC, deployments/serve_options.py), but within the edge's
-    # 32 MiB: every layout answers the context-length error, not an internal one.
+    # where Serve's proxy reaches them over gRPC (deployments/serve_options.py), but within
+    # the edge's 32 MiB: every layout answers the context-length error, not an internal one.
     text = "hello " * (6 * 1024 * 1024 // 6)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, max_tokens=4,

@@ -57,7 +57,9 @@ PROCESSES = {
 
 
 def layout_config(tmp: Path, port: int, layout: str) -> Path:
-    path = config_copy(tmp, port)
+    # Two ingress replicas on one machine are two HTTP servers: Serve's proxy in front of
+    # them, as on a cluster, since the replica's own port is one.
+    path = config_copy(tmp, port, direct=layout != "store-actor")
     config = yaml.safe_load(path.read_text())
     config["applications"][0]["args"].update(LAYOUTS[layout])
     path.write_text(yaml.safe_dump(config))
