@@ -196,3 +196,20 @@ def private_serve(tmp: Path, models: list[dict[str, Any]], builtins: tuple[str, 
             yield serve
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def listeners(pid: int, port: int) -> list[Any]:
+    """The processes (psutil's) under the process `pid` (a `serve run`) listening on `port`."""
+    import ray  # noqa: F401  (first: Ray puts the psutil it ships on the path)
+    import psutil
+
+    root = psutil.Process(pid)
+    found = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in proc.net_connections(kind="tcp")):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found

@@ -23,6 +23,7 @@ import psutil  # noqa: E402
 
 from deployments.serve_options import SERVE_ENV, direct_ingress_env  # noqa: E402
 from tests.e2e.conftest import PORT, ROOT, Layout  # noqa: E402
+from tests.serve_process import listeners  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -76,19 +77,6 @@ def serve_status(pid: int) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr[-3000:]
     status: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return status
-
-
-def listeners(pid: int, port: int) -> list[psutil.Process]:
-    """The processes under `serve run` listening on `port`."""
-    found = []
-    for proc in family(pid):
-        try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                   for c in proc.net_connections(kind="tcp")):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 def names(procs: list[psutil.Process]) -> list[str]:

@@ -11,6 +11,7 @@ rolls the quantized cache back exactly.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Iterator
 
 import mlx.core as mx
@@ -91,10 +92,16 @@ def test_batched_requests_equal_each_alone(quantized: tuple[int, ModelReplica]) 
     assert [output(events) for events in asyncio.run(together())] == list(alone.values())
 
 
-def check_conversation_from_the_cache(rep: ModelReplica, fresh: ModelReplica) -> None:
-    """Each turn of `CONVERSATION` on `rep` (its prefix cache on) is `fresh`'s (no cache),
-    and a later turn is served in part from the cache."""
-    expected = [text(fresh, sid) for sid in CONVERSATION]
+def check_conversation_from_the_cache(rep: ModelReplica,
+                                      make_fresh: Callable[[], ModelReplica]) -> None:
+    """Each turn of `CONVERSATION` on `rep` (its prefix cache on) is a fresh replica's (no
+    cache, made by `make_fresh` and shut down here), and a later turn is served in part
+    from the cache."""
+    fresh = make_fresh()
+    try:
+        expected = [text(fresh, sid) for sid in CONVERSATION]
+    finally:
+        fresh.shutdown()
     got = []
     for sid in CONVERSATION:  # tool-result's prompt starts with tool-one's prompt and answer
         events = stream_events(rep, script_request(sid))
@@ -107,11 +114,7 @@ def check_conversation_from_the_cache(rep: ModelReplica, fresh: ModelReplica) ->
 def test_the_prefix_cache_serves_an_earlier_turn_from_quantized_kv(
         quantized: tuple[int, ModelReplica]) -> None:
     bits, rep = quantized
-    fresh = make(bits, cache=False)
-    try:
-        check_conversation_from_the_cache(rep, fresh)
-    finally:
-        fresh.shutdown()
+    check_conversation_from_the_cache(rep, lambda: make(bits, cache=False))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

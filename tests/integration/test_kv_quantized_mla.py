@@ -92,8 +92,4 @@ def test_speculation_rolls_the_packed_latent_back_exactly(bits: int) -> None:
 def test_the_prefix_cache_serves_an_earlier_turn_from_the_packed_latent(
         quantized: tuple[int, ModelReplica]) -> None:
     bits, rep = quantized
-    fresh = make(bits, cache=False)
-    try:
-        check_conversation_from_the_cache(rep, fresh)
-    finally:
-        fresh.shutdown()
+    check_conversation_from_the_cache(rep, lambda: make(bits, cache=False))

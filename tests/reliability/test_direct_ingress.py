@@ -20,11 +20,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-import ray  # noqa: F401  (first: Ray puts the psutil it ships on the path)
-import psutil  # noqa: E402
 
 from tests.reliability.wire import openai_chat, running_stream, send  # noqa: E402
-from tests.serve_process import ServeProcess, free_port, private_serve  # noqa: E402
+from tests.serve_process import ServeProcess, free_port, listeners, private_serve  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 
@@ -46,25 +44,11 @@ def port_of(serve: ServeProcess) -> int:
     return int(serve.base_url.rsplit(":", 1)[1])
 
 
-def holders(serve: ServeProcess, port: int) -> list[psutil.Process]:
-    """The processes under `serve run` listening on `port`."""
-    root = psutil.Process(serve.proc.pid)
-    found = []
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                   for c in proc.net_connections(kind="tcp")):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 def test_the_replica_holds_the_port_and_serves_proxy_one_above(shipped: ServeProcess) -> None:
     port = port_of(shipped)
-    [replica] = holders(shipped, port)
+    [replica] = listeners(shipped.proc.pid, port)
     assert HTTP_REPLICA in " ".join(replica.cmdline())
-    [proxy] = holders(shipped, port + 1)
+    [proxy] = listeners(shipped.proc.pid, port + 1)
     assert "ProxyActor" in " ".join(proxy.cmdline())
     for entrance in (port, port + 1):  # both ways in answer the same model
         models = httpx.get(f"http://127.0.0.1:{entrance}/v1/models", timeout=30)
@@ -78,7 +62,7 @@ def test_a_killed_replica_ends_its_stream_and_its_replacement_takes_the_port(
     resume.py), and its port refuses until the replacement is up. Serve's proxy, one port
     above, holds a request sent meanwhile until the replacement serves it."""
     port = port_of(shipped)
-    [victim] = holders(shipped, port)
+    [victim] = listeners(shipped.proc.pid, port)
     proxy = f"http://127.0.0.1:{port + 1}"
 
     async def scenario() -> None:
@@ -101,7 +85,7 @@ def test_a_killed_replica_ends_its_stream_and_its_replacement_takes_the_port(
 
     asyncio.run(scenario())
     deadline = time.monotonic() + REPLACEMENT_S
-    while not (now := holders(shipped, port)) and time.monotonic() < deadline:
+    while not (now := listeners(shipped.proc.pid, port)) and time.monotonic() < deadline:
         time.sleep(0.5)
     [replacement] = now
     assert replacement.pid != victim.pid and HTTP_REPLICA in " ".join(replacement.cmdline())
