@@ -286,6 +286,13 @@ MTP_BENCH = replace(MTP_AGREE, name="mtp-bench", dtype="bfloat16", architecture=
 MTP_BENCH_MISS = replace(MTP_BENCH, name="mtp-bench-miss",
                          weights=RandomInit(logit_std=5.0, live_layers=0, mtp="random"))
 
+# `mtp-bench` at 32 layers: one MTP layer per 32 model layers, nearer the checkpoints that
+# ship one (DeepSeek V3: 61 layers, GLM-4.7-Flash: 47) than `mtp-bench`'s 8, where a draft
+# costs an eighth of a pass instead of a thirty-second.
+MTP_DEEP = replace(MTP_BENCH, name="mtp-deep", architecture=replace(
+    MTP_BENCH.architecture, num_hidden_layers=32, extra=tuple(sorted(
+        {**dict(MTP_BENCH.architecture.extra), "first_k_dense_replace": 33}.items()))))
+
 # GLM-4.7-Flash (glm4_moe_lite) with its checkpoint's MTP layer, agreeing as `mtp-agree`'s.
 MTP_GLM_LITE = replace(ARCH_GLM_LITE, name="mtp-glm-lite", seed=20240618,
                        architecture=replace(ARCH_GLM_LITE.architecture, extra=(
@@ -294,7 +301,8 @@ MTP_GLM_LITE = replace(ARCH_GLM_LITE, name="mtp-glm-lite", seed=20240618,
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (TINY, BENCH, PIPE, CEILING, AGREE, AGREE_DRAFT,
                                                   *CACHE_KINDS, *MLA_FAMILIES, MTP, MTP_AGREE,
-                                                  MTP_BENCH, MTP_BENCH_MISS, MTP_GLM_LITE)}
+                                                  MTP_BENCH, MTP_BENCH_MISS, MTP_DEEP,
+                                                  MTP_GLM_LITE)}
 
 
 def recipe_fields(recipe: Recipe) -> dict[str, Any]:

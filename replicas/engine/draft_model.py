@@ -34,6 +34,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.request import common_prefix
+from replicas.engine.sampling import SamplingShape
 from replicas.engine.speculation import Ask, Drafter
 from replicas.engine.tails import drop_tails
 
@@ -61,24 +62,29 @@ def write_drafts(uids: Sequence[int], logits: mx.array, asks: Sequence[Ask],
     distributions each sampled row's first `limit` drafts were drawn from (q), by uid."""
     shapes = {a.uid: a.shape for a in asks}
     n_of = {a.uid: n for a, n in zip(asks, limits)}
-    sampled = [(i, shape) for i, uid in enumerate(uids) if (shape := shapes.get(uid)) is not None]
+    # Sampled rows by shape: rows alike draw in one go (a few ops a step, not per row).
+    alike: dict[SamplingShape, list[int]] = {}
+    for i, uid in enumerate(uids):
+        if (shape := shapes.get(uid)) is not None:
+            alike.setdefault(shape, []).append(i)
+    at = [i for rows in alike.values() for i in rows]
     written: list[list[int]] = [[] for _ in uids]
-    q: list[list[mx.array]] = [[] for _ in sampled]  # per sampled row, per step
+    q: dict[int, list[mx.array]] = {i: [] for i in at}  # per sampled row, per step
     column: list[int] = []
     for n in range(max(limits, default=0)):
         if n:
             logits = step(column)
         tokens = mx.argmax(logits, axis=-1)
-        if sampled:  # sampled rows draw from their own shape over the drafter's logits
-            dists = mx.concatenate([shape.logprobs(logits[i:i + 1]) for i, shape in sampled])
-            tokens[mx.array([i for i, _ in sampled])] = \
-                mx.random.categorical(dists).astype(tokens.dtype)
-            for of_row, dist in zip(q, dists):
-                of_row.append(dist)
+        if at:  # sampled rows draw from their own shape over the drafter's logits
+            dists = mx.concatenate([shape.logprobs(logits[mx.array(rows)])
+                                    for shape, rows in alike.items()])
+            tokens[mx.array(at)] = mx.random.categorical(dists).astype(tokens.dtype)
+            for i, dist in zip(at, dists):
+                q[i].append(dist)
         column = cast(list[int], tokens.tolist())
         for row, token in zip(written, column):
             row.append(token)
-    drawn = {uids[i]: mx.stack(of_row[:n_of[uids[i]]]) for (i, _), of_row in zip(sampled, q)
+    drawn = {uids[i]: mx.stack(of_row[:n_of[uids[i]]]) for i, of_row in q.items()
              if n_of.get(uids[i])}
     return written, drawn
 

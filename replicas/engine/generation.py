@@ -249,21 +249,29 @@ class Generation(GenerationBatch):
     def _judge(self, drafts: list[list[int]], logprobs: mx.array, width: int,
                table: list[list[int]], kept: list[int], nexts: list[int]) -> None:
         """Rows whose drafts were sampled: kept and next token by the q/p rule instead of
-        "sample, then compare" (in place)."""
-        judged = []
-        for i, q in self._sampled.items():
+        "sample, then compare" (in place). Rows that draw alike and drafted as many tokens
+        are judged in one go: a few ops for the batch, not a few per row (on a GPU each op
+        is a launch)."""
+        sampled, self._sampled = self._sampled, {}
+        groups: dict[tuple[SamplingShape, int], list[int]] = {}
+        for i, q in sampled.items():
             shape = self._shape(i)
             assert shape is not None and q.shape[0] == len(drafts[i])
-            n = len(drafts[i])
-            p = shape.logprobs(logprobs[i * width:i * width + n])
-            judged.append((i, *judge(p[None], q[None], mx.array([drafts[i]]))))
-        self._sampled = {}
-        if not judged:
+            groups.setdefault((shape, len(drafts[i])), []).append(i)
+        if not groups:
             return
-        mx.eval([(keep, fix) for _, keep, fix in judged])
-        for i, keep, fix in judged:
-            kept[i], nexts[i] = verdict(keep[0].tolist(), fix[0].tolist(),  # type: ignore
-                                        table[i][len(drafts[i])])
+        by_row = logprobs.reshape(len(drafts), width, logprobs.shape[-1])
+        judged = []
+        for (shape, n), rows in groups.items():
+            p = shape.logprobs(by_row[mx.array(rows), :n])
+            q = mx.stack([sampled[i] for i in rows])
+            judged.append((rows, n, *judge(p, q, mx.array([drafts[i] for i in rows]))))
+        mx.eval([(keep, fix) for _, _, keep, fix in judged])
+        for rows, n, keep, fix in judged:
+            keeps = cast(list[list[bool]], keep.tolist())
+            fixes = cast(list[list[int]], fix.tolist())
+            for i, row_keep, row_fix in zip(rows, keeps, fixes):
+                kept[i], nexts[i] = verdict(row_keep, row_fix, table[i][n])
 
     def _verify_own(self, i: int, inputs: list[int], draft: list[int],
                     logits: mx.array) -> tuple[int, int, list[mx.array]]:

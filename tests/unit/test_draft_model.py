@@ -33,11 +33,18 @@ def alone(model: Any, sequence: list[int], n: int) -> list[int]:
 
 
 SHAPE = SamplingShape(temperature=0.8, top_p=0.9, min_p=0.0, top_k=20)
+OTHER = SamplingShape(temperature=1.3, top_p=1.0, min_p=0.05, top_k=0)
+
+
+def shape_of(uid: int) -> SamplingShape | None:
+    """Even rows greedy; odd rows sampled, under two shapes (drawn as two groups)."""
+    return None if uid % 2 == 0 else SHAPE if uid % 4 == 1 else OTHER
 
 
 def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
     """Rows join with prompts longer than the prefill step, which they prefill across
-    steps (drafting nothing meanwhile, while the target decodes them a token a pass)."""
+    steps (drafting nothing meanwhile, while the target decodes them a token a pass);
+    sampled rows of two shapes draft side by side (rows 1 and 3 at steps 2 and 3)."""
     model = load_model("builtin:tiny", resolve_source("builtin:tiny")).model
     drafter = ModelDrafter(SpeculativeConfig(num_speculative_tokens=3), model, prefill_step=16)
     rng = random.Random(7)
@@ -52,7 +59,7 @@ def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
         if step in (2, 6):  # a row joins with a prompt longer than the prefill step
             rows[next_uid] = [rng.randrange(3, 200) for _ in range(rng.randrange(20, 40))]
             next_uid += 1
-        asks = [Ask(uid, seq[:-1], seq[-1], 3, SHAPE if uid % 2 else None)
+        asks = [Ask(uid, seq[:-1], seq[-1], 3, shape_of(uid))
                 for uid, seq in rows.items()]
         drafts = drafter.draft_rows(asks)
         for ask, draft in zip(asks, drafts):
@@ -70,7 +77,8 @@ def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
                 assert q is not None and q.shape[0] == len(draft)
                 for j in range(len(draft)):
                     logits = model(mx.array([rows[uid] + draft[:j]]))[:, -1]
-                    assert mx.allclose(q[j], SHAPE.logprobs(logits)[0], atol=1e-4), (step, j)
+                    assert mx.allclose(q[j], ask.shape.logprobs(logits)[0], atol=1e-4), \
+                        (step, j)
                     assert q[j, draft[j]].item() > -30  # drawn from q: never a filtered token
             # The target keeps some drafts (none, some, all), then its own token.
             kept = rng.randrange(0, len(draft) + 1)
