@@ -53,13 +53,15 @@ def check_draft_model(draft: nn.Module, draft_vocab: dict[str, int],
 
 
 def write_drafts(uids: Sequence[int], logits: mx.array, asks: Sequence[Ask],
-                 limits: Sequence[int], step: Callable[[list[int]], mx.array]
+                 limits: Sequence[int], step: Callable[[mx.array], mx.array]
                  ) -> tuple[list[list[int]], dict[int, mx.array]]:
     """A drafter's tokens for its batch rows `uids`, from `logits` (each row's next
     logits), one column a step for the most any ask's limit allows; `step` feeds a column
-    and returns the next logits. A greedy row takes the argmax, a sampled row (its ask has
-    a shape) a sample under its own shape. Returns each row's tokens, and the
-    distributions each sampled row's first `limit` drafts were drawn from (q), by uid."""
+    (B,) and returns the next logits. A greedy row takes the argmax, a sampled row (its
+    ask has a shape) a sample under its own shape. The columns chain on the device and are
+    read once at the end: a GPU waits for the host once a step, not once a draft. Returns
+    each row's tokens, and the distributions each sampled row's first `limit` drafts were
+    drawn from (q), by uid."""
     shapes = {a.uid: a.shape for a in asks}
     n_of = {a.uid: n for a, n in zip(asks, limits)}
     # Sampled rows by shape: rows alike draw in one go (a few ops a step, not per row).
@@ -68,12 +70,11 @@ def write_drafts(uids: Sequence[int], logits: mx.array, asks: Sequence[Ask],
         if (shape := shapes.get(uid)) is not None:
             alike.setdefault(shape, []).append(i)
     at = [i for rows in alike.values() for i in rows]
-    written: list[list[int]] = [[] for _ in uids]
     q: dict[int, list[mx.array]] = {i: [] for i in at}  # per sampled row, per step
-    column: list[int] = []
+    columns: list[mx.array] = []
     for n in range(max(limits, default=0)):
         if n:
-            logits = step(column)
+            logits = step(columns[-1])
         tokens = mx.argmax(logits, axis=-1)
         if at:  # sampled rows draw from their own shape over the drafter's logits
             dists = mx.concatenate([shape.logprobs(logits[mx.array(rows)])
@@ -81,9 +82,9 @@ def write_drafts(uids: Sequence[int], logits: mx.array, asks: Sequence[Ask],
             tokens[mx.array(at)] = mx.random.categorical(dists).astype(tokens.dtype)
             for i, dist in zip(at, dists):
                 q[i].append(dist)
-        column = cast(list[int], tokens.tolist())
-        for row, token in zip(written, column):
-            row.append(token)
+        columns.append(tokens)
+    written = cast(list[list[int]], mx.stack(columns, axis=1).tolist()) if columns \
+        else [[] for _ in uids]
     drawn = {uids[i]: mx.stack(of_row[:n_of[uids[i]]]) for i, of_row in q.items()
              if n_of.get(uids[i])}
     return written, drawn
@@ -148,7 +149,7 @@ class ModelDrafter(BatchDrafter):
         cache = self._cache
         written, self._q = write_drafts(
             self._uids, logits, asks, limits,
-            lambda column: self._model(mx.array(column)[:, None], cache=cache)[:, -1, :])
+            lambda column: self._model(column[:, None], cache=cache)[:, -1, :])
         for uid, tokens_of in zip(self._uids, written):
             self._fed[uid] = sequences[uid] + tokens_of[:-1]  # the last was never fed
         at = {uid: i for i, uid in enumerate(self._uids)}

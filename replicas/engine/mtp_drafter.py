@@ -69,9 +69,8 @@ class MtpDrafter(BatchDrafter):
         mtp, at = self._mtp, {uid: i for i, uid in enumerate(self._uids)}
         state = {"out": outs}
 
-        def step(column: list[int]) -> mx.array:
-            state["out"] = mtp.layer(state["out"], mtp.embed(mx.array(column)[:, None]),
-                                     self._cache)
+        def step(column: mx.array) -> mx.array:
+            state["out"] = mtp.layer(state["out"], mtp.embed(column[:, None]), self._cache)
             self._chained += 1
             return mtp.logits(state["out"])[:, -1, :]
 
