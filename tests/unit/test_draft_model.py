@@ -44,7 +44,7 @@ def shape_of(uid: int) -> SamplingShape | None:
 def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
     """Rows join with prompts longer than the prefill step, which they prefill across
     steps (drafting nothing meanwhile, while the target decodes them a token a pass);
-    sampled rows of two shapes draft side by side (rows 1 and 3 at steps 2 and 3)."""
+    sampled rows of two shapes draft side by side (rows 1 and 3, at step 3)."""
     model = load_model("builtin:tiny", resolve_source("builtin:tiny")).model
     drafter = ModelDrafter(SpeculativeConfig(num_speculative_tokens=3), model, prefill_step=16)
     rng = random.Random(7)
@@ -53,6 +53,7 @@ def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
     asked: dict[int, int] = {}  # the step each row first asked
     waited: dict[int, int] = {}  # the steps each row drafted nothing
     next_uid = 3
+    mixed = 0  # steps where rows of both shapes drafted
     for step in range(14):
         if step == 4:
             del rows[1]  # a row finished
@@ -62,6 +63,7 @@ def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
         asks = [Ask(uid, seq[:-1], seq[-1], 3, shape_of(uid))
                 for uid, seq in rows.items()]
         drafts = drafter.draft_rows(asks)
+        mixed += len({a.shape for a, d in zip(asks, drafts) if d and a.shape}) > 1
         for ask, draft in zip(asks, drafts):
             uid = ask.uid
             asked.setdefault(uid, step)
@@ -87,3 +89,4 @@ def test_rows_joining_leaving_and_rejecting_drafts_draft_as_alone() -> None:
     # The joiners (20-40 tokens, 16 a step) waited one step or two, and all drafted since.
     assert all(1 <= waited.get(uid, 0) <= 3 for uid in (3, 4)), waited
     assert all(step - asked[uid] > waited.get(uid, 0) for uid in rows)
+    assert mixed >= 1  # the two shapes were drawn side by side, as two groups
