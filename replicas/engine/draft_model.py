@@ -70,6 +70,9 @@ def write_drafts(uids: Sequence[int], logits: mx.array, asks: Sequence[Ask],
         if (shape := shapes.get(uid)) is not None:
             alike.setdefault(shape, []).append(i)
     at = [i for rows in alike.values() for i in rows]
+    # Index arrays made once, not once a draft.
+    where = mx.array(at)
+    groups = [(shape, mx.array(rows)) for shape, rows in alike.items()]
     q: dict[int, list[mx.array]] = {i: [] for i in at}  # per sampled row, per step
     columns: list[mx.array] = []
     for n in range(max(limits, default=0)):
@@ -77,9 +80,8 @@ def write_drafts(uids: Sequence[int], logits: mx.array, asks: Sequence[Ask],
             logits = step(columns[-1])
         tokens = mx.argmax(logits, axis=-1)
         if at:  # sampled rows draw from their own shape over the drafter's logits
-            dists = mx.concatenate([shape.logprobs(logits[mx.array(rows)])
-                                    for shape, rows in alike.items()])
-            tokens[mx.array(at)] = mx.random.categorical(dists).astype(tokens.dtype)
+            dists = mx.concatenate([shape.logprobs(logits[rows]) for shape, rows in groups])
+            tokens[where] = mx.random.categorical(dists).astype(tokens.dtype)
             for i, dist in zip(at, dists):
                 q[i].append(dist)
         columns.append(tokens)
