@@ -31,15 +31,15 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, load_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache
 
 from replicas.engine.prefix_directory import HeldBlocks
+from replicas.engine.prefix_trie import PrefixTrie
 from replicas.engine.quantized_kv import as_rows, stored_name
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # the sidecar's layout; another value is a foreign file
-_MODEL = "replica"  # PromptTrie keys entries by model; a directory holds one model's
 _FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -121,7 +121,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self._fingerprint = fingerprint
         self._lock = threading.Lock()  # the writer adds entries while the engine looks up
-        self._trie = PromptTrie()
+        self._trie = PrefixTrie()
         self._entries: OrderedDict[tuple[int, ...], _OnDisk] = OrderedDict()  # oldest first
         self._bytes = 0
         self.hits = 0
@@ -158,16 +158,8 @@ class DiskTier:
         as in memory), or None."""
         usable = list(tokens[:-1])
         with self._lock:
-            found = self._trie.search(_MODEL, usable)
-            if found.exact is not None:
-                return DiskHit(tuple(found.exact), len(found.exact))
-            shorter = len(found.shorter) if found.shorter is not None else 0
-            if found.longer is not None and found.common_prefix > shorter \
-                    and self._entries[tuple(found.longer)].trimmable:
-                return DiskHit(tuple(found.longer), found.common_prefix)
-            if found.shorter is not None:
-                return DiskHit(tuple(found.shorter), shorter)
-        return None
+            found = self._trie.longest_prefix(usable, lambda key: self._entries[key].trimmable)
+        return None if found is None else DiskHit(*found)
 
     def load(self, hit: DiskHit) -> list[Any] | None:
         """The entry's KV, checked against its sum; None (and the entry dropped) when it
@@ -258,15 +250,14 @@ class DiskTier:
                      self._bytes, self.directory)
 
     def _add(self, key: tuple[int, ...], entry: _OnDisk) -> None:
-        previous = self._trie.add(_MODEL, list(key), key)
-        if previous is not None and key in self._entries:
+        if self._trie.add(key) and key in self._entries:
             self._bytes -= self._entries.pop(key).nbytes
         else:
             self.held.add(key)
         self._entries[key] = entry
         self._bytes += entry.nbytes
         if entry.trimmable:  # entries on its path are its prefixes: it serves them by trimming
-            for _, prefix in self._trie.pop_prefixes(_MODEL, list(key)):
+            for prefix in self._trie.remove_prefixes(key):
                 old = self._entries.pop(prefix)
                 self.held.remove(prefix)
                 self._bytes -= old.nbytes
@@ -291,7 +282,7 @@ class DiskTier:
         _remove(*self._paths(entry))
 
     def _forget(self, key: tuple[int, ...]) -> None:
-        self._trie.pop(_MODEL, list(key))
+        self._trie.remove(key)
         self.held.remove(key)
         self._bytes -= self._entries.pop(key).nbytes
 

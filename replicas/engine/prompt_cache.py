@@ -1,9 +1,10 @@
 """A replica's KV prefix cache: the longest cached token prefix of a prompt, LRU under a
 byte bound. Used only on the engine thread (it holds MLX arrays).
 
-mlx-lm's `LRUPromptCache` (what `mlx_lm.server` uses) is the model, and its `PromptTrie`
-and trim helpers are used as they are. The LRU around them is our own because theirs does
-not serve here: a hit does not refresh an entry's recency (a prefix every conversation
+mlx-lm's `LRUPromptCache` (what `mlx_lm.server` uses) is the model, and its trim helpers
+are used as they are. The index is our own (`replicas.engine.prefix_trie`: theirs walks
+every entry below a prompt's divergence on each lookup), and so is the LRU, because theirs
+does not serve here: a hit does not refresh an entry's recency (a prefix every conversation
 shares would age out first), it reports no evictions, it deep-copies every hit (a second
 copy of a long prefix's KV, which the batch merge copies once more anyway), and an exact
 match leaves nothing to prefill, which `BatchGenerator.insert` refuses.
@@ -18,15 +19,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from replicas.engine.disk_cache import DiskTier
 from replicas.engine.prefix_directory import HeldBlocks
+from replicas.engine.prefix_trie import PrefixTrie
 from replicas.engine.quantized_kv import QuantizedRowKVCache
 
 log = logging.getLogger(__name__)
 
-_MODEL = "replica"  # PromptTrie keys entries by model; a replica serves one
 _SUMMARY_EVERY = 100  # lookups between INFO summaries
 DISK_MIN_TOKENS = 32  # the fewest prompt tokens a disk hit must save over memory's
 
@@ -79,7 +80,7 @@ class PromptCache:
         self._held = held or HeldBlocks()
         # A pulled prefix too big for the bound, waiting for its request (`adopt`).
         self._adopted: tuple[tuple[int, ...], list[Any]] | None = None
-        self._trie = PromptTrie()
+        self._trie = PrefixTrie()
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
         self._hits = 0
@@ -157,20 +158,11 @@ class PromptCache:
         return self._hit(*found) if found else None
 
     def _find(self, usable: list[int]) -> tuple[tuple[int, ...], int] | None:
-        """The entry serving the longest prefix of `usable`, and that prefix's length."""
-        found = self._trie.search(_MODEL, usable)
-        if found.exact is not None:
-            return tuple(found.exact), len(found.exact)
-        shorter = len(found.shorter) if found.shorter is not None else 0
-        if found.longer is not None and found.common_prefix > shorter:
-            key = tuple(found.longer)
-            # A longer entry serves a prefix only where every layer can drop its tail;
-            # recurrent state cannot, so hybrid models get exact or shorter matches.
-            if can_trim_prompt_cache(self._lru[key].cache):
-                return key, found.common_prefix
-        if found.shorter is not None:
-            return tuple(found.shorter), shorter
-        return None
+        """The entry serving the longest prefix of `usable`, and that prefix's length. A
+        longer entry serves a prefix only where every layer can drop its tail; recurrent
+        state cannot, so hybrid models get exact or shorter matches."""
+        return self._trie.longest_prefix(
+            usable, lambda key: can_trim_prompt_cache(self._lru[key].cache))
 
     def _from_disk(self, tokens: list[int], hit: CacheHit | None) -> CacheHit | None:
         """`hit`, or the disk tier's longer one, loaded into memory (a file that fails its
@@ -235,8 +227,7 @@ class PromptCache:
                 self._disk.put(tokens, cache)
             return
         key = tuple(tokens)
-        previous = self._trie.add(_MODEL, list(key), key)
-        if previous is not None:
+        if self._trie.add(key):
             self._bytes -= self._lru.pop(key).nbytes
         else:
             self._held.add(key)
@@ -244,7 +235,7 @@ class PromptCache:
         self._bytes += nbytes
         if can_trim_prompt_cache(cache):
             # Entries on this one's path are its prefixes: it serves them by trimming.
-            for _, prefix_key in self._trie.pop_prefixes(_MODEL, list(key)):
+            for prefix_key in self._trie.remove_prefixes(key):
                 self._bytes -= self._lru.pop(prefix_key).nbytes
                 self._held.remove(prefix_key)
         self.evict_to(self.max_bytes)
@@ -254,7 +245,7 @@ class PromptCache:
         the bound, and for KV memory admission making room for a request)."""
         while self._bytes > max(0, limit) and self._lru:
             old_key, old = self._lru.popitem(last=False)
-            self._trie.pop(_MODEL, list(old_key))
+            self._trie.remove(old_key)
             self._held.remove(old_key)
             self._bytes -= old.nbytes
             self._evictions += 1

@@ -1,0 +1,116 @@
+"""`replicas.engine.prefix_trie` against a brute-force reading of its contract, over random
+adds, removes and prefix removals; and against mlx-lm's `PromptTrie`, whose answers it
+replaces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from mlx_lm.models.cache import PromptTrie
+
+from replicas.engine.prefix_trie import Key, PrefixTrie
+
+
+def _common(a: Key, b: Key) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def reference(held: set[Key], tokens: Key, trimmable: set[Key]) -> tuple[set[Key], int] | None:
+    """Every acceptable answer (entries that tie) and the prefix length they serve."""
+    prefixes = [k for k in held if len(k) <= len(tokens) and tokens[:len(k)] == k]
+    best = max(prefixes, key=len, default=None)
+    if best is not None and len(best) == len(tokens):
+        return {best}, len(best)
+    depth = max((_common(k, tokens) for k in held), default=0)
+    if depth > (len(best) if best is not None else 0):
+        through = [k for k in held if _common(k, tokens) >= depth]
+        shortest = min(len(k) for k in through)
+        ties = {k for k in through if len(k) == shortest}
+        if ties <= trimmable:
+            return ties, depth
+        assert not ties & trimmable, "the test keeps tied entries alike"
+    return ({best}, len(best)) if best is not None else None
+
+
+def _key(rng: random.Random) -> Key:
+    # A tiny alphabet and shared openings: prefixes, ties and divergences are common.
+    opening = rng.choice([(), (1,), (1, 2), (1, 2, 3), (4, 4)])
+    return opening + tuple(rng.randrange(1, 4) for _ in range(rng.randrange(0, 6)))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_the_brute_force_reading(seed: int) -> None:
+    rng = random.Random(seed)
+    trie, held = PrefixTrie(), set[Key]()
+    for _ in range(120):
+        op = rng.random()
+        key = _key(rng)
+        if not key:
+            continue
+        if op < 0.5:
+            assert trie.add(key) == (key in held)
+            held.add(key)
+        elif op < 0.7 and held:
+            gone = rng.choice(sorted(held))
+            trie.remove(gone)
+            held.discard(gone)
+        elif op < 0.8:
+            removed = trie.remove_prefixes(key)
+            expected = {k for k in held if len(k) < len(key) and key[:len(k)] == k}
+            assert set(removed) == expected and len(removed) == len(expected)
+            held -= expected
+        # Trimmable or not by length's parity: entries tied for shortest always agree.
+        trimmable = {k for k in held if len(k) % 2 == 0}
+        query = _key(rng)
+        want = reference(held, query, trimmable)
+        got = trie.longest_prefix(query, trimmable.__contains__)
+        if want is None:
+            assert got is None, (held, query)
+        else:
+            assert got is not None and got[0] in want[0] and got[1] == want[1], (held, query)
+
+
+def test_an_emptied_trie_holds_nothing() -> None:
+    trie = PrefixTrie()
+    keys = [(1, 2, 3), (1, 2), (1, 2, 3, 4), (5,)]
+    for key in keys:
+        trie.add(key)
+    for key in keys:
+        trie.remove(key)
+    assert trie._root == {}
+    assert trie.longest_prefix((1, 2, 3), lambda k: True) is None
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_agrees_with_mlx_lm_on_what_it_finds(seed: int) -> None:
+    """Same entries in both; mlx-lm's search read as `PromptCache` read it before."""
+    rng = random.Random(seed)
+    ours, theirs = PrefixTrie(), PromptTrie()
+    for _ in range(60):
+        key = _key(rng)
+        if len(key) > 1:
+            ours.add(key)
+            theirs.add("m", list(key), key)
+    for _ in range(60):
+        query = list(_key(rng))
+        found = theirs.search("m", query)
+        if found.exact is not None:
+            want: tuple[Key, int] | None = (tuple(found.exact), len(found.exact))
+        else:
+            shorter = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > shorter:
+                want = (tuple(found.longer), found.common_prefix)
+            elif found.shorter is not None:
+                want = (tuple(found.shorter), shorter)
+            else:
+                want = None
+        got = ours.longest_prefix(query, lambda k: True)
+        if want is None or got is None:
+            # mlx-lm ignores a one-token prefix entry; every key here is longer than that.
+            assert want == got, (query, want, got)
+        else:  # entries tied for shortest may differ; what they serve may not
+            assert (len(got[0]), got[1]) == (len(want[0]), want[1]), (query, want, got)
