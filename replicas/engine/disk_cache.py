@@ -156,9 +156,9 @@ class DiskTier:
     def lookup(self, tokens: Sequence[int]) -> DiskHit | None:
         """The entry serving the longest prefix of `tokens` (at least one token is left out,
         as in memory), or None."""
-        usable = list(tokens[:-1])
         with self._lock:
-            found = self._trie.longest_prefix(usable, lambda key: self._entries[key].trimmable)
+            found = self._trie.longest_prefix(tokens[:-1],
+                                              lambda key: self._entries[key].trimmable)
         return None if found is None else DiskHit(*found)
 
     def load(self, hit: DiskHit) -> list[Any] | None:

@@ -9,6 +9,7 @@ import random
 import pytest
 from mlx_lm.models.cache import PromptTrie
 
+from load.bench_prefix_lookup import theirs
 from replicas.engine.prefix_trie import Key, PrefixTrie
 
 
@@ -87,27 +88,18 @@ def test_an_emptied_trie_holds_nothing() -> None:
 
 @pytest.mark.parametrize("seed", range(10))
 def test_agrees_with_mlx_lm_on_what_it_finds(seed: int) -> None:
-    """Same entries in both; mlx-lm's search read as `PromptCache` read it before."""
+    """Same entries in both; mlx-lm's search read as `PromptCache` read it before
+    (`load.bench_prefix_lookup.theirs`)."""
     rng = random.Random(seed)
-    ours, theirs = PrefixTrie(), PromptTrie()
+    ours, mlx = PrefixTrie(), PromptTrie()
     for _ in range(60):
         key = _key(rng)
         if len(key) > 1:
             ours.add(key)
-            theirs.add("m", list(key), key)
+            mlx.add("m", list(key), key)
     for _ in range(60):
         query = list(_key(rng))
-        found = theirs.search("m", query)
-        if found.exact is not None:
-            want: tuple[Key, int] | None = (tuple(found.exact), len(found.exact))
-        else:
-            shorter = len(found.shorter) if found.shorter is not None else 0
-            if found.longer is not None and found.common_prefix > shorter:
-                want = (tuple(found.longer), found.common_prefix)
-            elif found.shorter is not None:
-                want = (tuple(found.shorter), shorter)
-            else:
-                want = None
+        want = theirs(mlx, query)
         got = ours.longest_prefix(query, lambda k: True)
         if want is None or got is None:
             # mlx-lm ignores a one-token prefix entry; every key here is longer than that.
