@@ -51,11 +51,15 @@ def timed(lookup: Callable[[], object], lookups: int) -> tuple[float, object]:
     return statistics.median(times), answer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lookups", type=int, default=3)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     system = list(range(SYSTEM))
     query = system + [7] * 50  # token 7 follows the system prompt in no entry
     print(f"{'entries':>8} {'tokens':>7} {'mlx-lm ms':>22} {'orchard ms':>22} {'mlx-lm/orchard':>16}")
