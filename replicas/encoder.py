@@ -115,7 +115,7 @@ class NoGeneration:
     def recover(self) -> bool:
         return True
 
-    def evict_cache_to(self, nbytes: int) -> None:
+    def bound_cache(self, nbytes: int) -> None:
         return None
 
     def close(self) -> None:

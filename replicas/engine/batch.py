@@ -104,7 +104,7 @@ class Batch(Protocol):
     def finish(self, done: Sequence[Done]) -> None: ...
     def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]: ...
     def recover(self) -> bool: ...
-    def evict_cache_to(self, nbytes: int) -> None: ...
+    def bound_cache(self, nbytes: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -324,10 +324,11 @@ class LocalBatch:
         if self._cache is not None:
             self._cache.adopt(list(tokens), layers)
 
-    def evict_cache_to(self, nbytes: int) -> None:
-        """Shrink the prefix cache to `nbytes` (KV memory admission making room)."""
+    def bound_cache(self, nbytes: int) -> None:
+        """The prefix cache holds at most `nbytes` from now on (`PromptCache.bound`: what
+        KV memory admission leaves it)."""
         if self._cache is not None:
-            self._cache.evict_to(nbytes)
+            self._cache.bound(nbytes)
 
     def close(self) -> None:
         """The prefix cache to its disk tier, if any (a lockstep batch also tells the other

@@ -45,7 +45,7 @@ from replicas.engine.logprobs import Asked, Picked, pick
 from replicas.engine.memory import KvBudget, RankMemory, tightest
 from replicas.engine.request import EngineRequest, Generated, RequestOutput, Submitted
 from replicas.engine.scheduling import Active, Prefills, Queued, Ready, Waiting, row_for
-from replicas.engine.stats import EngineStats
+from replicas.engine.stats import EngineStats, memory_figures
 from replicas.errors import ReplicaError
 
 log = logging.getLogger(__name__)
@@ -167,9 +167,10 @@ class Engine:
         return time.monotonic() - self._heartbeat if self._by_uid else 0.0
 
     def stats(self) -> EngineStats:
-        cache = self._batch.cache.stats() if self._batch and self._batch.cache else None
-        waiting = self._waiting
-        memory = waiting.kv.stats(len(waiting)) if waiting is not None else None
+        batch, waiting = self._batch, self._waiting  # `Waiting` is falsy while empty
+        cache, memory = memory_figures(batch.cache if batch is not None else None,
+                                       waiting.kv if waiting is not None else None,
+                                       len(waiting) if waiting is not None else 0)
         return EngineStats(
             active=len(self._by_uid),
             waiting=self._commands.qsize(),
@@ -253,10 +254,8 @@ class Engine:
         # A request cancelled while still queued (or waiting for memory) never reaches the
         # batch; the rest join in order while their KV fits.
         assert self._waiting is not None
-        cache = self._batch.cache
         admitted = self._waiting.admit(commands.submits, commands.cancels.__contains__,
-                                       lambda: cache.nbytes if cache else 0,
-                                       self._batch.evict_cache_to)
+                                       self._batch.bound_cache)
         if admitted:
             self._insert(admitted)
         self._prefills.cancel(commands.cancels.__contains__, self._waiting.kv)
@@ -266,6 +265,7 @@ class Engine:
             for active in gone:
                 self._forget(active)
                 self._cancel_latency.append(self._steps - commands.cancels[active.sub.request_id])
+            self._waiting.kv.fit_cache(self._batch.bound_cache)
 
     def _insert(self, queued: list[Queued]) -> None:
         assert self._loaded is not None and self._batch is not None
@@ -328,10 +328,12 @@ class Engine:
     def _preempt(self, active: Active) -> None:
         """Take `active` out of the batch (`replicas.engine.scheduling` queues it again)."""
         assert self._batch is not None
-        # Its KV goes to the prefix cache (evicted first if memory stays short); a row still
-        # prefilling has none worth keeping.
-        self._batch.finish([Done(active.uid, keep=bool(active.tokens))])
+        # Its KV goes to the prefix cache, into the room its release leaves (older entries
+        # evicted first if memory stays short); a row still prefilling has none worth keeping.
         self._forget(active)
+        if self._waiting is not None:
+            self._waiting.kv.fit_cache(self._batch.bound_cache)
+        self._batch.finish([Done(active.uid, keep=bool(active.tokens))])
 
     def _score(self, request: EngineRequest) -> list[Picked] | None:
         """The prompt's token logprobs from one prefill, when the request asked for them."""
@@ -343,9 +345,7 @@ class Engine:
     def _step(self) -> None:
         assert self._batch is not None
         assert self._waiting is not None
-        cache = self._batch.cache
-        self._waiting.grow(self._by_uid, lambda: cache.nbytes if cache else 0,
-                           self._batch.evict_cache_to, self._preempt)
+        self._waiting.grow(self._by_uid, self._batch.bound_cache, self._preempt)
         if not self._by_uid:  # everything was preempted for a row that then left too
             return
         started = time.perf_counter()
@@ -381,9 +381,9 @@ class Engine:
                 ok = not any(isinstance(e, Failed) for e in events)
                 done.append(Done(response.uid, keep=ok))
         if done:
+            # What the ended rows released, the cache may take: their KV is saved into it.
+            self._waiting.kv.fit_cache(self._batch.bound_cache)
             self._batch.finish(done)
-        if self._waiting is not None and (cache := self._batch.cache) is not None:
-            self._waiting.kv.fit_cache(cache.nbytes, self._batch.evict_cache_to)
         deliver(outbox)
 
     def _generated(self, active: Active, response: Any,

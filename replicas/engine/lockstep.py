@@ -81,8 +81,8 @@ class _Finish:
 
 
 @dataclass(frozen=True)
-class _Evict:
-    nbytes: int  # the prefix cache shrinks to this (its cost, equal on every rank)
+class _Bound:
+    nbytes: int  # the prefix cache holds at most this from now on (its cost, equal on every rank)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class _Stop:
     pass
 
 
-_Op = Union[_Insert, _Finish, _Evict, _Score, _Export, _Adopt, _Idle, _Stop]
+_Op = Union[_Insert, _Finish, _Bound, _Score, _Export, _Adopt, _Idle, _Stop]
 # Records sent between steps: the other ranks apply them and take no step after.
 _BETWEEN_STEPS = (_Score, _Export, _Adopt)
 
@@ -264,9 +264,9 @@ class LockstepBatch:
         return False
         self._idle_if_empty()
 
-    def evict_cache_to(self, nbytes: int) -> None:
-        self._local.evict_cache_to(nbytes)
-        self._log.append(_Evict(nbytes))
+    def bound_cache(self, nbytes: int) -> None:
+        self._local.bound_cache(nbytes)
+        self._log.append(_Bound(nbytes))
 
     def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
         self._send_now(_Score(tuple(prompt_ids)))
@@ -358,8 +358,8 @@ class Follower:
                                         f"prompt tokens, this rank {cached}")
         elif isinstance(op, _Finish):
             self._local.finish(op.done)
-        elif isinstance(op, _Evict):
-            self._local.evict_cache_to(op.nbytes)
+        elif isinstance(op, _Bound):
+            self._local.bound_cache(op.nbytes)
         elif isinstance(op, _Score):
             self._local.score(op.prompt_ids, 0)
         elif isinstance(op, _Export):

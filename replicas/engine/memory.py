@@ -10,7 +10,9 @@ every rank) and its budget, and admits by what the batch holds:
 - a request reserves its prompt plus one step, not its whole `max_tokens`, and grows its
   reservation a step at a time as it decodes. When growing would pass the budget, the
   engine preempts the youngest request (vLLM's recompute preemption, `core.py`);
-- the prefix cache holds what it holds, and is evicted first to make room.
+- the prefix cache holds at most what the reservations leave (`Bound`): it is evicted
+  before a reservation grows, and a save evicts before it adds, so reservations plus cache
+  never pass the budget, not even inside a step.
 
 MLX's own memory limit is set from the same numbers on every rank, so a wrong figure
 slows allocation down rather than aborting the process.
@@ -139,6 +141,8 @@ def round_up(tokens: int) -> int:
 
 
 Item = TypeVar("Item")
+# Tells the prefix cache the most bytes it may hold from now on (it evicts down to that).
+Bound = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class KvBudget:
         self.layout = layout
         self.max_waiting = max_waiting
         self._reserved: dict[Hashable, int] = {}
+        self._told: int | None = None  # the prefix cache's bound, as last told
         self.refused = 0
         self.preempted = 0
 
@@ -176,20 +181,19 @@ class KvBudget:
 
     @property
     def projected(self) -> int:
-        return self.held(len(self._reserved), max(self._reserved.values(), default=0))
+        held = list(self._reserved.values())  # one read: `stats` runs on another thread
+        return self.held(len(held), max(held, default=0))
 
-    def reserve(self, key: Hashable, tokens: int, cache_bytes: int,
-                evict_to: Callable[[int], None]) -> bool:
+    def reserve(self, key: Hashable, tokens: int, bound: Bound) -> bool:
         """Hold `tokens` (rounded up to a step) for `key`, a new request or a growing one,
-        if the batch with it fits, evicting the prefix cache (`evict_to`) as far as that
-        takes."""
+        if the batch with it fits; the prefix cache is bound (`bound`) to what is left
+        before the reservation takes it."""
         want = round_up(tokens)
         others = [t for k, t in self._reserved.items() if k != key]
         room = self.budget_bytes - self.held(len(others) + 1, max([want, *others]))
         if room < 0:
             return False
-        if cache_bytes > room:
-            evict_to(room)
+        self._bound(room, bound)
         self._reserved[key] = want
         return True
 
@@ -200,8 +204,8 @@ class KvBudget:
         self._reserved.pop(key, None)
 
     def take(self, pending: Sequence[Item], key: Callable[[Item], Hashable],
-             tokens: Callable[[Item], int], cache_bytes: Callable[[], int],
-             evict_to: Callable[[int], None], keep: Callable[[Item], bool] = lambda _: False
+             tokens: Callable[[Item], int], bound: Bound,
+             keep: Callable[[Item], bool] = lambda _: False
              ) -> tuple[list[Item], deque[Item], list[Item]]:
         """Admit `pending` in order while each fits (first come, first served: one that does
         not fit holds back the ones behind it). Returns (admitted, still waiting, refused:
@@ -209,7 +213,7 @@ class KvBudget:
         admitted: list[Item] = []
         waiting: deque[Item] = deque()
         for item in pending:
-            if not waiting and self.reserve(key(item), tokens(item), cache_bytes(), evict_to):
+            if not waiting and self.reserve(key(item), tokens(item), bound):
                 admitted.append(item)
             else:
                 waiting.append(item)
@@ -219,12 +223,15 @@ class KvBudget:
         self.refused += len(refused)
         return admitted, waiting, refused
 
-    def fit_cache(self, cache_bytes: int, evict_to: Callable[[int], None]) -> None:
-        """Keep the prefix cache inside what running requests leave of the budget: a save
-        while they run (a message boundary's KV, a finished request's) may overshoot it."""
-        room = max(0, self.budget_bytes - self.projected)
-        if cache_bytes > room:
-            evict_to(room)
+    def fit_cache(self, bound: Bound) -> None:
+        """Bound the prefix cache to what the reservations leave now: after a release, the
+        room it may grow back into (a finished request's KV is saved into it)."""
+        self._bound(max(0, self.budget_bytes - self.projected), bound)
+
+    def _bound(self, room: int, bound: Bound) -> None:
+        if room != self._told:  # a sharded replica replicates each bound to its ranks
+            self._told = room
+            bound(room)
 
     def stats(self, waiting: int) -> MemoryStats:
         return MemoryStats(self.budget_bytes, self.projected, waiting, self.refused,

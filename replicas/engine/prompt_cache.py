@@ -83,6 +83,8 @@ class PromptCache:
         self._trie = PrefixTrie()
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
+        # What running requests leave of the replica's KV budget (`bound`); None: no budget.
+        self._room: int | None = None
         self._hits = 0
         self._misses = 0
         self._evictions = 0
@@ -92,6 +94,19 @@ class PromptCache:
     def nbytes(self) -> int:
         """What the entries count against `max_bytes` (scaled by `cost_scale`)."""
         return self._bytes
+
+    @property
+    def limit(self) -> int:
+        """The most the entries may count now: `max_bytes`, or less where running requests
+        leave less of the KV budget (`bound`)."""
+        return self.max_bytes if self._room is None else min(self.max_bytes, self._room)
+
+    def bound(self, room: int) -> None:
+        """Hold at most `room` from now on, besides `max_bytes` (KV memory admission: what
+        running requests leave of the budget), evicting now as far as that takes. A save
+        evicts before it adds, so the entries never pass it, not even inside a step."""
+        self._room = max(0, room)
+        self.evict_to(self.limit)
 
     def stats(self) -> PromptCacheStats:
         disk = self._disk
@@ -215,34 +230,39 @@ class PromptCache:
             log.exception("saving a prompt cache entry at a message boundary failed")
 
     def save(self, tokens: list[int], cache: list[Any], spill: bool = True) -> None:
-        """Keep `cache`, the KV of exactly `tokens`, then evict to the byte bound; what is
-        evicted goes to the disk tier (`spill`: also when `cache` itself is too big)."""
+        """Keep `cache`, the KV of exactly `tokens`, evicting first to stay within `limit`;
+        what is evicted goes to the disk tier (`spill`: also `cache` itself, when it alone
+        passes the limit)."""
         if not tokens or not cache:
             return
         mx.eval([c.state for c in cache])  # a lazy slice would pin the whole batch's KV
         nbytes = sum(c.nbytes for c in cache) * self._scale[0] // self._scale[1]
-        if nbytes > self.max_bytes:
+        if nbytes > self.limit:
             log.debug("prompt cache: %d tokens (%d bytes) exceed the bound", len(tokens), nbytes)
             if self._disk is not None and spill:
                 self._disk.put(tokens, cache)
             return
+        # What this entry replaces goes first, then the oldest make room, then it is added:
+        # the bytes held never pass the limit in between (`stats` reads them from another
+        # thread, and admission counts on them).
         key = tuple(tokens)
-        if self._trie.add(key):
-            self._bytes -= self._lru.pop(key).nbytes
-        else:
-            self._held.add(key)
-        self._lru[key] = _Entry(cache, nbytes)
-        self._bytes += nbytes
+        replaced = self._lru.pop(key, None)
+        if replaced is not None:
+            self._bytes -= replaced.nbytes
         if can_trim_prompt_cache(cache):
             # Entries on this one's path are its prefixes: it serves them by trimming.
             for prefix_key in self._trie.remove_prefixes(key):
                 self._bytes -= self._lru.pop(prefix_key).nbytes
                 self._held.remove(prefix_key)
-        self.evict_to(self.max_bytes)
+        self.evict_to(self.limit - nbytes)
+        if replaced is None:
+            self._trie.add(key)
+            self._held.add(key)
+        self._lru[key] = _Entry(cache, nbytes)
+        self._bytes += nbytes
 
     def evict_to(self, limit: int) -> None:
-        """Drop the least recently used entries until at most `limit` bytes remain (for
-        the bound, and for KV memory admission making room for a request)."""
+        """Drop the least recently used entries until at most `limit` bytes remain."""
         while self._bytes > max(0, limit) and self._lru:
             old_key, old = self._lru.popitem(last=False)
             self._trie.remove(old_key)

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 from replicas.contract import ErrorKind, Failed
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
-from replicas.engine.memory import KvBudget
+from replicas.engine.memory import Bound, KvBudget
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
 from replicas.engine.batch import Prefill, Row
 from replicas.engine.penalties import Penalties
@@ -103,7 +103,7 @@ class Waiting:
         return len(self.queue)
 
     def admit(self, submits: Iterable[Submitted], cancelled: Callable[[str], bool],
-              cache_bytes: Callable[[], int], evict_to: Callable[[int], None]) -> list[Queued]:
+              bound: Bound) -> list[Queued]:
         """Those that join the batch now, in order: the preempted first, then the rest while
         each fits. A cancelled one is dropped; past the waiting bound or the waiting time,
         new ones get the overloaded error (a preempted one has streamed: it keeps its place)."""
@@ -115,7 +115,7 @@ class Waiting:
             pending, lambda q: q.request_id,
             lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole,
                             self._growth),
-            cache_bytes, evict_to, keep=lambda q: q.resumed is not None)
+            bound, keep=lambda q: q.resumed is not None)
         deliver([(q.sub.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
                  for q in refused])
         return admitted
@@ -131,8 +131,8 @@ class Waiting:
                  for q in late])
         return [q for q in pending if q not in late]
 
-    def grow(self, active: dict[int, Active], cache_bytes: Callable[[], int],
-             evict_to: Callable[[int], None], preempt: Callable[[Active], None]) -> None:
+    def grow(self, active: dict[int, Active], bound: Bound,
+             preempt: Callable[[Active], None]) -> None:
         """Before a step: every row's reservation covers the KV the step adds; where it
         cannot, `preempt` the youngest row (the engine takes it out of the batch) and
         queue it first, until it can."""
@@ -142,7 +142,7 @@ class Waiting:
             need = reach(row.sub.request, len(row.sub.request.prompt_ids) + len(row.tokens),
                          False, self._growth)
             while row.uid in active and need > self.kv.reserved(row.request_id) and \
-                    not self.kv.reserve(row.request_id, need, cache_bytes(), evict_to):
+                    not self.kv.reserve(row.request_id, need, bound):
                 youngest = max(active.values(), key=lambda a: a.order)
                 preempt(youngest)
                 self.kv.preempted += 1

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replicas.engine.memory import MemoryStats
+from replicas.engine.memory import KvBudget, MemoryStats
+from replicas.engine.prompt_cache import PromptCache, PromptCacheStats
+
+_CONSISTENT_READS = 8  # `memory_figures`: reads until the cache's bytes hold still
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,17 @@ class DecodeCounts:
     forced: int  # drafts a grammar forced
     rows_off_path: int  # row-steps whose logits took a per-row Python call
     method: str = ""  # speculative.method where speculative: "ngram", "draft" or "mtp"
+
+
+def memory_figures(cache: PromptCache | None, kv: KvBudget | None, waiting: int
+                   ) -> tuple[PromptCacheStats | None, MemoryStats | None]:
+    """The prefix cache's and the reservations' figures as of one moment, from another
+    thread than the engine's. The engine moves bytes from one to the other (it evicts, then
+    reserves): two plain reads could straddle that and count the same bytes twice, so the
+    cache is read again until it held still around the reservations' read."""
+    for _ in range(_CONSISTENT_READS):
+        figures = cache.stats() if cache is not None else None
+        memory = kv.stats(waiting) if kv is not None else None
+        if cache is None or figures is None or figures.bytes == cache.nbytes:
+            break
+    return figures, memory

@@ -8,6 +8,7 @@ and resumed (tests/integration/test_preemption.py)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Iterator
 
 import mlx.core as mx
@@ -131,13 +132,19 @@ def test_what_cannot_fit_alone_is_lowered_or_refused(replica: ModelReplica) -> N
 
 def test_the_prefix_cache_gives_way_to_a_request(replica: ModelReplica) -> None:
     for rep in _replica(cache_bytes=10**9):
-        stream_events(rep, _request("fill", prompt=40, max_tokens=20))
+        per_token = rep._engine.kv_budget.layout.per_token  # noqa: SLF001
+        for first in (5, 50, 95):  # three finished requests, about 60 tokens each
+            stream_events(rep, _request(f"fill-{first}", prompt=40, max_tokens=20, first=first))
         before = rep.stats()
-        assert before.cache_bytes > 0
-        # Two cache steps: with the finished request's step cached, only eviction makes room.
+        room = (BUDGET_TOKENS - 2 * CACHE_STEP) * per_token  # what two cache steps leave
+        assert before.cache_entries == 3 and room < before.cache_bytes
+        # The two oldest entries give way before the request takes its two steps; the
+        # newest fits beside it and stays.
         done = stream_events(rep, _request("room", prompt=300, max_tokens=60, first=200))[-1]
         assert isinstance(done, Finished)
-        assert rep.stats().cache_evictions > before.cache_evictions
+        after = rep.stats()
+        assert after.cache_evictions == before.cache_evictions + 2
+        assert after.cache_entries == 2  # the newest fill, and "room" once it finished
 
 
 def test_mlx_memory_limit_follows_the_budget(replica: ModelReplica) -> None:
@@ -148,7 +155,8 @@ def test_mlx_memory_limit_follows_the_budget(replica: ModelReplica) -> None:
     assert replica._engine.kv_budget.max_tokens == MAX_TOKENS  # noqa: SLF001
 
 
-def test_waiting_past_the_bound_is_overloaded_not_a_timeout() -> None:
+def test_waiting_past_the_bound_is_overloaded_not_a_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """`max_memory_wait_s` (deployments set it under the ingress's deadline): a request still
     waiting for KV memory then gets the overloaded error, which the APIs send with
     Retry-After, instead of running into the deadline's 504."""
@@ -162,6 +170,11 @@ def test_waiting_past_the_bound_is_overloaded_not_a_timeout() -> None:
                           max_memory_wait_s=0.2)
     rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny", engine=engine))
     rep.start()
+    # Steps of at least 2 ms: the first request's 240 tokens then outlast the second's
+    # 0.2 s wait on any machine (the tiny model alone makes them in about 0.2 s here).
+    batch = rep._engine._batch  # noqa: SLF001
+    step = batch.step
+    monkeypatch.setattr(batch, "step", lambda: (time.sleep(0.002), step())[1])
     try:
         long = GenerationRequest(request_id="long", model="tiny",
                                  prompt=TokenPrompt(tuple(range(5, 15))),

@@ -69,26 +69,32 @@ def test_the_tightest_rank_bounds_the_replica() -> None:
 def test_admission_counts_the_padded_batch() -> None:
     kv = KvBudget(budget_bytes=4 * CACHE_STEP * 10, layout=KvLayout(per_token=10),
                   max_waiting=8)
-    evicted: list[int] = []
+    bounds: list[int] = []
     # Three rows of one step fit, then one that needs two steps: every row pads to it.
     for key in "abc":
-        assert kv.reserve(key, 100, 0, evicted.append)
-    assert not kv.reserve("d", CACHE_STEP + 1, 0, evicted.append)
-    assert kv.reserve("d", 10, 0, evicted.append)  # a fourth row of one step fits
+        assert kv.reserve(key, 100, bounds.append)
+    assert not kv.reserve("d", CACHE_STEP + 1, bounds.append)
+    assert kv.reserve("d", 10, bounds.append)  # a fourth row of one step fits
     assert kv.projected == 4 * CACHE_STEP * 10
-    assert not kv.reserve("a", CACHE_STEP + 1, 0, evicted.append)  # a cannot grow now
+    assert not kv.reserve("a", CACHE_STEP + 1, bounds.append)  # a cannot grow now
     kv.release("d")
     kv.release("c")
-    assert kv.reserve("a", CACHE_STEP + 1, 0, evicted.append)  # two rows of two steps
-    # The prefix cache gives way first: room is what the rows leave.
+    assert kv.reserve("a", CACHE_STEP + 1, bounds.append)  # two rows of two steps
+    # Before each reservation the prefix cache is bound to what the rows leave; a failed
+    # reservation tells it nothing, and neither does an unchanged room ("a" growing).
+    step = CACHE_STEP * 10  # one row of one step
+    assert bounds == [3 * step, 2 * step, step, 0]
     kv.release("b")
-    assert kv.reserve("b", 5, 5000, evicted.append) and evicted == [0]
+    kv.fit_cache(bounds.append)  # a release leaves room the cache may grow back into
+    assert bounds == [3 * step, 2 * step, step, 0, 2 * step]  # "a": one row of two steps
+    kv.fit_cache(bounds.append)
+    assert len(bounds) == 5
 
 
 def test_take_keeps_order_and_never_refuses_what_it_must_keep() -> None:
     kv = KvBudget(budget_bytes=CACHE_STEP * 10, layout=KvLayout(per_token=10), max_waiting=1)
     admitted, waiting, refused = kv.take(
         ["kept", "x", "y", "z"], lambda i: i, lambda i: 100 if i != "kept" else 300,
-        lambda: 0, lambda n: None, keep=lambda i: i == "kept")
+        lambda n: None, keep=lambda i: i == "kept")
     # "kept" needs two steps and waits; first come first served holds the rest behind it.
     assert admitted == [] and waiting == deque(["kept"]) and refused == ["z", "y", "x"]

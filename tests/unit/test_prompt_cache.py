@@ -85,6 +85,43 @@ def test_eviction_is_least_recently_used_and_within_the_bound() -> None:
     assert cache.stats().entries == 2
 
 
+class Watched(PromptCache):
+    """A PromptCache that records by how much any write that raised its byte count passed
+    its limit: the engine's stats thread may read the count between any two lines (a
+    lowered bound is evicted down to before a reservation takes the room)."""
+
+    worst = 0
+
+    @property  # type: ignore[override]
+    def _bytes(self) -> int:
+        return self.__dict__["bytes"]
+
+    @_bytes.setter
+    def _bytes(self, value: int) -> None:
+        if "_room" in self.__dict__ and value > self.__dict__["bytes"]:
+            self.worst = max(self.worst, value - self.limit)
+        self.__dict__["bytes"] = value
+
+
+def test_the_budget_bound_holds_at_every_write_and_lets_the_cache_grow_back() -> None:
+    cache = Watched(10_000)  # 6-token entries cost 120 bytes
+    for first in range(1, 5):
+        cache.save([first] * 6, layers([0] * 6))
+    cache.bound(250)  # requests took the rest of the KV budget: the two newest stay
+    assert (cache.limit, cache.nbytes, cache.stats().evictions) == (250, 240, 2)
+    assert cache.fetch([3, 3, 3, 7]) is not None and cache.fetch([1, 1, 1, 7]) is None
+    cache.save([5] * 6, layers([0] * 6))  # makes room before it is counted
+    cache.save([3] * 6, layers([0] * 6))  # replaces itself: nothing else goes
+    cache.save([5] * 8, layers([0] * 8))  # replaces its prefix, then makes room
+    assert cache.nbytes == 280 - 120 and cache.fetch([4, 4, 4, 7]) is None
+    cache.save(list(range(30)), layers(list(range(30))))  # alone past the bound: not kept
+    assert cache.stats().entries == 1 and cache.worst <= 0
+    cache.bound(20_000)  # the requests ended: the cache's own bound is the limit again
+    assert cache.limit == 10_000
+    cache.save(list(range(30)), layers(list(range(30))))
+    assert cache.stats().entries == 2 and cache.worst <= 0
+
+
 def test_a_hit_on_real_kv_shares_the_arrays_and_leaves_the_entry_whole() -> None:
     kv = KVCache()
     kv.update_and_fetch(mx.ones((1, 2, 8, 4)), mx.ones((1, 2, 8, 4)))
