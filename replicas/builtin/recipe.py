@@ -19,7 +19,8 @@ _PACKAGE_DIR = Path(__file__).parent
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                   "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-                  "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "mistral4": "Mistral4ForCausalLM"}
+                  "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "mistral4": "Mistral4ForCausalLM",
+                  "longcat_flash": "LongcatFlashForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -252,8 +253,8 @@ ARCH_SSM = _cache_kind(
 CACHE_KINDS = (ARCH_MLA, ARCH_SLIDING, ARCH_LINEAR, ARCH_SSM)
 
 # The other MLA families whose attention Orchard absorbs (`replicas.engine.mla`), at
-# `arch-mla`'s shape: GLM-4.7-Flash (glm4_moe_lite), and Mistral Small 4 (mistral4), whose
-# queries grow by Llama 4's scale past 64 positions here.
+# `arch-mla`'s shape: GLM-4.7-Flash (glm4_moe_lite), Mistral Small 4 (mistral4), whose
+# queries grow by Llama 4's scale past 64 positions here, and LongCat-Flash.
 _MLA_SHAPE = {k: v for k, v in ARCH_MLA.architecture.extra}
 ARCH_GLM_LITE = _cache_kind("arch-glm-lite", 20240616, "glm4_moe_lite", 2, **_MLA_SHAPE)
 ARCH_MISTRAL4 = _cache_kind(
@@ -261,7 +262,15 @@ ARCH_MISTRAL4 = _cache_kind(
     norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                           "llama_4_scaling_beta": 0.1,
                                           "original_max_position_embeddings": 64})
-MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4)
+# LongCat-Flash (longcat_flash): two MLA attentions a layer, cached as a `CacheList` of two,
+# both latents scaled; MoE with zero (identity) experts.
+ARCH_LONGCAT = _cache_kind(
+    "arch-longcat", 20240619, "longcat_flash", 2, **_MLA_SHAPE, num_layers=2,
+    attention_method="MLA", zero_expert_type="identity", ffn_hidden_size=256, moe_topk=2,
+    expert_ffn_hidden_size=64, zero_expert_num=2, routed_scaling_factor=1.0,
+    rms_norm_eps=1e-6, rope_theta=10000.0, mla_scale_q_lora=True, mla_scale_kv_lora=True,
+    attention_bias=False)
+MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4, ARCH_LONGCAT)
 
 # DeepSeek V3 with the MTP layer its checkpoints ship (speculative.method: mtp): `mtp` draws
 # it at random (its drafts nearly all miss), `mtp-agree` makes it predict what the model

@@ -35,7 +35,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache
 
 from replicas.engine.prefix_directory import HeldBlocks
 from replicas.engine.prefix_trie import PrefixTrie
-from replicas.engine.quantized_kv import as_rows, stored_name
+from replicas.engine.quantized_kv import as_rows, stored_name, stored_state
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,16 @@ def snapshot(cache: Sequence[Any]) -> Snapshot:
     """On the engine thread: `cache`'s arrays, evaluated, under mlx-lm's names."""
     scalars: list[Any] = [""]  # mlx-lm's layout: a leading "" keeps the list non-empty
     arrays: dict[str, mx.array] = {}
-    state: dict[str, Any] = dict(tree_flatten([c.state for c in cache]))
+    state: dict[str, Any] = dict(tree_flatten([stored_state(c) for c in cache]))
     for name, value in state.items():
         if isinstance(value, mx.array):
             arrays[name] = value
         elif isinstance(value, (bool, int, float)):
             scalars.append((name, "scalar"))
             arrays[name] = mx.array(value)
+        elif isinstance(value, str):  # a `CacheList`'s member classes
+            scalars.append((name, "string"))
+            arrays[name] = mx.array([ord(c) for c in value])
         elif value is None:
             scalars.append((name, "none"))
             arrays[name] = mx.array([])

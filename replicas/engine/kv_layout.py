@@ -94,7 +94,7 @@ def measure_kv(model: nn.Module,
     mx.eval([c.state for c in cache])
     per_token, per_sequence = 0, 0
     windows: dict[int, int] = {}
-    for layer in _leaves(cache):
+    for layer in leaves(cache):
         if isinstance(layer, ArraysCache):
             per_sequence += _nbytes(layer.state)
         elif isinstance(layer, (RotatingKVCache, ChunkedKVCache)):
@@ -109,10 +109,12 @@ def measure_kv(model: nn.Module,
     return KvLayout(per_token, tuple(sorted(windows.items())), per_sequence)
 
 
-def _leaves(cache: list[Any]) -> Iterator[Any]:
+def leaves(cache: list[Any]) -> Iterator[Any]:
+    """Every cache of `cache`'s layers, a `CacheList`'s members each (LongCat's two
+    attentions a layer)."""
     for layer in cache:
         if isinstance(layer, CacheList):
-            yield from _leaves(list(layer.caches))
+            yield from leaves(list(layer.caches))
         else:
             yield layer
 

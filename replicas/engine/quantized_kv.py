@@ -10,8 +10,8 @@ sequence and cannot be merged into a batch. This module supplies the two missing
 - `QuantizedRowKVCache`: a `QuantizedKVCache` whose `merge` builds the batch form, which is
   how `BatchGenerator` (`_merge_caches` asks row 0's class) picks the batch cache class.
 
-`make_quantized_prompt_cache` builds a model's per-row caches with the plain `KVCache`
-layers swapped for `QuantizedRowKVCache`; pass them to `BatchGenerator.insert(caches=...)`
+`make_quantized_prompt_cache` builds a model's per-row caches with the plain `KVCache`s
+(a layer's, or each of a `CacheList`'s) swapped for `QuantizedRowKVCache`; pass them to `BatchGenerator.insert(caches=...)`
 for every row (a row given no cache gets mlx-lm's float cache, which cannot share a batch).
 """
 
@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_reduce
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
+    CacheList,
     KVCache,
     QuantizedKVCache,
     _BaseCache,
@@ -91,17 +92,29 @@ def stored_name(layer: Any) -> str:
     return "QuantizedKVCache" if type(layer) is QuantizedRowKVCache else type(layer).__name__
 
 
+def stored_state(layer: Any) -> Any:
+    """A cache layer's state as stored: a `CacheList` names its members (in its state) by
+    `stored_name` too."""
+    if isinstance(layer, CacheList):
+        return [(stored_state(c), stored_name(c)) for c in layer.caches]
+    return layer.state
+
+
 def as_rows(cache: list[Any]) -> list[Any]:
-    """A loaded cache with mlx-lm's quantized layers as rows a batch can merge."""
-    out: list[Any] = []
-    for layer in cache:
-        if type(layer) is QuantizedKVCache:
-            row = QuantizedRowKVCache(group_size=layer.group_size, bits=layer.bits)
-            row.keys, row.values = tuple(cast(Any, layer.keys)), tuple(cast(Any, layer.values))
-            row.offset = layer.offset
-            layer = row
-        out.append(layer)
-    return out
+    """A loaded cache with mlx-lm's quantized layers (a `CacheList`'s members too) as rows
+    a batch can merge."""
+    return [_as_row(layer) for layer in cache]
+
+
+def _as_row(layer: Any) -> Any:
+    if isinstance(layer, CacheList):
+        return CacheList(*(_as_row(c) for c in layer.caches))
+    if type(layer) is not QuantizedKVCache:
+        return layer
+    row = QuantizedRowKVCache(group_size=layer.group_size, bits=layer.bits)
+    row.keys, row.values = tuple(cast(Any, layer.keys)), tuple(cast(Any, layer.values))
+    row.offset = layer.offset
+    return row
 
 
 class BatchQuantizedKVCache(_BaseCache):
@@ -345,12 +358,13 @@ def _check_latents(model: nn.Module, group_size: int) -> None:
 
 
 def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int) -> list[Any]:
-    """`make_prompt_cache(model)` with each plain `KVCache` layer quantized to `bits`;
-    sliding-window, recurrent and `CacheList` layers stay as mlx-lm makes them."""
+    """`make_prompt_cache(model)` with each plain `KVCache` quantized to `bits`, a layer's or
+    a `CacheList`'s (LongCat's two attentions a layer); sliding-window and recurrent caches
+    stay as mlx-lm makes them."""
     _check(bits, group_size)
     cache = make_prompt_cache(model)
-    quantize = [type(c) is KVCache for c in cache]
-    if not any(quantize):  # e.g. LongCat's paired attentions (`CacheList`)
+    quantized = [_quantized(c, bits, group_size) for c in cache]
+    if all(q is c for q, c in zip(quantized, cache)):
         kinds = sorted({type(c).__name__ for c in cache})
         raise ValueError(f"kv_bits: none of this model's cache layers ({', '.join(kinds)}) "
                          "has a quantized form in the batch; serve it without kv_bits")
@@ -360,5 +374,15 @@ def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int) ->
     if any(name.split(".")[-1] == "sinks" for name, _ in params):
         raise ValueError("mlx-lm's quantized attention does not support attention sinks")
     _check_latents(model, group_size)
-    return [QuantizedRowKVCache(group_size=group_size, bits=bits) if q else c
-            for q, c in zip(quantize, cache)]
+    return quantized
+
+
+def _quantized(layer: Any, bits: int, group_size: int) -> Any:
+    """`layer` packed where it is plain attention KV (every member of a `CacheList`, which
+    its merge batches member by member), else `layer` itself."""
+    if type(layer) is KVCache:
+        return QuantizedRowKVCache(group_size=group_size, bits=bits)
+    if isinstance(layer, CacheList) and all(type(c) is KVCache for c in layer.caches):
+        return CacheList(*(QuantizedRowKVCache(group_size=group_size, bits=bits)
+                           for _ in layer.caches))
+    return layer

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.drafting import NgramIndex
+from replicas.engine.kv_layout import leaves
 from replicas.engine.sampling import SamplingShape
 
 
@@ -60,9 +61,10 @@ class DecodeStats:
 
 def can_roll_back(model: nn.Module) -> bool:
     """Whether every layer's cache can drop a row's rejected positions: plain attention
-    KV can; a sliding window that wrapped, or a recurrent state (SSM, linear attention)
-    cannot, and such models decode one token per pass."""
-    return all(type(c) is KVCache for c in make_prompt_cache(model))
+    KV can (a `CacheList` of it too: LongCat's); a sliding window that wrapped, or a
+    recurrent state (SSM, linear attention) cannot, and such models decode one token per
+    pass."""
+    return all(type(c) is KVCache for c in leaves(make_prompt_cache(model)))
 
 
 class Drafter:

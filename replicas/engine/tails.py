@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from replicas.engine.kv_layout import leaves
+
 Order = np.ndarray  # a row's slot order: the position each of its first slots holds
 
 
@@ -31,6 +33,7 @@ def drop_tails(caches: list[Any], rejected: Sequence[int]) -> list[int]:
     """Drop row i's last `rejected[i]` positions from every layer's batch cache (all layers
     alike: they share left padding and write index). Returns, per row, how many of its
     oldest slots moved to its end (`rotated` keeps its order)."""
+    caches = list(leaves(caches))
     common = min(rejected)
     excess = [r - common for r in rejected]
     if common:
@@ -78,14 +81,14 @@ def in_order(layers: list[Any], order: Order | None) -> list[Any]:
     order, as the prefix cache keeps them."""
     if order is None:
         return layers
-    length = layers[0].offset
+    length = next(leaves(layers)).offset
     full = np.concatenate([order, np.arange(len(order), length)])
     slot_of = mx.array(np.argsort(full))  # the slot that holds each position
 
     def reorder(a: mx.array) -> mx.array:
         return mx.contiguous(a[..., slot_of, :])
 
-    for layer in layers:
+    for layer in leaves(layers):  # in place: a `CacheList` keeps its members
         layer.keys = _each(layer.keys, reorder)
         layer.values = _each(layer.values, reorder)
     return layers

@@ -6,6 +6,7 @@ loaded back from disk."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,33 +17,47 @@ from replicas.engine.prefix_directory import BLOCK_TOKENS
 from replicas.engine.prompt_cache import DISK_MIN_TOKENS
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.routing_keys import routing_keys
-from tests.scripted import script_request
+from tests.scripted import GREEDY, script_request
+from tests.streams import stream_events
 from tests.integration.test_prompt_cache import cached_tokens, generate, output, prompt_ids
 
 SCRIPTS = ["tool-one", "multi-turn", "cities"]
 LONG = ["tool-one", "multi-turn"]  # prompts past DISK_MIN_TOKENS: a disk hit is worth it
 
 
-def replica(directory: Path, **engine: Any) -> ModelReplica:
-    rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny", engine=EngineConfig(
+def replica(directory: Path, source: str = "builtin:tiny", **engine: Any) -> ModelReplica:
+    rep = ModelReplica(ReplicaOptions(model_id="tiny", source=source, engine=EngineConfig(
         disk_cache_dir=str(directory), **engine)))
     rep.start()
     return rep
 
 
-QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32
+QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32, MLA's rope key too
+# LongCat-Flash caches each layer's two attentions as mlx-lm's `CacheList`, whose stored
+# state names its members' classes (strings in the file).
+LONGCAT = "builtin:arch-longcat"
 
 
-@pytest.mark.parametrize("engine", [{}, QUANTIZED], ids=["float", "kv_bits 8"])
-def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path,
+def run(rep: ModelReplica, sid: str, source: str) -> list[Any]:
+    """A random-weights model writes to `max_tokens`: 8 here, so that its entries are mostly
+    prompt, as the disk tier's reading rule wants (`PromptCache._from_disk`)."""
+    if source == "builtin:tiny":
+        return generate(rep, sid)
+    return stream_events(rep, script_request(sid, sampling=replace(GREEDY, max_tokens=8)))
+
+
+@pytest.mark.parametrize(("source", "engine"), [
+    ("builtin:tiny", {}), ("builtin:tiny", QUANTIZED), (LONGCAT, {}), (LONGCAT, QUANTIZED)],
+    ids=["float", "kv_bits 8", "longcat float", "longcat kv_bits 8"])
+def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path, source: str,
                                                           engine: dict[str, Any]) -> None:
-    first = replica(tmp_path, **engine)
+    first = replica(tmp_path, source, **engine)
     try:
-        before = {sid: generate(first, sid) for sid in LONG}
+        before = {sid: run(first, sid, source) for sid in LONG}
         lengths = {sid: len(prompt_ids(first, sid)) for sid in LONG}
     finally:
         first.shutdown()  # writes every entry to the disk tier
-    second = replica(tmp_path, **engine)
+    second = replica(tmp_path, source, **engine)
     try:
         assert second.stats().disk_entries >= len(LONG)
         # Before any request: it reports the prefixes its disk holds (the prefix
@@ -52,7 +67,7 @@ def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path,
                     if (keys := routing_keys(script_request(sid), "prefix")) is not None}
         assert reported == {sid: lengths[sid] >= BLOCK_TOKENS for sid in LONG}
         assert any(reported.values())
-        after = {sid: generate(second, sid) for sid in LONG}
+        after = {sid: run(second, sid, source) for sid in LONG}
         stats = second.stats()
     finally:
         second.shutdown()

@@ -35,9 +35,10 @@ SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_l
 # With a draft model, unseeded sampled rows draft samples, kept by the q/p rule.
 DRAFTING = SpeculativeConfig(num_speculative_tokens=4, draft_model="builtin:tiny")
 # qwen3, qwen2, and the MLA families whose attention Orchard absorbs (`replicas.engine.mla`):
-# DeepSeek V3, GLM-4.7-Flash, Mistral Small 4.
+# DeepSeek V3, GLM-4.7-Flash, Mistral Small 4, LongCat-Flash (two attentions a layer, each
+# layer's KV a `CacheList`).
 ROLLS_BACK = ["builtin:tiny", "builtin:pipe", "builtin:arch-mla", "builtin:arch-glm-lite",
-              "builtin:arch-mistral4"]
+              "builtin:arch-mistral4", "builtin:arch-longcat"]
 CANNOT = ["builtin:arch-sliding", "builtin:arch-ssm"]  # gpt-oss window, Nemotron-H SSM
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -169,12 +170,15 @@ def test_a_row_with_its_own_processor_drafts_and_it_reads_each_kept_token_once()
     assert alone == [plain[2]] and alone_counts.accepted > 0
 
 
-def test_the_kv_kept_after_speculation_serves_the_next_turn() -> None:
+@pytest.mark.parametrize("source", ["builtin:tiny", "builtin:arch-longcat"])
+def test_the_kv_kept_after_speculation_serves_the_next_turn(source: str) -> None:
+    """Rows whose slots the rejected tails rotated are put back in order when kept (a
+    `CacheList`'s members too, on LongCat)."""
     rows = prompts()[:2]
-    first, _, batch = decode("builtin:tiny", rows, [GREEDY] * 2, SPEC, cache=True)
+    first, _, batch = decode(source, rows, [GREEDY] * 2, SPEC, cache=True)
     assert batch.cache is not None and batch.cache.stats().entries == 2
     follow = [r + f + [5, 6, 7] for r, f in zip(rows, first)]
-    want, _, _ = decode("builtin:tiny", follow, [GREEDY] * 2, None)
+    want, _, _ = decode(source, follow, [GREEDY] * 2, None)
     uids = batch.insert([Row(tuple(p), 0, 48, frozenset(), make_request_sampler(GREEDY))
                          for p in follow])
     assert all(served > len(r) for (_, served), r in zip(uids, rows))  # reused, not prefilled

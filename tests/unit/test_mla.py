@@ -12,11 +12,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models import glm4_moe_lite, longcat_flash, mistral4
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from replicas.engine.loading import load_model
 from replicas.engine.mla import ABSORBING, SHORT_PASS, absorb_short_passes, mla_attentions
-from replicas.engine.quantized_kv import make_quantized_prompt_cache
+from replicas.engine.disk_cache import snapshot
+from replicas.engine.kv_transfer import decode, encode
+from replicas.engine.quantized_kv import QuantizedRowKVCache, make_quantized_prompt_cache
 from replicas.sources import resolve_source
 
 CONTEXT = mx.array([[3 + i % 90 for i in range(40)]])
@@ -127,8 +129,14 @@ class Unpacked:
                                    bits=self.layer.bits) for p in packed)
 
 
-@pytest.mark.parametrize("build", [f for f in FAMILIES if f is not longcat],
-                         ids=[i for i in IDS if i != "longcat_flash"])
+def unpacked(layer: Any) -> Any:
+    """`Unpacked`, member by member for a `CacheList` (LongCat's two attentions a layer)."""
+    if isinstance(layer, CacheList):
+        return CacheList(*(Unpacked(c) for c in layer.caches))
+    return Unpacked(layer)
+
+
+@pytest.mark.parametrize("build", FAMILIES, ids=IDS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("width", [1, 5, SHORT_PASS + 3])
 def test_over_a_quantized_cache_every_pass_reads_the_packed_kv_as_mlx_lm_would_unpacked(
@@ -136,7 +144,7 @@ def test_over_a_quantized_cache_every_pass_reads_the_packed_kv_as_mlx_lm_would_u
     model = build()
     own = passes(model, width, lambda: make_quantized_prompt_cache(model, bits, 32))
     packed = make_quantized_prompt_cache(model, bits, 32)  # made while Orchard's classes hold
-    theirs = passes(model, width, lambda: [Unpacked(c) for c in packed])
+    theirs = passes(model, width, lambda: [unpacked(c) for c in packed])
     ours, reference = own(), mlx_lms_route(model, theirs)
     assert mx.allclose(ours, reference, atol=1e-3, rtol=1e-3)
     assert mx.argmax(ours, -1).tolist() == mx.argmax(reference, -1).tolist()
@@ -156,6 +164,16 @@ def test_kv_bits_is_refused_for_an_mla_class_orchard_does_not_absorb() -> None:
         make_quantized_prompt_cache(model, 8, 32)
 
 
-def test_kv_bits_is_refused_where_no_cache_layer_can_be_quantized() -> None:
-    with pytest.raises(ValueError, match=r"none of this model's cache layers \(CacheList\)"):
-        make_quantized_prompt_cache(longcat(), 8, 32)  # its paired attentions share a layer
+def test_longcats_paired_attentions_are_packed_and_stored_as_mlx_lm_names_them() -> None:
+    """LongCat's layer caches a `CacheList` of two attentions' KV: each member is packed,
+    and the disk tier's and a pull's bytes (mlx-lm's format) load back as batch rows."""
+    model = longcat()
+    cache = make_quantized_prompt_cache(model, 8, 32)
+    assert all(isinstance(c, CacheList) for c in cache)
+    assert all(type(m) is QuantizedRowKVCache for c in cache for m in c.caches)
+    model(CONTEXT, cache=cache)
+    again = decode(encode(snapshot(cache)))
+    assert [[type(m) for m in c.caches] for c in again] == \
+        [[QuantizedRowKVCache] * 2 for _ in cache]
+    step = mx.array([[9]])
+    assert mx.array_equal(model(step, cache=again), model(step, cache=cache))

@@ -325,14 +325,18 @@ def test_make_quantized_prompt_cache_keeps_other_layers() -> None:
     assert batched == [generate(net, [p], 4, max_tokens=6)[0][0] for p in prompts]
 
     class Hybrid(nn.Module):  # recurrent, nested and full-attention layers
-        layers = [None] * 3
+        layers = [None] * 4
 
         def make_cache(self) -> list[Any]:
-            return [ArraysCache(2), CacheList(KVCache(), KVCache()), KVCache()]
+            return [ArraysCache(2), CacheList(KVCache(), KVCache()),
+                    CacheList(KVCache(), ArraysCache(1)), KVCache()]
 
     made = make_quantized_prompt_cache(Hybrid(), 8, 32)
-    assert [type(c) for c in made] == [ArraysCache, CacheList, QuantizedRowKVCache]
-    assert all(type(c) is KVCache for c in made[1].caches)
+    assert [type(c) for c in made] == [ArraysCache, CacheList, CacheList, QuantizedRowKVCache]
+    # A list of plain attention caches is packed member by member (LongCat's two attentions
+    # a layer); one that holds anything else stays whole, as mlx-lm makes it.
+    assert all(type(c) is QuantizedRowKVCache for c in made[1].caches)
+    assert [type(c) for c in made[2].caches] == [KVCache, ArraysCache]
 
 
 def test_refuses_what_it_cannot_serve(model: nn.Module) -> None:
@@ -347,6 +351,16 @@ def test_refuses_what_it_cannot_serve(model: nn.Module) -> None:
         layer_types=["sliding_attention", "full_attention"]))
     with pytest.raises(ValueError, match="sinks"):  # mlx-lm's quantized attention has none
         make_quantized_prompt_cache(oss, 8, 64)
+
+    class Windowed(nn.Module):  # nothing to pack: a sliding window and a recurrent state
+        layers = [None] * 2
+
+        def make_cache(self) -> list[Any]:
+            return [RotatingKVCache(max_size=8), CacheList(ArraysCache(1), KVCache())]
+
+    with pytest.raises(ValueError, match=r"none of this model's cache layers \(CacheList, "
+                                         r"RotatingKVCache\)"):
+        make_quantized_prompt_cache(Windowed(), 8, 32)
     # Rows quantized differently cannot share a batch.
     a, b = _prefill(model, [1, 2], 8), _prefill(model, [3], 4)
     with pytest.raises(ValueError):
