@@ -20,7 +20,8 @@ _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                   "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                   "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "mistral4": "Mistral4ForCausalLM",
-                  "longcat_flash": "LongcatFlashForCausalLM"}
+                  "longcat_flash": "LongcatFlashForCausalLM",
+                  "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,12 @@ ARCH_LONGCAT = _cache_kind(
     expert_ffn_hidden_size=64, zero_expert_num=2, routed_scaling_factor=1.0,
     rms_norm_eps=1e-6, rope_theta=10000.0, mla_scale_q_lora=True, mla_scale_kv_lora=True,
     attention_bias=False)
-MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4, ARCH_LONGCAT)
+# DeepSeek V3.2 (deepseek_v32; GLM-5's glm_moe_dsa is this class): MLA that attends to the
+# top 16 cached positions its indexer picks once a context passes 16, caching each layer's
+# latent and indexer keys in a `CacheList`. Its attention stays mlx-lm's (not absorbed).
+ARCH_DSV32 = _cache_kind("arch-dsv32", 20240620, "deepseek_v32", 2, **_MLA_SHAPE,
+                         index_head_dim=32, index_n_heads=2, index_topk=16)
+MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4, ARCH_LONGCAT, ARCH_DSV32)
 
 # DeepSeek V3 with the MTP layer its checkpoints ship (speculative.method: mtp): `mtp` draws
 # it at random (its drafts nearly all miss), `mtp-agree` makes it predict what the model

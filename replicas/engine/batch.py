@@ -130,7 +130,8 @@ class LocalBatch:
         self._speculative = config.speculative
         if self._speculative is not None and not can_roll_back(model):
             log.warning("speculative decoding is off: this model's cache cannot drop "
-                        "rejected tokens (sliding window or recurrent layers)")
+                        "rejected tokens (sliding window, recurrent layers or a sparse "
+                        "indexer)")
             self._speculative = None
         self._shared = shared_drafts(self.stream) if shared_drafts and self._speculative \
             else None

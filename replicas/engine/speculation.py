@@ -63,8 +63,10 @@ def can_roll_back(model: nn.Module) -> bool:
     """Whether every layer's cache can drop a row's rejected positions: plain attention
     KV can (a `CacheList` of it too: LongCat's); a sliding window that wrapped, or a
     recurrent state (SSM, linear attention) cannot, and such models decode one token per
-    pass."""
-    return all(type(c) is KVCache for c in leaves(make_prompt_cache(model)))
+    pass. So does a sparse indexer's (DeepSeek V3.2, GLM-5): its top-k breaks ties (ReLU'd
+    scores of 0) by slot, and a dropped tail moves a row's slots (`tails`)."""
+    sparse = any(hasattr(m, "index_topk") for _, m in model.named_modules())
+    return not sparse and all(type(c) is KVCache for c in leaves(make_prompt_cache(model)))
 
 
 class Drafter:

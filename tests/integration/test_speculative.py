@@ -39,7 +39,8 @@ DRAFTING = SpeculativeConfig(num_speculative_tokens=4, draft_model="builtin:tiny
 # layer's KV a `CacheList`).
 ROLLS_BACK = ["builtin:tiny", "builtin:pipe", "builtin:arch-mla", "builtin:arch-glm-lite",
               "builtin:arch-mistral4", "builtin:arch-longcat"]
-CANNOT = ["builtin:arch-sliding", "builtin:arch-ssm"]  # gpt-oss window, Nemotron-H SSM
+# gpt-oss's window, Nemotron-H's SSM, DeepSeek V3.2's sparse indexer (`can_roll_back`).
+CANNOT = ["builtin:arch-sliding", "builtin:arch-ssm", "builtin:arch-dsv32"]
 GREEDY = SamplingParams(temperature=0.0)
 
 
