@@ -1,5 +1,6 @@
 """MLA attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash, LongCat-Flash, Mistral Small 4) in
-its absorbed form for short passes, and over a quantized cache.
+its absorbed form for short passes, and over a quantized cache (DeepSeek V3.2 and GLM-5,
+whose sparse indexer picks the positions, too).
 
 mlx-lm 0.32.2's MLA attention attends over the compressed latents directly only for a pass
 of one position; any longer pass first decompresses every cached latent into full keys and
@@ -24,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
+from mlx_lm.models.deepseek_v32 import DeepseekV32Attention
 from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteAttention
 from mlx_lm.models.longcat_flash import LongcatFlashMLA
 from mlx_lm.models.mistral4 import Mistral4Attention
@@ -43,7 +45,7 @@ class LatentAttention(nn.Module):
         attn_scale = args[0] if len(args) == 3 else None
         given = dict(zip(("mask", "cache"), args[1:] if len(args) == 3 else args)) | kwargs
         mask, cache = given.get("mask"), given.get("cache")
-        B, L, _ = x.shape
+        L = x.shape[1]
         quantized = hasattr(cache, "bits")
         if not quantized and (L == 1 or L > SHORT_PASS or mask is None):
             return super().__call__(x, *args, **kwargs)  # type: ignore[misc]
@@ -55,6 +57,13 @@ class LatentAttention(nn.Module):
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
         if quantized:  # the rope key is narrow (64 of DeepSeek V3's 576): unpack it whole
             k_pe = _unpack(k_pe, cache)
+        return self._attend(q_nope, q_pe, latent, k_pe, mask, cache)
+
+    def _attend(self, q_nope: mx.array, q_pe: mx.array, latent: Any, k_pe: mx.array,
+                mask: mx.array | None, cache: Any) -> mx.array:
+        """The output of the queries over the cached latent (packed where `cache` is) and
+        the unpacked rope key, under `mask`."""
+        B, _, L, _ = q_nope.shape
         pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
         if mask is not None:
             pe_scores = mx.where(mask, pe_scores,
@@ -70,16 +79,16 @@ class LatentAttention(nn.Module):
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output)
 
-    def _project(self, x: mx.array, offset: int, attn_scale: mx.array | None
-                 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    def _project(self, x: mx.array, offset: int, attn_scale: mx.array | None,
+                 qr: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The queries' two parts, the latent and the rope key, as mlx-lm's class makes
         them: DeepSeek V3's steps, with LongCat's two scales and Mistral 4's query scale
-        where the class has them."""
+        where the class has them. `qr`: the queries' low-rank form, where made already."""
         B, L, _ = x.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if qr is None else qr)
         heads = getattr(self, "num_heads", None) or self.num_attention_heads
         q = q.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
         if getattr(self, "mla_scale_q_lora", None) is not None:
@@ -117,13 +126,52 @@ def _unpack(packed: Any, cache: Any) -> mx.array:
     return mx.dequantize(codes, scales, biases, group_size=cache.group_size, bits=cache.bits)
 
 
+class SparseLatentAttention(LatentAttention):
+    """DeepSeek V3.2's MLA (GLM-5's too) over a packed latent. Its indexer, on its own float
+    cache (`cache[1]`), picks the cached positions each query attends to: a decode step
+    gathers those (packed), as mlx-lm's gathers them unpacked; a longer pass masks the rest.
+    Over a float cache every pass is mlx-lm's (speculation is off for this class:
+    `speculation.can_roll_back`)."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if cache is None or not hasattr(cache[0], "bits"):
+            return super(LatentAttention, self).__call__(x, mask, cache)  # type: ignore[misc]
+        latents, index = cache[0], cache[1]
+        L = x.shape[1]
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q_nope, q_pe, latent, k_pe = self._project(x, latents.offset, None, qr)
+        if isinstance(mask, str):  # "causal", from a single sequence's cache
+            mask = create_causal_mask(L, latents.offset)
+        packed, pe = latents.update_and_fetch(latent, k_pe)
+        k_pe = _unpack(pe, latents)
+        top = self.indexer(x, qr, mask, cache=index)  # None while the context fits
+        if top is not None and L == 1:
+            at = top[:, :, 0, :, None]  # (batch, 1, top_k, 1): slots along axis 2
+            pick = lambda a: mx.take_along_axis(  # noqa: E731
+                a, mx.broadcast_to(at, (*at.shape[:-1], a.shape[-1])), axis=2)
+            packed, k_pe = tuple(pick(a) for a in packed), pick(k_pe)
+            mask = None if mask is None else mx.take_along_axis(mask, top, axis=-1)
+        elif top is not None:
+            picked = mx.put_along_axis(mx.zeros((*top.shape[:-1], k_pe.shape[2]), mx.bool_),
+                                       top, mx.array(True), axis=-1)
+            mask = picked if mask is None else picked & mask
+        return self._attend(q_nope, q_pe, packed, k_pe, mask, latents)
+
+
+def has_sparse_indexer(model: nn.Module) -> bool:
+    """Whether `model` attends through a sparse indexer (DeepSeek V3.2, GLM-5): each layer's
+    `CacheList` then holds the latent (`[0]`) and the indexer's own keys (`[1]`)."""
+    return any(hasattr(m, "index_topk") for _, m in model.named_modules())
+
+
 # mlx-lm's MLA classes Orchard absorbs, each with its absorbing subclass. The others keep
-# mlx-lm's route (`replicas.engine.quantized_kv` refuses `kv_bits` for them): DeepSeek
-# V3.2's and GLM-5's attend through a sparse indexer; Kimi Linear's, Kimi K3's and Ling's
-# sit beside linear-attention layers, whose caches cannot roll drafts back anyway.
+# mlx-lm's route (`replicas.engine.quantized_kv` refuses `kv_bits` for them): Kimi
+# Linear's, Kimi K3's and Ling's, which sit beside linear-attention layers.
 ABSORBING: dict[type, type] = {
     cls: type(f"Absorbing{cls.__name__}", (LatentAttention, cls), {})
     for cls in (DeepseekV3Attention, Glm4MoeLiteAttention, LongcatFlashMLA, Mistral4Attention)}
+ABSORBING[DeepseekV32Attention] = type("AbsorbingDeepseekV32Attention",
+                                       (SparseLatentAttention, DeepseekV32Attention), {})
 
 
 def absorb_short_passes(model: nn.Module) -> None:

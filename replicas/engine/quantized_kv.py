@@ -33,7 +33,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from replicas.engine.mla import ABSORBING, mla_attentions
+from replicas.engine.mla import ABSORBING, has_sparse_indexer, mla_attentions
 
 # One quantized tensor as `mx.quantize` packs it: (uint32 codes, scales, biases), every
 # part (batch, kv heads, positions, ...), positions on axis 2.
@@ -363,7 +363,9 @@ def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int) ->
     stay as mlx-lm makes them."""
     _check(bits, group_size)
     cache = make_prompt_cache(model)
-    quantized = [_quantized(c, bits, group_size) for c in cache]
+    # A sparse indexer reads its own keys unpacked: only the latent (`[0]`) is packed.
+    members = 1 if has_sparse_indexer(model) else None
+    quantized = [_quantized(c, bits, group_size, members) for c in cache]
     if all(q is c for q, c in zip(quantized, cache)):
         kinds = sorted({type(c).__name__ for c in cache})
         raise ValueError(f"kv_bits: none of this model's cache layers ({', '.join(kinds)}) "
@@ -377,12 +379,13 @@ def make_quantized_prompt_cache(model: nn.Module, bits: int, group_size: int) ->
     return quantized
 
 
-def _quantized(layer: Any, bits: int, group_size: int) -> Any:
-    """`layer` packed where it is plain attention KV (every member of a `CacheList`, which
-    its merge batches member by member), else `layer` itself."""
+def _quantized(layer: Any, bits: int, group_size: int, members: int | None) -> Any:
+    """`layer` packed where it is plain attention KV (the first `members` of a `CacheList`,
+    all for None: its merge batches member by member), else `layer` itself."""
     if type(layer) is KVCache:
         return QuantizedRowKVCache(group_size=group_size, bits=bits)
     if isinstance(layer, CacheList) and all(type(c) is KVCache for c in layer.caches):
         return CacheList(*(QuantizedRowKVCache(group_size=group_size, bits=bits)
-                           for _ in layer.caches))
+                           if members is None or i < members else c
+                           for i, c in enumerate(layer.caches)))
     return layer

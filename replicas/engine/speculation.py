@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.drafting import NgramIndex
 from replicas.engine.kv_layout import leaves
+from replicas.engine.mla import has_sparse_indexer
 from replicas.engine.sampling import SamplingShape
 
 
@@ -65,8 +66,8 @@ def can_roll_back(model: nn.Module) -> bool:
     recurrent state (SSM, linear attention) cannot, and such models decode one token per
     pass. So does a sparse indexer's (DeepSeek V3.2, GLM-5): its top-k breaks ties (ReLU'd
     scores of 0) by slot, and a dropped tail moves a row's slots (`tails`)."""
-    sparse = any(hasattr(m, "index_topk") for _, m in model.named_modules())
-    return not sparse and all(type(c) is KVCache for c in leaves(make_prompt_cache(model)))
+    return not has_sparse_indexer(model) and \
+        all(type(c) is KVCache for c in leaves(make_prompt_cache(model)))
 
 
 class Drafter:

@@ -36,6 +36,7 @@ QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32, MLA's 
 # LongCat-Flash caches each layer's two attentions as mlx-lm's `CacheList`, whose stored
 # state names its members' classes (strings in the file).
 LONGCAT = "builtin:arch-longcat"
+DSV32 = "builtin:arch-dsv32"  # a `CacheList` of a packed latent and float indexer keys
 
 
 def run(rep: ModelReplica, sid: str, source: str) -> list[Any]:
@@ -47,8 +48,9 @@ def run(rep: ModelReplica, sid: str, source: str) -> list[Any]:
 
 
 @pytest.mark.parametrize(("source", "engine"), [
-    ("builtin:tiny", {}), ("builtin:tiny", QUANTIZED), (LONGCAT, {}), (LONGCAT, QUANTIZED)],
-    ids=["float", "kv_bits 8", "longcat float", "longcat kv_bits 8"])
+    ("builtin:tiny", {}), ("builtin:tiny", QUANTIZED), (LONGCAT, {}), (LONGCAT, QUANTIZED),
+    (DSV32, QUANTIZED)],
+    ids=["float", "kv_bits 8", "longcat float", "longcat kv_bits 8", "dsv32 kv_bits 8"])
 def test_a_restarted_replica_loads_its_prefixes_from_disk(tmp_path: Path, source: str,
                                                           engine: dict[str, Any]) -> None:
     first = replica(tmp_path, source, **engine)

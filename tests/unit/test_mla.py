@@ -11,7 +11,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models import glm4_moe_lite, longcat_flash, mistral4
+from mlx_lm.models import deepseek_v32, glm4_moe_lite, longcat_flash, mistral4
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from replicas.engine.loading import load_model
@@ -72,16 +72,26 @@ def mistral_small_4() -> nn.Module:
                                     "original_max_position_embeddings": 16})))
 
 
-FAMILIES = [arch_mla, glm_lite, longcat, mistral_small_4]
-IDS = ["deepseek_v3", "glm4_moe_lite", "longcat_flash", "mistral4"]
+def dsv32() -> nn.Module:
+    """DeepSeek V3.2's class (GLM-5's): past 8 cached positions its indexer picks the top 8."""
+    mx.random.seed(10)
+    return absorbed(deepseek_v32.Model(deepseek_v32.ModelArgs(
+        **SHAPE, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, index_head_dim=32, index_n_heads=2, index_topk=8)))
+
+
+FAMILIES = [arch_mla, glm_lite, longcat, mistral_small_4, dsv32]
+IDS = ["deepseek_v3", "glm4_moe_lite", "longcat_flash", "mistral4", "deepseek_v32"]
 
 
 def mlx_lms_route(model: nn.Module, run: Callable[[], mx.array]) -> mx.array:
     """`run()` with every MLA attention back in mlx-lm's own class."""
     attentions = mla_attentions(model)
     absorbing = [type(a) for a in attentions]
-    for attention in attentions:
-        attention.__class__ = type(attention).__mro__[2]  # past the mixin: mlx-lm's class
+    for attention in attentions:  # past the mixins: mlx-lm's class
+        attention.__class__ = next(c for c in type(attention).__mro__
+                                   if c.__module__.startswith("mlx_lm."))
     try:
         return run()
     finally:
@@ -118,6 +128,8 @@ class Unpacked:
 
     def __init__(self, layer: Any) -> None:
         self.layer, self.offset = layer, layer.offset
+        # DeepSeek V3.2's route ties its indexer's cache to `keys` (`mx.depends`) alone.
+        self.keys = mx.zeros((1,))
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
         return self.layer.make_mask(*args, **kwargs)
@@ -130,10 +142,11 @@ class Unpacked:
 
 
 def unpacked(layer: Any) -> Any:
-    """`Unpacked`, member by member for a `CacheList` (LongCat's two attentions a layer)."""
+    """`Unpacked`, member by member for a `CacheList` (LongCat's two attentions a layer;
+    DeepSeek V3.2's indexer keys, never packed, stay as they are)."""
     if isinstance(layer, CacheList):
-        return CacheList(*(Unpacked(c) for c in layer.caches))
-    return Unpacked(layer)
+        return CacheList(*(unpacked(c) for c in layer.caches))
+    return Unpacked(layer) if hasattr(layer, "bits") else layer
 
 
 @pytest.mark.parametrize("build", FAMILIES, ids=IDS)
