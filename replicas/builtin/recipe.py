@@ -273,7 +273,7 @@ ARCH_LONGCAT = _cache_kind(
     attention_bias=False)
 # DeepSeek V3.2 (deepseek_v32; GLM-5's glm_moe_dsa is this class): MLA that attends to the
 # top 16 cached positions its indexer picks once a context passes 16, caching each layer's
-# latent and indexer keys in a `CacheList`. Its attention stays mlx-lm's (not absorbed).
+# latent and indexer keys in a `CacheList` (over a packed latent: `mla.SparseLatentAttention`).
 ARCH_DSV32 = _cache_kind("arch-dsv32", 20240620, "deepseek_v32", 2, **_MLA_SHAPE,
                          index_head_dim=32, index_n_heads=2, index_topk=16)
 MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4, ARCH_LONGCAT, ARCH_DSV32)

@@ -82,7 +82,7 @@ class _Finish:
 
 @dataclass(frozen=True)
 class _Bound:
-    nbytes: int  # the prefix cache holds at most this from now on (its cost, equal on every rank)
+    nbytes: int  # the prefix cache holds at most this from now on (its cost: equal on all ranks)
 
 
 @dataclass(frozen=True)

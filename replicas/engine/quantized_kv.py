@@ -11,8 +11,9 @@ sequence and cannot be merged into a batch. This module supplies the two missing
   how `BatchGenerator` (`_merge_caches` asks row 0's class) picks the batch cache class.
 
 `make_quantized_prompt_cache` builds a model's per-row caches with the plain `KVCache`s
-(a layer's, or each of a `CacheList`'s) swapped for `QuantizedRowKVCache`; pass them to `BatchGenerator.insert(caches=...)`
-for every row (a row given no cache gets mlx-lm's float cache, which cannot share a batch).
+(a layer's, or a `CacheList`'s) swapped for `QuantizedRowKVCache`; pass them to
+`BatchGenerator.insert(caches=...)` for every row (a row given no cache gets mlx-lm's float
+cache, which cannot share a batch).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """A quantized KV cache on MLA models, loaded through the production path: DeepSeek V3's
 class (`builtin:arch-mla`), LongCat-Flash's (`builtin:arch-longcat`), whose layers each
 cache two attentions in a `CacheList`, and DeepSeek V3.2's (`builtin:arch-dsv32`), whose
-sparse indexer keeps its own keys unpacked beside the packed latent. Orchard's MLA attention reads the packed latent and
-rope key (`replicas.engine.mla`), where mlx-lm's cannot.
+sparse indexer keeps its own keys unpacked beside the packed latent. Orchard's MLA
+attention reads the packed latent and rope key (`replicas.engine.mla`), where mlx-lm's
+cannot.
 
 On each: bytes per token fall as the packing says; the top token stays within a stated
-tolerance of the unquantized cache's; rows batched together equal each alone; and the prefix
+tolerance of the unquantized cache's; rows batched together equal each alone; the prefix
 cache serves a conversation's earlier turn from it with the output unchanged; and
 speculation rolls the packed latent back exactly (where the model speculates at all).
 """
