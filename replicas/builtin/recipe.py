@@ -21,7 +21,8 @@ _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                   "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "mistral4": "Mistral4ForCausalLM",
                   "longcat_flash": "LongcatFlashForCausalLM",
-                  "deepseek_v32": "DeepseekV32ForCausalLM"}
+                  "deepseek_v32": "DeepseekV32ForCausalLM",
+                  "kimi_linear": "KimiLinearForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,16 @@ ARCH_LONGCAT = _cache_kind(
 # latent and indexer keys in a `CacheList` (over a packed latent: `mla.SparseLatentAttention`).
 ARCH_DSV32 = _cache_kind("arch-dsv32", 20240620, "deepseek_v32", 2, **_MLA_SHAPE,
                          index_head_dim=32, index_n_heads=2, index_topk=16)
-MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4, ARCH_LONGCAT, ARCH_DSV32)
+# Kimi Linear (kimi_linear): three of four layers linear (Kimi Delta Attention, a fixed
+# state), the fourth MLA without position encoding; MoE.
+ARCH_KIMI_LINEAR = _cache_kind(
+    "arch-kimi-linear", 20240621, "kimi_linear", 4, kv_lora_rank=64, qk_rope_head_dim=32,
+    qk_nope_head_dim=32, v_head_dim=32, mla_use_nope=True, model_max_length=32768,
+    num_experts=4, num_experts_per_token=2, moe_intermediate_size=64,
+    first_k_dense_replace=1, num_key_value_heads=4, linear_attn_config={
+        "kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 4, "head_dim": 32,
+        "short_conv_kernel_size": 4})
+MLA_FAMILIES = (ARCH_GLM_LITE, ARCH_MISTRAL4, ARCH_LONGCAT, ARCH_DSV32, ARCH_KIMI_LINEAR)
 
 # DeepSeek V3 with the MTP layer its checkpoints ship (speculative.method: mtp): `mtp` draws
 # it at random (its drafts nearly all miss), `mtp-agree` makes it predict what the model

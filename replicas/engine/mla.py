@@ -1,6 +1,7 @@
-"""MLA attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash, LongCat-Flash, Mistral Small 4) in
-its absorbed form for short passes, and over a quantized cache (DeepSeek V3.2 and GLM-5,
-whose sparse indexer picks the positions, too).
+"""MLA attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash, LongCat-Flash, Mistral Small 4, and
+the hybrids' MLA: Kimi Linear, Kimi K3, Ling) in its absorbed form for short passes, and
+over a quantized cache (DeepSeek V3.2 and GLM-5, whose sparse indexer picks the positions,
+too).
 
 mlx-lm 0.32.2's MLA attention attends over the compressed latents directly only for a pass
 of one position; any longer pass first decompresses every cached latent into full keys and
@@ -24,9 +25,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
+from mlx_lm.models.bailing_hybrid import MultiLatentAttention
+from mlx_lm.models.bailing_moe_v3 import BailingMLA
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 from mlx_lm.models.deepseek_v32 import DeepseekV32Attention
 from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteAttention
+from mlx_lm.models.kimi_k3 import KimiK3MLAAttention
+from mlx_lm.models.kimi_linear import KimiMLAAttention
 from mlx_lm.models.longcat_flash import LongcatFlashMLA
 from mlx_lm.models.mistral4 import Mistral4Attention
 
@@ -57,13 +62,13 @@ class LatentAttention(nn.Module):
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
         if quantized:  # the rope key is narrow (64 of DeepSeek V3's 576): unpack it whole
             k_pe = _unpack(k_pe, cache)
-        return self._attend(q_nope, q_pe, latent, k_pe, mask, cache)
+        return self._attend(x, q_nope, q_pe, latent, k_pe, mask, cache)
 
-    def _attend(self, q_nope: mx.array, q_pe: mx.array, latent: Any, k_pe: mx.array,
-                mask: mx.array | None, cache: Any) -> mx.array:
+    def _attend(self, x: mx.array, q_nope: mx.array, q_pe: mx.array, latent: Any,
+                k_pe: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
         """The output of the queries over the cached latent (packed where `cache` is) and
         the unpacked rope key, under `mask`."""
-        B, _, L, _ = q_nope.shape
+        L = q_nope.shape[2]
         pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
         if mask is not None:
             pe_scores = mx.where(mask, pe_scores,
@@ -76,8 +81,12 @@ class LatentAttention(nn.Module):
         else:
             output = self.unembed_out(self._absorbed(self.embed_q(q_nope), latent,
                                                      pe_scores, cache))
-        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(output)
+        return self._output(output.transpose(0, 2, 1, 3), x)
+
+    def _output(self, heads: mx.array, x: mx.array) -> mx.array:
+        """The layer's output from each head's values (batch, positions, heads, width), as
+        mlx-lm's class makes it: DeepSeek V3's output projection (a subclass for others)."""
+        return self.o_proj(heads.reshape(*heads.shape[:2], -1))
 
     def _project(self, x: mx.array, offset: int, attn_scale: mx.array | None,
                  qr: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -85,7 +94,7 @@ class LatentAttention(nn.Module):
         them: DeepSeek V3's steps, with LongCat's two scales and Mistral 4's query scale
         where the class has them. `qr`: the queries' low-rank form, where made already."""
         B, L, _ = x.shape
-        if self.q_lora_rank is None:
+        if getattr(self, "q_lora_rank", None) is None:  # Kimi Linear's has none
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if qr is None else qr)
@@ -99,7 +108,8 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_layernorm(compressed)
         if getattr(self, "mla_scale_kv_lora", None) is not None:
             latent = latent * self.mla_scale_kv_lora
-        q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
+        if getattr(self, "rope", None) is not None:  # Kimi's MLA has no position encoding
+            q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
         if attn_scale is not None:
             q_nope, q_pe = q_nope * attn_scale, q_pe * attn_scale
         return q_nope, q_pe, mx.expand_dims(latent, axis=1), k_pe
@@ -155,7 +165,7 @@ class SparseLatentAttention(LatentAttention):
             picked = mx.put_along_axis(mx.zeros((*top.shape[:-1], k_pe.shape[2]), mx.bool_),
                                        top, mx.array(True), axis=-1)
             mask = picked if mask is None else picked & mask
-        return self._attend(q_nope, q_pe, packed, k_pe, mask, latents)
+        return self._attend(x, q_nope, q_pe, packed, k_pe, mask, latents)
 
 
 def has_sparse_indexer(model: nn.Module) -> bool:
@@ -164,14 +174,34 @@ def has_sparse_indexer(model: nn.Module) -> bool:
     return any(hasattr(m, "index_topk") for _, m in model.named_modules())
 
 
-# mlx-lm's MLA classes Orchard absorbs, each with its absorbing subclass. The others keep
-# mlx-lm's route (`replicas.engine.quantized_kv` refuses `kv_bits` for them): Kimi
-# Linear's, Kimi K3's and Ling's, which sit beside linear-attention layers.
-ABSORBING: dict[type, type] = {
-    cls: type(f"Absorbing{cls.__name__}", (LatentAttention, cls), {})
-    for cls in (DeepseekV3Attention, Glm4MoeLiteAttention, LongcatFlashMLA, Mistral4Attention)}
-ABSORBING[DeepseekV32Attention] = type("AbsorbingDeepseekV32Attention",
-                                       (SparseLatentAttention, DeepseekV32Attention), {})
+class GatedLatentAttention(LatentAttention):
+    """Kimi K3's MLA: its output gated per channel (where the checkpoint says so)."""
+
+    def _output(self, heads: mx.array, x: mx.array) -> mx.array:
+        out = heads.reshape(*heads.shape[:2], -1)
+        return self.o_proj(out * mx.sigmoid(self.g_proj(x)) if self.use_gate else out)
+
+
+class DenseLatentAttention(LatentAttention):
+    """Ling's MLA (Bailing hybrid, Bailing V3): its output projection is `dense`, after a
+    gate per head where the class has one (V3)."""
+
+    def _output(self, heads: mx.array, x: mx.array) -> mx.array:
+        if hasattr(self, "g_proj"):
+            gate = mx.sigmoid(self.g_proj(x).astype(mx.float32)).astype(heads.dtype)
+            heads = heads * gate[..., None]
+        return self.dense(heads.reshape(*heads.shape[:2], -1))
+
+
+# mlx-lm's MLA classes Orchard absorbs, each with the route that absorbs it.
+_ROUTES: dict[type, type] = {
+    DeepseekV3Attention: LatentAttention, Glm4MoeLiteAttention: LatentAttention,
+    LongcatFlashMLA: LatentAttention, Mistral4Attention: LatentAttention,
+    KimiMLAAttention: LatentAttention, KimiK3MLAAttention: GatedLatentAttention,
+    MultiLatentAttention: DenseLatentAttention, BailingMLA: DenseLatentAttention,
+    DeepseekV32Attention: SparseLatentAttention}
+ABSORBING: dict[type, type] = {cls: type(f"Absorbing{cls.__name__}", (route, cls), {})
+                               for cls, route in _ROUTES.items()}
 
 
 def absorb_short_passes(model: nn.Module) -> None:

@@ -1,8 +1,9 @@
 """A quantized KV cache on MLA models, loaded through the production path: DeepSeek V3's
 class (`builtin:arch-mla`), LongCat-Flash's (`builtin:arch-longcat`), whose layers each
-cache two attentions in a `CacheList`, and DeepSeek V3.2's (`builtin:arch-dsv32`), whose
-sparse indexer keeps its own keys unpacked beside the packed latent. Orchard's MLA
-attention reads the packed latent and rope key (`replicas.engine.mla`), where mlx-lm's
+cache two attentions in a `CacheList`, DeepSeek V3.2's (`builtin:arch-dsv32`), whose sparse
+indexer keeps its own keys unpacked beside the packed latent, and Kimi Linear's
+(`builtin:arch-kimi-linear`), whose MLA layers sit among linear-attention ones. Orchard's
+MLA attention reads the packed latent and rope key (`replicas.engine.mla`), where mlx-lm's
 cannot.
 
 On each: bytes per token fall as the packing says; the top token stays within a stated
@@ -17,27 +18,33 @@ from typing import Iterator
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.quantized_kv import make_quantized_prompt_cache
 from replicas.replica import ModelReplica, ReplicaOptions
-from tests.integration.test_kv_quantized import check_conversation_from_the_cache, layout
+from tests.integration.test_kv_quantized import check_conversation_from_the_cache, layout, text
+from tests.integration.test_prompt_cache import output
 from tests.integration.test_speculative import GREEDY, decode, model, prompts
+from tests.scripted import script_request
+from tests.streams import stream_events
 
 SOURCE = "builtin:arch-mla"
-SOURCES = [SOURCE, "builtin:arch-longcat", "builtin:arch-dsv32"]
-ROLLS_BACK = SOURCES[:2]  # DeepSeek V3.2's sparse indexer decodes one token a pass
+SOURCES = [SOURCE, "builtin:arch-longcat", "builtin:arch-dsv32", "builtin:arch-kimi-linear"]
+# DeepSeek V3.2's sparse indexer and Kimi Linear's linear layers decode one token a pass.
+ROLLS_BACK = SOURCES[:2]
 GROUP = 32  # the built-in MLAs' rope key is 32 wide
 # The least share of positions whose top token equals the unquantized cache's, fed the same
 # tokens, by model and bits. Measured on these random-weight models (281 positions): DeepSeek
 # V3 99.6% at 8 bits, 87% at 4; LongCat 96.8% and 74% (two attentions a layer, both read
 # through the packed cache, and both latents scaled: more rounding reaches the logits);
 # DeepSeek V3.2 97.5% and 75% (the indexer's picks are computed from float keys, but the
-# attention over them reads the packed latent).
+# attention over them reads the packed latent); Kimi Linear 100% and 97% (one MLA layer of
+# four, the rest linear attention with float state).
 AGREEMENT = {(SOURCE, 8): 0.98, (SOURCE, 4): 0.80,
              ("builtin:arch-longcat", 8): 0.95, ("builtin:arch-longcat", 4): 0.70,
-             ("builtin:arch-dsv32", 8): 0.95, ("builtin:arch-dsv32", 4): 0.70}
+             ("builtin:arch-dsv32", 8): 0.95, ("builtin:arch-dsv32", 4): 0.70,
+             ("builtin:arch-kimi-linear", 8): 0.98, ("builtin:arch-kimi-linear", 4): 0.90}
 
 
 def make(bits: int | None, cache: bool = True, source: str = SOURCE) -> ModelReplica:
@@ -114,5 +121,23 @@ def test_speculation_rolls_the_packed_latent_back_exactly(bits: int, source: str
 def test_the_prefix_cache_serves_an_earlier_turn_from_the_packed_latent(
         quantized: tuple[int, ModelReplica]) -> None:
     bits, rep = quantized
-    check_conversation_from_the_cache(
-        rep, lambda: make(bits, cache=False, source=rep.options.source))
+    source = rep.options.source
+
+    def fresh() -> ModelReplica:
+        return make(bits, cache=False, source=source)
+
+    if can_trim_prompt_cache(make_prompt_cache(rep.model.model)):
+        check_conversation_from_the_cache(rep, fresh)
+        return
+    # Kimi Linear's linear layers keep a state that cannot drop tokens, so an entry serves
+    # exactly its own prefix, never a trimmed longer one: a later turn's prompt is kept at
+    # its last message boundary, and the earlier turn, whose prompt ends there, reuses it.
+    cold = fresh()
+    try:
+        expected = [text(cold, sid) for sid in ("tool-result", "tool-one")]
+    finally:
+        cold.shutdown()
+    later = stream_events(rep, script_request("tool-result"))
+    earlier = stream_events(rep, script_request("tool-one"))
+    assert earlier[-1].usage.cached_tokens > 0  # type: ignore[union-attr]
+    assert [output(later), output(earlier)] == expected

@@ -11,8 +11,18 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models import deepseek_v32, glm4_moe_lite, longcat_flash, mistral4
-from mlx_lm.models.cache import CacheList, make_prompt_cache
+from mlx_lm.models import (
+    bailing_hybrid,
+    bailing_moe_v3,
+    deepseek_v32,
+    glm4_moe_lite,
+    kimi_k3,
+    kimi_linear,
+    longcat_flash,
+    mistral4,
+)
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
 from replicas.engine.loading import load_model
 from replicas.engine.mla import ABSORBING, SHORT_PASS, absorb_short_passes, mla_attentions
@@ -190,3 +200,70 @@ def test_longcats_paired_attentions_are_packed_and_stored_as_mlx_lm_names_them()
         [[QuantizedRowKVCache] * 2 for _ in cache]
     step = mx.array([[9]])
     assert mx.array_equal(model(step, cache=again), model(step, cache=cache))
+
+
+# The MLA beside linear attention (hybrids, whose caches cannot drop drafts: `kv_bits` is what
+# Orchard's route is for there), each class alone at the test's shape, random weights.
+MLA_DIMS = dict(kv_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def kimi_linear_mla() -> nn.Module:
+    """Kimi Linear's MLA: no low-rank queries, no position encoding (NoPE)."""
+    return kimi_linear.KimiMLAAttention(kimi_linear.ModelArgs(
+        model_type="kimi_linear", vocab_size=128, hidden_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, head_dim=16,
+        rope_theta=10000.0, rms_norm_eps=1e-6, linear_attn_config={}, model_max_length=4096,
+        num_experts=4, moe_intermediate_size=32, mla_use_nope=True, **MLA_DIMS))
+
+
+def kimi_k3_mla() -> nn.Module:
+    """Kimi K3's: NoPE, low-rank queries, its output gated per channel."""
+    return kimi_k3.KimiK3MLAAttention(kimi_k3.TextArgs(
+        hidden_size=64, num_attention_heads=4, q_lora_rank=48, mla_use_nope=True,
+        mla_use_output_gate=True, **MLA_DIMS))
+
+
+def ling_mla() -> nn.Module:
+    """Ling's (Bailing hybrid): its output projection named `dense`."""
+    return bailing_hybrid.MultiLatentAttention(bailing_hybrid.ModelArgs(
+        model_type="bailing_hybrid", hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+        n_group=1, topk_group=1, first_k_dense_replace=1, layer_group_size=2,
+        group_norm_size=1, vocab_size=128, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=4096, routed_scaling_factor=1.0, head_dim=16, q_lora_rank=48,
+        **MLA_DIMS))
+
+
+def ling_v3_mla() -> nn.Module:
+    """Ling's (Bailing V3): a gate per head before `dense`."""
+    return bailing_moe_v3.BailingMLA(bailing_moe_v3.ModelArgs(
+        hidden_size=64, num_attention_heads=4, head_dim=16, q_lora_rank=48, **MLA_DIMS))
+
+
+HYBRIDS = {"kimi_linear": kimi_linear_mla, "kimi_k3": kimi_k3_mla, "bailing_hybrid": ling_mla,
+           "bailing_moe_v3": ling_v3_mla}
+
+
+@pytest.mark.parametrize("build", HYBRIDS.values(), ids=HYBRIDS.keys())
+@pytest.mark.parametrize("bits", [None, 8, 4])
+@pytest.mark.parametrize("width", [1, 5, SHORT_PASS + 3])
+def test_a_hybrids_mla_reads_a_packed_cache_as_mlx_lm_would_unpacked(
+        build: Callable[[], nn.Module], bits: int | None, width: int) -> None:
+    mx.random.seed(11)
+    attention = absorbed(build())
+    assert type(attention) in ABSORBING.values()
+    context, step = mx.random.normal((1, 40, 64)), mx.random.normal((1, width, 64))
+
+    def run(cache: Any) -> mx.array:
+        attention(context, mask=create_causal_mask(40, 0), cache=cache)
+        return attention(step, mask=create_causal_mask(width, 40) if width > 1 else None,
+                         cache=cache)
+
+    def fresh() -> Any:
+        return QuantizedRowKVCache(group_size=32, bits=bits) if bits else KVCache()
+
+    ours = run(fresh())
+    packed = fresh()
+    reference = mlx_lms_route(attention, lambda: run(Unpacked(packed) if bits else packed))
+    assert mx.allclose(ours, reference, atol=1e-4, rtol=1e-4)
