@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -10,9 +11,12 @@ import openai
 import pytest
 
 from replicas.builtin import script
+from replicas.options import ReplicaOptions
 
 pytestmark = pytest.mark.e2e
 MODEL = "orchard-tiny"
+# stream_flush_ms as the servers here run it: the default.
+FLUSH_S = ReplicaOptions.__dataclass_fields__["flush_interval_s"].default
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +73,27 @@ def test_completions_streaming_equals_non_streaming(client: openai.OpenAI) -> No
 def test_sse_arrives_token_by_token_with_usage_and_done(server: str) -> None:
     body = {**{k: v for k, v in chat_args("ocean-prose").items() if k != "extra_body"},
             "stream": True, "stream_options": {"include_usage": True}}
-    frames: list[str] = []
+    frames: list[tuple[float, str]] = []  # arrival time, data
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
-                frames.append(line[len("data: "):])
-    assert frames[-1] == "[DONE]"
-    chunks = [json.loads(f) for f in frames[:-1]]
-    content_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
-    assert len(content_chunks) >= 5  # many deltas, not one blob at the end
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
-    assert "".join(c["choices"][0]["delta"]["content"] for c in content_chunks) == script("ocean-prose").answer
+                frames.append((time.monotonic(), line[len("data: "):]))
+    assert frames[-1][1] == "[DONE]"
+    chunks = [(at, json.loads(f)) for at, f in frames[:-1]]
+    content = [(at, c["choices"][0]["delta"]["content"]) for at, c in chunks
+               if c["choices"] and c["choices"][0]["delta"].get("content")]
+    answer = script("ocean-prose").answer
+    assert "".join(text for _, text in content) == answer
+    # Many deltas, not one blob at the end: the first leaves at once, holding the answer's
+    # start only, and later ones at most every 20 ms (the replica's `stream_flush_ms`). How
+    # many the answer takes depends on the machine's speed, so the count is checked against
+    # the time the deltas spanned: a coarser flush (or none) would give fewer.
+    assert len(content) >= 2 and len(content[0][1]) < len(answer)
+    spanned = content[-1][0] - content[0][0]
+    assert len(content) >= 1 + int(spanned / (2 * FLUSH_S)), (len(content), spanned)
+    end = chunks[-1][1]
+    assert end["choices"] == [] and end["usage"]["completion_tokens"] > 0
 
 
 def _stop_cases() -> list[tuple[str, list[str]]]:
