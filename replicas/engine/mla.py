@@ -155,6 +155,10 @@ class SparseLatentAttention(LatentAttention):
         packed, pe = latents.update_and_fetch(latent, k_pe)
         k_pe = _unpack(pe, latents)
         top = self.indexer(x, qr, mask, cache=index)  # None while the context fits
+        # As mlx-lm's: the next step reads the latent, so the indexer's keys are evaluated
+        # then even while no pick uses them (else their graph grows every step).
+        codes, *rest = latents.keys
+        latents.keys = (mx.depends(codes, (index.keys, index.values)), *rest)
         if top is not None and L == 1:
             at = top[:, :, 0, :, None]  # (batch, 1, top_k, 1): slots along axis 2
             pick = lambda a: mx.take_along_axis(  # noqa: E731
