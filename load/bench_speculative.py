@@ -13,7 +13,11 @@ stream count), for each workload:
 - `greedy`: temperature 0 on the random-weight model, which falls into repeating its own
   output, so prompt-lookup drafts can hit (how often is the acceptance column);
 - `sampled`: temperature 1.0, unseeded: on random weights the target seldom samples the
-  draft, so this is mostly speculation's cost.
+  draft, so this is mostly speculation's cost;
+- `copy`: temperature 0, each prompt followed by the model's own greedy answer to it and then
+  the prompt again (`speculative_runs.copy_prompts`, built before the round by raw mlx-lm and
+  not timed): the request re-types a span its context holds, where prompt lookup is meant to
+  hit. On `builtin:mtp-bench`, whose next token depends on the newest alone, every draft can.
 
 Three engines, in an order that rotates each round: `raw` (plain
 `mlx_lm.generate.BatchGenerator`), `off` (`LocalBatch`, `EngineConfig.speculative` None) and
@@ -60,14 +64,14 @@ import mlx.core as mx  # noqa: E402
 from replicas.engine.config import SpeculativeConfig  # noqa: E402
 from replicas.engine.mtp import load_mtp  # noqa: E402
 from replicas.sources import load_source  # noqa: E402
-from load.speculative_runs import TIES, Outputs, Run, mismatch, prompts, run_orchard, \
-    run_raw  # noqa: E402
+from load.speculative_runs import TIES, Outputs, Run, copy_prompts, mismatch, prompts, \
+    run_orchard, run_raw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "load" / "out"
 ENGINES = ("raw", "off", "on")
 BIAS_KEYS = ("raw", "raw+bias", "off", "off+bias")
-TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
+TEMPERATURE = {"greedy": 0.0, "sampled": 1.0, "copy": 0.0}
 ENGINE_FILES = ("batch.py", "generation.py", "speculation.py", "drafting.py", "penalties.py",
                 "sampling.py", "config.py", "stats.py", "draft_model.py", "mtp.py",
                 "mtp_drafter.py", "tails.py", "rejection.py")
@@ -223,18 +227,20 @@ def main() -> int:
                 # rotates each round, so the machine's drift is spread over them.
                 units = [(e, f"{e}+bias") if with_bias and e != "on" else (e,) for e in ENGINES]
                 units = units[r % 3:] + units[:r % 3]
+                prompt_rows = (copy_prompts(loaded, batches[r][n], budget[n] + 1 +
+                                            spec.num_speculative_tokens)
+                               if workload == "copy" else batches[r][n])
                 outs: dict[str, Outputs] = {}
                 for key in (k for unit in units for k in unit):
-                    run, outs[key] = engine(loaded, key, batches[r][n], workload, budget[n],
+                    run, outs[key] = engine(loaded, key, prompt_rows, workload, budget[n],
                                             spec, bias, draft)
                     if key in ENGINES:
                         runs[workload][n][key].append(run)
                     if with_bias and key in bias_runs:
                         bias_runs[key].append(run)
                     show(r, n, workload, key, run)
-                if workload != "greedy":
+                if TEMPERATURE[workload] > 0:
                     continue
-                prompt_rows = batches[r][n]
                 failures = (mismatch(f"round {r + 1} x{n} raw vs off", outs["raw"], outs["off"],
                                      loaded, prompt_rows)
                             + mismatch(f"round {r + 1} x{n} off vs on", outs["off"], outs["on"],
@@ -303,7 +309,7 @@ def main() -> int:
     print("tok/pass: decode_counts() tokens / passes (a pass counted once per row in it: a "
           "sequence's tokens per target pass), off and on; accept: accepted / drafted; both "
           "over all rounds.")
-    if "greedy" in args.workloads:
+    if any(TEMPERATURE[w] == 0 for w in args.workloads):
         print("greedy outputs: raw == off == on, every row, every round"
               + (f", except {len(TIES)} that parted where the model's top two logits tie "
                  "(one step of its dtype; which one a batch picks is the order of a sum):\n"

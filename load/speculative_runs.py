@@ -54,6 +54,16 @@ def prompts(loaded: Any, rows: int, words: int, seed: int) -> list[list[int]]:
         f"{i}. " + " ".join(rng.choice(WORDS) for _ in range(words)))) for i in range(rows)]
 
 
+def copy_prompts(loaded: Any, batch: list[list[int]], tokens: int) -> list[list[int]]:
+    """Each prompt, then the model's own greedy answer to it (`tokens` long), then the prompt
+    again: a request that re-types what its context holds, as a coding agent re-emits a
+    file it read. A model whose next token depends on its recent tokens alone (`mtp-bench`'s
+    inert layers) answers the repeat with the same answer, so prompt-lookup drafts all hit;
+    on a model that reads its whole context, how often they hit is the acceptance column."""
+    _, answers = run_raw(loaded, batch, tokens, 0.0)
+    return [ids + answers[i] + ids for i, ids in enumerate(batch)]
+
+
 def drive(step: Callable[[], list[Any]], done: Callable[[], bool], uids: list[int],
           ) -> tuple[Run, Outputs]:
     """Step until every row ended; the clock starts after the first step with tokens."""
