@@ -108,6 +108,10 @@ class SpeculativeSettings(_Strict):
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="No drafts while more rows than this decode (a large batch "
         "is compute-bound, where verifying costs more than it saves); unset: any size.")
+    disable_when_slower: bool = Field(
+        True, description="No drafts at a batch size where the engine measured them making "
+        "fewer tokens a second than plain steps (it compares the two a window of steps at a "
+        "time, and re-checks now and then); false: draft whenever rows have drafts.")
 
     @model_validator(mode="after")
     def _lookup_range(self) -> "SpeculativeSettings":

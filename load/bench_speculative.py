@@ -21,7 +21,10 @@ stream count), for each workload:
 
 Three engines, in an order that rotates each round: `raw` (plain
 `mlx_lm.generate.BatchGenerator`), `off` (`LocalBatch`, `EngineConfig.speculative` None) and
-`on` (`SpeculativeConfig` from the flags). Rows are built as `replicas.engine.scheduling.row_for`
+`on` (`SpeculativeConfig` from the flags). `on` runs the speculation gate
+(`replicas.engine.spec_gate`, `--no-gate`: none), one per workload and stream count kept
+across rounds, as a server's engine keeps its own: the first rounds pay for measuring
+drafting and plain steps (16 steps each), so short runs show less of what it keeps. Rows are built as `replicas.engine.scheduling.row_for`
 builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are a
 numbered random sentence each (`--prompt-words`), new each round (the engines of a round
 share them), all prefilled in one batch. Decode tok/s counts the tokens after the first step
@@ -63,6 +66,7 @@ import mlx.core as mx  # noqa: E402
 
 from replicas.engine.config import SpeculativeConfig  # noqa: E402
 from replicas.engine.mtp import load_mtp  # noqa: E402
+from replicas.engine.spec_gate import SpeculationGate  # noqa: E402
 from replicas.sources import load_source  # noqa: E402
 from load.speculative_runs import TIES, Outputs, Run, copy_prompts, mismatch, prompts, \
     run_orchard, run_raw  # noqa: E402
@@ -74,7 +78,7 @@ BIAS_KEYS = ("raw", "raw+bias", "off", "off+bias")
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0, "copy": 0.0}
 ENGINE_FILES = ("batch.py", "generation.py", "speculation.py", "drafting.py", "penalties.py",
                 "sampling.py", "config.py", "stats.py", "draft_model.py", "mtp.py",
-                "mtp_drafter.py", "tails.py", "rejection.py")
+                "mtp_drafter.py", "tails.py", "rejection.py", "spec_gate.py")
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -114,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="no drafts while more rows than this decode (default: never)")
+    parser.add_argument("--no-gate", action="store_true", help="draft at every batch size "
+                        "(disable_when_slower false); by default `on` runs the speculation "
+                        "gate, one per workload and stream count, kept across rounds")
     parser.add_argument("--prompt-words", type=int, default=2,
                         help="random words per prompt (about 2.7 tokens each)")
     parser.add_argument("--bias-streams", type=int, default=32,
@@ -130,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine(loaded: Any, key: str, batch: list[list[int]], workload: str, tokens: int,
-           spec: SpeculativeConfig, bias: dict[int, float], draft: Any = None
-           ) -> tuple[Run, Outputs]:
-    """`key`: raw, off or on, "+bias" for row 0 biased."""
+           spec: SpeculativeConfig, bias: dict[int, float], draft: Any = None,
+           gate: SpeculationGate | None = None) -> tuple[Run, Outputs]:
+    """`key`: raw, off or on, "+bias" for row 0 biased; `gate`: `on`'s speculation gate."""
     name, biased = key.removesuffix("+bias"), key.endswith("+bias")
     temperature = TEMPERATURE[workload]
     start = time.perf_counter()
@@ -141,11 +148,15 @@ def engine(loaded: Any, key: str, batch: list[list[int]], workload: str, tokens:
     else:
         run, outputs = run_orchard(loaded, batch, tokens, temperature,
                                    spec if name == "on" else None, bias if biased else None,
-                                   draft)
+                                   draft, gate if name == "on" else None)
     run.wall = time.perf_counter() - start
     if run.total_tokens != len(batch) * tokens:  # unequal work would skew every ratio
         raise SystemExit(f"{key}: {run.total_tokens} tokens, not {len(batch)} x {tokens}")
     return run, outputs
+
+
+def verdict(drafting: bool | None) -> str:
+    return {True: "kept", False: "stopped", None: "not yet measured"}[drafting]
 
 
 def show(r: int, n: int, label: str, key: str, run: Run) -> None:
@@ -193,7 +204,11 @@ def main() -> int:
     if args.bias_streams and "greedy" not in args.workloads:
         raise SystemExit("the bias table on --model runs in the greedy workload")
     spec = SpeculativeConfig(args.num_speculative_tokens, args.lookup_max, args.lookup_min,
-                             args.disable_by_batch_size, args.draft_model, args.mtp)
+                             args.disable_by_batch_size, args.draft_model, args.mtp,
+                             disable_when_slower=not args.no_gate)
+    # As a server's engine keeps its gate for its lifetime, each (workload, streams) keeps
+    # one across rounds: the first round pays for measuring both modes.
+    gates = {(w, n): SpeculationGate() for w in args.workloads for n in args.streams}
     bias = {args.bias_token: args.bias_value}
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     print(f"command: {command}", flush=True)
@@ -233,7 +248,7 @@ def main() -> int:
                 outs: dict[str, Outputs] = {}
                 for key in (k for unit in units for k in unit):
                     run, outs[key] = engine(loaded, key, prompt_rows, workload, budget[n],
-                                            spec, bias, draft)
+                                            spec, bias, draft, gates[workload, n])
                     if key in ENGINES:
                         runs[workload][n][key].append(run)
                     if with_bias and key in bias_runs:
@@ -274,7 +289,11 @@ def main() -> int:
              f"draft model {spec.draft_model}" if spec.draft_model else
              f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}")
           + (f", off above {spec.disable_by_batch_size} rows" if spec.disable_by_batch_size
-             is not None else "") + f"; started {started}, "
+             is not None else "")
+          + (", gate on (drafting kept where faster: "
+             + ", ".join(f"{w} x{n} {verdict(g.drafting(n))}" for (w, n), g in gates.items())
+             + ")" if spec.disable_when_slower else ", gate off")
+          + f"; started {started}, "
           f"{minutes:.1f} min; load average now {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} CPUs; mlx {version('mlx')} on {mx.default_device()}, mlx-lm "
           f"{version('mlx-lm')}; engine files {digest}"

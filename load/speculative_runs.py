@@ -19,6 +19,7 @@ from replicas.engine.batch import LocalBatch, Row
 from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.penalties import Penalties
 from replicas.engine.sampling import make_request_sampler
+from replicas.engine.spec_gate import SpeculationGate
 
 WORDS = ("the river runs past the old mill where children play in summer and the "
          "lighthouse keeper writes letters about storms ships and the quiet sea").split()
@@ -108,13 +109,14 @@ def run_raw(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: f
 
 def run_orchard(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: float,
                 speculative: SpeculativeConfig | None, bias: dict[int, float] | None = None,
-                draft: Any = None) -> tuple[Run, Outputs]:
+                draft: Any = None, gate: SpeculationGate | None = None) -> tuple[Run, Outputs]:
     """`LocalBatch`, rows as `scheduling.row_for` builds them; `bias` on row 0; `draft`:
-    the draft model (`--draft-model`), when speculating."""
+    the draft model (`--draft-model`), when speculating; `gate`: the speculation gate's
+    measurements of earlier runs (a server's engine keeps its own for its lifetime)."""
     n = len(batch)
     local = LocalBatch(loaded.model, EngineConfig(
         max_batch_size=max(n, 32), prefill_batch_size=n, prompt_cache_bytes=0,
-        speculative=speculative), draft=draft if speculative is not None else None)
+        speculative=speculative), draft=draft if speculative is not None else None, gate=gate)
     rows = []
     for i, ids in enumerate(batch):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature,

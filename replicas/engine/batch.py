@@ -31,6 +31,7 @@ from replicas.engine.sampling import LogitsProcessor, Sampler
 from replicas.engine.draft_model import ModelDrafter
 from replicas.engine.mtp import Mtp
 from replicas.engine.mtp_drafter import MtpDrafter
+from replicas.engine.spec_gate import SpeculationGate
 from replicas.engine.speculation import DecodeStats, Drafter, can_roll_back
 from replicas.engine.stats import DecodeCounts
 
@@ -114,10 +115,13 @@ class LocalBatch:
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
                  = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None,
                  shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None,
-                 draft: nn.Module | Mtp | None = None) -> None:
+                 draft: nn.Module | Mtp | None = None, gate: SpeculationGate | None = None
+                 ) -> None:
         """`shared_drafts`: on a sharded replica, how this rank shares speculation's
         decisions with the others, over the batch's stream. `draft`: the draft model
-        speculation drafts with (`speculative.draft_model`), or the model's MTP layer."""
+        speculation drafts with (`speculative.draft_model`), or the model's MTP layer.
+        `gate`: what an earlier batch measured of drafting's pace (a benchmark's rounds
+        share one); by default a new one where `speculative.disable_when_slower`."""
         self._draft = draft
         self._model = model
         self._config = config
@@ -135,6 +139,8 @@ class LocalBatch:
             self._speculative = None
         self._shared = shared_drafts(self.stream) if shared_drafts and self._speculative \
             else None
+        spec = self._speculative
+        self.gate = (gate or SpeculationGate()) if spec and spec.disable_when_slower else None
         self._gen = self._new_generator()
         # Rows mlx-lm ended in the last step, with their KV (it drops them from the batch).
         self._ended: dict[int, tuple[list[int], list[Any]]] = {}
@@ -164,7 +170,8 @@ class LocalBatch:
         )
         # Our decoding batch in place of mlx-lm's (`replicas.engine.generation`): mlx-lm
         # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
-        decoding = Generation.make(self._model, gen.sampler, self._drafter(), self._shared)
+        decoding = Generation.make(self._model, gen.sampler, self._drafter(), self._shared,
+                                   self.gate)
         decoding.stats = self.decode_stats
         gen._generation_batch = decoding
         return gen

@@ -19,7 +19,9 @@ class SpeculativeConfig:
     occurred before (prompt lookup, `replicas.engine.drafting`), or, with `draft_model`
     (a source, as a model's), what that model writes (`replicas.engine.draft_model`), or
     with `mtp`, what the checkpoint's own MTP layer writes (`replicas.engine.mtp`); no
-    drafts while more than `disable_by_batch_size` rows decode (None: at any size)."""
+    drafts while more than `disable_by_batch_size` rows decode (None: at any size), nor,
+    with `disable_when_slower`, at a batch size where the engine measured drafting making
+    fewer tokens a second than not (`replicas.engine.spec_gate`)."""
 
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
@@ -27,6 +29,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     draft_model: str | None = None
     mtp: bool = False
+    disable_when_slower: bool = True
 
     def __post_init__(self) -> None:
         if self.mtp and self.draft_model:

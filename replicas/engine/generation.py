@@ -28,6 +28,7 @@ from replicas.engine.rejection import judge, verdict
 from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SamplingShape, \
     SeededSampler, SharedSampler
 from replicas.engine.shared_drafts import SharedDrafts
+from replicas.engine.spec_gate import SpeculationGate
 from replicas.engine.speculation import Ask, DecodeStats, Drafter, accepted
 from replicas.engine.tails import Order, drop_tails, in_order, rotated
 
@@ -50,15 +51,18 @@ class Generation(GenerationBatch):
         self._sampled: dict[int, mx.array] = {}
         self._orders: list[Order | None] = []  # per row: its slot order (`tails`)
         self.shared: SharedDrafts | None = None  # a sharded replica's
+        self.gate: SpeculationGate | None = None  # whether drafting pays at this size
         super().__init__(*args, **kwargs)
 
     @classmethod
     def make(cls, model: nn.Module, sampler: Sampler, drafter: Drafter | None,
-             shared: SharedDrafts | None = None) -> Generation:
-        """`drafter`: None without speculation."""
+             shared: SharedDrafts | None = None, gate: SpeculationGate | None = None
+             ) -> Generation:
+        """`drafter`: None without speculation; `gate`: None to draft at every size."""
         batch = cls.empty(model, sampler)
         batch.drafter = drafter
         batch.shared = shared
+        batch.gate = gate
         return batch
 
     def next(self) -> list[GenerationBatch.Response]:
@@ -66,7 +70,12 @@ class Generation(GenerationBatch):
         responses; a row that ends mid-way drops the rest and leaves the batch."""
         if not self.uids:
             return []
-        drafting = self._drafts()
+        rows = len(self.uids)
+        active = self.drafter is not None and self.drafter.active(rows)
+        if self.gate is not None and not active:
+            self.gate.pause()  # a plain step by config is neither mode's measure
+        drafting = (self._drafts(self.gate is None or self.gate.allow(rows))
+                    if active else None)
         emitted: list[Emitted]
         if drafting is None:
             tokens, lps = self._step()
@@ -98,6 +107,10 @@ class Generation(GenerationBatch):
                 keep.append(i)
         if len(keep) < len(self.uids):
             self.filter(keep)
+        if self.gate is not None:
+            self.gate.emitted(len(responses), drafting is not None)
+            if not self.uids:
+                self.gate.pause()
         return responses
 
     def filter(self, keep: list[int]) -> None:
@@ -147,19 +160,20 @@ class Generation(GenerationBatch):
             return logits, hidden
         return self.model(inputs, cache=self.prompt_cache), None
 
-    def _drafts(self) -> tuple[list[int], list[list[int]]] | None:
+    def _drafts(self, allowed: bool) -> tuple[list[int], list[list[int]]] | None:
         """Each row's pending token and its drafts, or None for a plain step. Drafting
-        reads the pending tokens, so it waits for the step computed ahead."""
+        reads the pending tokens, so it waits for the step computed ahead. Not `allowed`
+        (the gate found drafting slower at this size): no drafts, decided on rank 0."""
         drafter = self.drafter
-        if drafter is None or not drafter.active(len(self.uids)):
-            return None
-        limit = drafter.config.num_speculative_tokens
+        assert drafter is not None
+        limit = drafter.config.num_speculative_tokens if allowed else 0
         budgets = [min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
                    for i in range(len(self.uids))]
         shared = self.shared
-        if shared is None and not any(drafter.limit(uid, b) for uid, b in zip(self.uids, budgets)) \
+        if shared is None and (not allowed or (
+                not any(drafter.limit(uid, b) for uid, b in zip(self.uids, budgets))
                 and not any(isinstance(p, Drafting) for i in range(len(self.uids))
-                            for p in self._own_processors(i)):
+                            for p in self._own_processors(i)))):
             return None  # every row rests: a plain step, without waiting for the pending tokens
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
         drafts: list[list[int]] = []

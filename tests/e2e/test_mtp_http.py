@@ -53,7 +53,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
     models = [{"id": PLAIN, "source": SOURCE},
               {"id": FAST, "source": SOURCE,
-               "speculative": {"method": "mtp", "num_speculative_tokens": 3}}]
+               "speculative": {"method": "mtp", "num_speculative_tokens": 3,
+                               "disable_when_slower": False}}]
     port = free_port()
     path = config_copy(tmp, port, models=models)
     ray_tmp = Path(tempfile.mkdtemp(prefix="orm-", dir="/tmp"))

@@ -51,12 +51,15 @@ MODEL = "orchard-tiny"
 METHODS = {
     # The config's block, with prompt_lookup_min 1: the scripts' outputs repeat little of
     # their prompts, and single-token matches draft (and so verify and reject) far more.
+    # Both draft at every size (`disable_when_slower: false`): these tests watch the
+    # drafts, which the speculation gate would stop wherever this CPU found them slower.
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 1, "disable_by_batch_size": None},
+              "prompt_lookup_min": 1, "disable_by_batch_size": None,
+              "disable_when_slower": False},
     # The model drafting for itself: every greedy draft kept, so every script's tokens
     # come through runs of kept drafts.
     "draft": {"method": "draft", "draft_model": "builtin:tiny", "num_speculative_tokens": 4,
-              "disable_by_batch_size": None},
+              "disable_by_batch_size": None, "disable_when_slower": False},
 }
 SPEC_METRICS = ("orchard_spec_target_passes_total", "orchard_spec_output_tokens_total",
                 "orchard_spec_draft_tokens_total", "orchard_spec_accepted_tokens_total")

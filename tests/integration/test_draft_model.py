@@ -29,7 +29,8 @@ from tests.streams import stream_events
 
 
 def drafting(draft: str) -> ModelReplica:
-    return make(SpeculativeConfig(num_speculative_tokens=4, draft_model=draft))
+    return make(SpeculativeConfig(num_speculative_tokens=4, draft_model=draft,
+                                  disable_when_slower=False))  # drafts at every size
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,8 @@ def test_the_prefix_cache_serves_an_earlier_turn_from_quantized_kv(
 @pytest.mark.parametrize("bits", [8, 4])
 def test_speculation_rolls_a_quantized_cache_back_exactly(bits: int) -> None:
     rows = prompts()
-    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                             disable_when_slower=False)
     plain, _, _ = decode("builtin:tiny", rows, [GREEDY] * len(rows), None, kv_bits=bits)
     fast, counts, _ = decode("builtin:tiny", rows, [GREEDY] * len(rows), spec, kv_bits=bits)
     assert fast == plain

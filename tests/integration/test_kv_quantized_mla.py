@@ -111,7 +111,8 @@ def test_rows_batched_together_equal_each_alone(source: str) -> None:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_speculation_rolls_the_packed_latent_back_exactly(bits: int, source: str) -> None:
     rows = prompts()
-    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                             disable_when_slower=False)
     plain, _, _ = decode(source, rows, [GREEDY] * len(rows), None, kv_bits=bits)
     fast, counts, _ = decode(source, rows, [GREEDY] * len(rows), spec, kv_bits=bits)
     assert fast == plain

@@ -35,7 +35,8 @@ def make(source: str, spec: SpeculativeConfig | None) -> ModelReplica:
 
 
 def mtp(**overrides: Any) -> SpeculativeConfig:
-    return SpeculativeConfig(**{"num_speculative_tokens": 3, "mtp": True, **overrides})
+    return SpeculativeConfig(**{"num_speculative_tokens": 3, "mtp": True,
+                                "disable_when_slower": False, **overrides})
 
 
 def capped(request: Any, tokens: int = TOKENS) -> Any:

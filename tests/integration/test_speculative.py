@@ -31,9 +31,13 @@ from replicas.engine.sampling import GuardedProcessors, make_request_sampler
 from replicas.engine.stats import DecodeCounts
 from replicas.sources import resolve_source
 
-SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+# These tests watch the drafting itself: drafted at every size, whatever it costs here
+# (the speculation gate, which would stop it where it is slower, has its own tests).
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
+                         disable_when_slower=False)
 # With a draft model, unseeded sampled rows draft samples, kept by the q/p rule.
-DRAFTING = SpeculativeConfig(num_speculative_tokens=4, draft_model="builtin:tiny")
+DRAFTING = SpeculativeConfig(num_speculative_tokens=4, draft_model="builtin:tiny",
+                             disable_when_slower=False)
 # qwen3, qwen2, and the MLA families whose attention Orchard absorbs (`replicas.engine.mla`):
 # DeepSeek V3, GLM-4.7-Flash, Mistral Small 4, LongCat-Flash (two attentions a layer, each
 # layer's KV a `CacheList`).

@@ -51,7 +51,8 @@ def plain() -> Iterator[ModelReplica]:
 
 @pytest.fixture(scope="module")
 def fast() -> Iterator[ModelReplica]:
-    rep = make(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    rep = make(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                 disable_when_slower=False))
     yield rep
     rep.shutdown()
 

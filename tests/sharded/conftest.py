@@ -72,7 +72,8 @@ def app_args() -> dict[str, Any]:
     # Speculative decoding on a sharded replica: rank 0 drafts (with tiny itself as the
     # draft model, loaded on rank 0 alone), every rank verifies.
     models.append({**sharded(SPECULATING, SOURCES["tiny"], "tensor"), "speculative": {
-        "method": "draft", "draft_model": SOURCES["tiny"], "num_speculative_tokens": 4}})
+        "method": "draft", "draft_model": SOURCES["tiny"], "num_speculative_tokens": 4,
+        "disable_when_slower": False}})
     # The checkpoint's MTP layer on a sharded replica: rank 0 reads the model's hidden
     # states (whole after the tensor-parallel sums) and drafts; DeepSeek V3 (MLA, MoE), its
     # KV quantized, which each rank's MLA attention reads packed (a latent 64 wide and a
@@ -80,7 +81,8 @@ def app_args() -> dict[str, Any]:
     models.append({"id": "mla", "source": SOURCES["mtp-agree"], "placement": {"pin": False},
                    "engine": QUANTIZED})
     models.append({**sharded(MTP_SHARDED, SOURCES["mtp-agree"], "tensor"), "speculative": {
-        "method": "mtp", "num_speculative_tokens": 3}, "engine": QUANTIZED})
+        "method": "mtp", "num_speculative_tokens": 3, "disable_when_slower": False},
+        "engine": QUANTIZED})
     # Prefill and decode roles, both sharded by tensor: KV moves rank to rank between them.
     models += [{**sharded(SPLIT, SOURCES["tiny"], "tensor"), "role": "decode",
                 "prefill_min_tokens": SPLIT_MIN_TOKENS},
