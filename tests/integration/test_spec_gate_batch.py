@@ -52,35 +52,34 @@ def run(spec: object, gate: SpeculationGate | None) -> tuple[list[list[int]], Lo
     return [out[u] for u in uids], batch
 
 
-def test_drafting_timed_slower_stops_and_the_output_stays() -> None:
+def obeyed(drafting_cost: float) -> tuple[Timed, LocalBatch, list[bool], list[int]]:
+    """A gated run against the plain one: the same greedy output, and no step the gate
+    held back verified a draft. Returns the gate, the batch, whether each step of all 3
+    rows could draft, and the drafts each step verified."""
     plain, _ = run(None, None)
-    gate = Timed(drafting_cost=50.0)  # no run of kept drafts makes up for that
+    gate = Timed(drafting_cost)
     got, batch = run(GATED, gate)
     assert got == plain
-    assert gate.drafting(3) is False
-    full = [drafting for rows, drafting in gate.modes if rows == 3]
-    assert len(full) > 2 * WINDOW
-    # Drafting measured first, then plain steps (the next probe is 16 windows away).
-    assert full == [True] * WINDOW + [False] * (len(full) - WINDOW)
-    # The batch obeyed: no step the gate held back verified a draft; others did.
     verified = [b - a for a, b in zip(gate.verified, gate.verified[1:])]
     assert not any(v for v, (_, drafting) in zip(verified, gate.modes) if not drafting)
+    full = [drafting for rows, drafting in gate.modes if rows == 3]
+    assert len(full) > 2 * WINDOW
+    return gate, batch, full, verified
+
+
+def test_drafting_timed_slower_stops_and_the_output_stays() -> None:
+    gate, _, full, verified = obeyed(drafting_cost=50.0)  # no run of kept drafts pays that
+    assert gate.drafting(3) is False
+    # Drafting measured first, then plain steps (the next probe is 16 windows away).
+    assert full == [True] * WINDOW + [False] * (len(full) - WINDOW)
     assert sum(verified[:WINDOW]) > 0
 
 
 def test_drafting_that_pays_is_kept_in_the_batch() -> None:
-    plain, _ = run(None, None)
-    gate = Timed(drafting_cost=1.0)  # a drafting step as cheap as a plain one
-    got, batch = run(GATED, gate)
-    assert got == plain
+    gate, batch, full, verified = obeyed(drafting_cost=1.0)  # as cheap as a plain step
     assert gate.drafting(3) is True
-    full = [drafting for rows, drafting in gate.modes if rows == 3]
-    assert len(full) > 2 * WINDOW
     # Each mode measured once, then drafting for good (the probe is 16 windows away).
     assert full == [True] * WINDOW + [False] * WINDOW + [True] * (len(full) - 2 * WINDOW)
-    # The batch obeyed: no step the gate held back verified a draft; others did.
-    verified = [b - a for a, b in zip(gate.verified, gate.verified[1:])]
-    assert not any(v for v, (_, drafting) in zip(verified, gate.modes) if not drafting)
     assert sum(verified[2 * WINDOW:]) > 0  # drafting again after the plain window
     counts = batch.decode_counts()
     assert counts.accepted > 0 and counts.passes < counts.tokens
