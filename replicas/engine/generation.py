@@ -164,16 +164,16 @@ class Generation(GenerationBatch):
         """Each row's pending token and its drafts, or None for a plain step. Drafting
         reads the pending tokens, so it waits for the step computed ahead. Not `allowed`
         (the gate found drafting slower at this size): no drafts, decided on rank 0."""
-        drafter = self.drafter
+        drafter, shared = self.drafter, self.shared
         assert drafter is not None
+        if shared is None and not allowed:
+            return None  # a plain step, without waiting for the pending tokens
         limit = drafter.config.num_speculative_tokens if allowed else 0
         budgets = [min(limit, self.max_tokens[i] - self._num_tokens[i] - 1)
                    for i in range(len(self.uids))]
-        shared = self.shared
-        if shared is None and (not allowed or (
-                not any(drafter.limit(uid, b) for uid, b in zip(self.uids, budgets))
+        if shared is None and not any(drafter.limit(uid, b) for uid, b in zip(self.uids, budgets)) \
                 and not any(isinstance(p, Drafting) for i in range(len(self.uids))
-                            for p in self._own_processors(i)))):
+                            for p in self._own_processors(i)):
             return None  # every row rests: a plain step, without waiting for the pending tokens
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[assignment]
         drafts: list[list[int]] = []
