@@ -5,7 +5,11 @@ throughput. Raw mlx-lm, Orchard and mlx_lm.server on `builtin:ceiling`, same 2 c
 
 At each of `--streams` concurrent streams, `--tokens` greedy tokens per request:
 
-- raw: mlx-lm's `BatchGenerator` in this process (`RawModel.batched`, one sequence at 1);
+- raw: mlx-lm's `BatchGenerator` in this process (`RawModel.batched`, one sequence at 1):
+  all N sequences start and end together, so no row ever joins or leaves mid-batch;
+- raw_arrivals: the same engine, N sequences in flight, each replaced the step it ends, as
+  the servers' closed loop of clients does (`RawModel.arrivals`): what joining and leaving
+  cost mlx-lm itself, without HTTP. Reported beside the targets, which stay against raw;
 - orchard: a real `serve run` of the shipped settings, default layout: its replica serves
   127.0.0.1:8000 itself (`--via-proxy`: the same server through Serve's proxy at 8001);
 - mlx_server: `mlx_lm.server` on the same model files, on 127.0.0.1:8101, with the batching
@@ -32,7 +36,6 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -45,30 +48,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
+from load.bare_client import Result, bounded  # noqa: E402
 from load.bench_serving import (PORT, PROMPT, RawModel, port_in_use,  # noqa: E402
                                 require_alive, start_server, stop_server)
-from load.bench_vs_mlx_server import (HOST, MLX_PORT, eos_bias, local_path,  # noqa: E402
+from load.bench_vs_mlx_server import (MLX_PORT, eos_bias, local_path,  # noqa: E402
                                       mlx_server, running)
 from load.process_cpu import CpuSnapshot, process_tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "load" / "out"
-TARGETS = ("raw", "orchard", "mlx_server")
+TARGETS = ("raw", "raw_arrivals", "orchard", "mlx_server")
+RAW = ("raw", "raw_arrivals")  # in this process, no HTTP
+SERVERS = ("orchard", "mlx_server")
 MODEL_ID = "ceiling"  # the name Orchard serves it under
 PORT_WAIT_S = 600  # a shared machine: someone else's server may hold 8000 for a while
-# A text-carrying delta; `"content":""` (Orchard's role chunk) is not the first token.
-_CONTENT = re.compile(rb'"content":\s*"[^"]')
-
-
-@dataclass
-class Result:
-    """One streamed request: tokens from its usage (0 unless exactly as asked)."""
-
-    tokens: int = 0
-    ttft: float | None = None
-    error: str | None = None
-
-
 @dataclass
 class LevelRun:
     """One target at one level in one round."""
@@ -84,75 +77,6 @@ class LevelRun:
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def dechunk(body: bytes) -> bytes:
-    """HTTP/1.1 chunked framing, undone once per request: a usage line split across two
-    chunks would otherwise not parse."""
-    out, pos = bytearray(), 0
-    while True:
-        end = body.index(b"\r\n", pos)
-        size = int(body[pos:end].split(b";")[0], 16)
-        if size == 0:
-            return bytes(out)
-        out += body[end + 2:end + 2 + size]
-        pos = end + 2 + size + 2
-
-
-def final_usage(body: bytes) -> dict[str, int] | None:
-    """The last SSE line with a non-null usage, searched from the end: only it is parsed."""
-    for line in reversed(body.split(b"\n")):
-        if line.startswith(b"data:") and b'"usage"' in line:
-            usage = json.loads(line[5:]).get("usage")
-            if usage:
-                return usage
-    return None
-
-
-async def stream_once(port: int, model: str, prompt: str, tokens: int,
-                      bias: dict[str, float]) -> Result:
-    """One streamed chat completion over a bare socket. The load generator shares the 2
-    cores with the server, so no HTTP client library and no JSON per chunk: the bytes are
-    kept as they come, and only the final usage line is parsed."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
-                       "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True},
-                       **({"logit_bias": bias} if bias else {})}).encode()
-    # Connection: close, so the end of the response is simply EOF, for either server.
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n").encode()
-    start = time.perf_counter()
-    reader, writer = await asyncio.open_connection(HOST, port)
-    data, ttft = bytearray(), None
-    try:
-        writer.write(head + body)
-        while piece := await reader.read(65536):
-            data += piece
-            if ttft is None and _CONTENT.search(data, max(0, len(data) - len(piece) - 16)):
-                ttft = time.perf_counter() - start
-    finally:
-        writer.close()
-    headers, _, payload = bytes(data).partition(b"\r\n\r\n")
-    status = headers.split(b"\r\n", 1)[0]
-    if b" 200 " not in status + b" ":
-        return Result(error=status.decode(errors="replace") or "no response")
-    if b"transfer-encoding: chunked" in headers.lower():
-        payload = dechunk(payload)
-    usage = final_usage(payload)
-    if not usage:
-        return Result(error="no usage (stream cut short)")
-    if usage["completion_tokens"] != tokens:  # unequal work would skew the comparison
-        return Result(error=f"short: {usage['completion_tokens']} of {tokens} tokens")
-    return Result(tokens, ttft)
-
-
-async def bounded(port: int, model: str, prompt: str, tokens: int, bias: dict[str, float],
-                  timeout_s: float) -> Result:
-    try:
-        return await asyncio.wait_for(stream_once(port, model, prompt, tokens, bias), timeout_s)
-    except (OSError, ValueError, asyncio.TimeoutError) as exc:
-        return Result(error=f"{type(exc).__name__}: {exc}")
 
 
 def unique_prompt(tag: str) -> str:
@@ -204,6 +128,19 @@ def raw_level(raw: RawModel, streams: int, args: argparse.Namespace) -> LevelRun
                     streams * args.waves, [], {"raw (this process)": cpu})
 
 
+def arrivals_level(raw: RawModel, streams: int, args: argparse.Namespace,
+                   tag: str) -> LevelRun:
+    """The same engine fed as the servers are: as many requests as an HTTP level makes,
+    each joining when one leaves (`RawModel.arrivals`), with unique prompts tokenized
+    before the clock starts. What joining and leaving cost mlx-lm itself, without HTTP."""
+    requests = streams * args.waves
+    prompts = [raw.tokens(unique_prompt(f"{tag}-{i}")) for i in range(requests + streams)]
+    cpu = time.process_time()
+    run = raw.arrivals(args.tokens, streams, prompts)
+    cpu = time.process_time() - cpu
+    return LevelRun(run.tokens, run.seconds, 0, requests, [], {"raw (this process)": cpu})
+
+
 def wait_port_free(port: int) -> None:
     """Another engineer's server on the port is waited out, never stopped."""
     deadline = time.monotonic() + PORT_WAIT_S
@@ -225,6 +162,8 @@ def one_round(index: int, raw: RawModel, model_path: Path, bias: dict[str, float
     for n in args.streams:
         runs["raw"][n] = raw_level(raw, n, args)
         show("raw", n, runs["raw"][n])
+        runs["raw_arrivals"][n] = arrivals_level(raw, n, args, f"r{index}-arrivals-x{n}")
+        show("raw_arrivals", n, runs["raw_arrivals"][n])
     wait_port_free(PORT)
     settings = {} if args.chunks_per_s is None else {"stream_chunks_per_s": args.chunks_per_s}
     proc = start_server(args.model, MODEL_ID, args.flush_ms, layout="default",
@@ -268,6 +207,7 @@ def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
         # Paired within a round (same drift), then the median over rounds.
         vs_raw = [r["orchard"][n].tps / r["raw"][n].tps for r in rounds]
         vs_mlx = [r["orchard"][n].tps / max(r["mlx_server"][n].tps, 1e-9) for r in rounds]
+        vs_arrivals = [r["orchard"][n].tps / r["raw_arrivals"][n].tps for r in rounds]
         cpu: dict[str, dict[str, float]] = {}
         for t in TARGETS:
             tokens = sum(r[t][n].tokens for r in rounds) or 1
@@ -275,7 +215,7 @@ def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
             for r in rounds:
                 for role, seconds in r[t][n].cpu_s.items():
                     spent["mlx_lm.server" if t == "mlx_server" else role] += seconds
-                if t != "raw":
+                if t not in RAW:
                     spent["load generator"] += r[t][n].loadgen_cpu_s
             cpu[t] = {role: s * 1e3 / tokens for role, s in spent.items()}
         levels[str(n)] = {
@@ -283,9 +223,11 @@ def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
             "per_round_tps": tps,
             "orchard_over_raw": dict(zip(("median", "min", "max"), spread(vs_raw))),
             "orchard_over_mlx_server": dict(zip(("median", "min", "max"), spread(vs_mlx))),
+            "orchard_over_raw_arrivals": dict(zip(("median", "min", "max"),
+                                                  spread(vs_arrivals))),
             "ttft_p50_ms": {t: statistics.median(statistics.median(r[t][n].ttft_ms)
                                                  for r in rounds if r[t][n].ttft_ms)
-                            for t in TARGETS[1:] if any(r[t][n].ttft_ms for r in rounds)},
+                            for t in SERVERS if any(r[t][n].ttft_ms for r in rounds)},
             "cpu_ms_per_token": cpu,
             "errors": {t: sum(r[t][n].errors for r in rounds) for t in TARGETS},
             "requests": {t: sum(r[t][n].requests for r in rounds) for t in TARGETS},
@@ -301,18 +243,22 @@ ISSUE_TARGETS = ((32, "raw", 0.7), (32, "mlx_server", 2.0), (1, "raw", 0.7), (8,
 def report(levels: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, object]]:
     print(f"\nthroughput, output tok/s: median over {args.rounds} rounds (min-max)")
     print(f"{'streams':>7}" + "".join(f"{t:>22}" for t in TARGETS)
-          + f"{'orchard/raw':>14}{'orchard/mlx':>14}")
+          + f"{'orchard/raw':>14}{'orchard/arrivals':>18}{'orchard/mlx':>14}")
     for n, lv in levels.items():
         print(f"{n:>7}" + "".join(fmt(lv["per_round_tps"][t]) for t in TARGETS)
               + f"{lv['orchard_over_raw']['median']:>14.2f}"
+              + f"{lv['orchard_over_raw_arrivals']['median']:>18.2f}"
               + f"{lv['orchard_over_mlx_server']['median']:>14.2f}")
     print("ratios: median of the per-round ratios (each round's three targets ran back to "
           "back); their min-max:")
     for n, lv in levels.items():
         a, b = lv["orchard_over_raw"], lv["orchard_over_mlx_server"]
+        c = lv["orchard_over_raw_arrivals"]
         print(f"  x{n:<3} orchard/raw {a['min']:.2f}-{a['max']:.2f}   "
+              f"orchard/raw_arrivals {c['min']:.2f}-{c['max']:.2f}   "
               f"orchard/mlx_server {b['min']:.2f}-{b['max']:.2f}")
-    print("raw batches all N sequences at once; both servers decode at most 32 together.")
+    print("raw batches all N sequences at once; raw_arrivals keeps N in flight, one joining "
+          "as one leaves (no HTTP); both servers decode at most 32 together.")
 
     print("\nTTFT p50 ms (median over rounds): "
           + "; ".join(f"x{n} " + ", ".join(f"{t} {v:.0f}" for t, v in lv["ttft_p50_ms"].items())

@@ -110,6 +110,29 @@ class RawModel:
                 live -= r.finish_reason is not None
         return Run(n, time.perf_counter() - start, [])
 
+    def arrivals(self, max_tokens: int, batch: int, prompts: list[list[int]]) -> Run:
+        """mlx-lm's `BatchGenerator` as a server drives it: `batch` sequences in flight, each
+        replaced by the next of `prompts` (tokenized already) the step it ends, as a closed
+        loop of clients would. The first `batch` end at staggered lengths, so rows join and
+        leave one at a time as in a steady state; timed until the last prompt has joined."""
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(self.loaded.model, completion_batch_size=max(batch, 8),
+                             prefill_batch_size=8)
+        queue = iter(prompts)
+        start = time.perf_counter()
+        gen.insert([next(queue) for _ in range(batch)],
+                   max_tokens=[max(1, max_tokens * (i + 1) // batch) for i in range(batch)])
+        n, left = 0, len(prompts) - batch
+        while left > 0:
+            _, responses = gen.next()
+            n += len(responses)
+            for r in responses:
+                if r.finish_reason is not None and left > 0:
+                    gen.insert([next(queue)], max_tokens=[max_tokens])
+                    left -= 1
+        return Run(n, time.perf_counter() - start, [])
+
 
 @contextlib.contextmanager
 def paused(root: int) -> Iterator[None]:
