@@ -62,6 +62,8 @@ RAW = ("raw", "raw_arrivals")  # in this process, no HTTP
 SERVERS = ("orchard", "mlx_server")
 MODEL_ID = "ceiling"  # the name Orchard serves it under
 PORT_WAIT_S = 600  # a shared machine: someone else's server may hold 8000 for a while
+
+
 @dataclass
 class LevelRun:
     """One target at one level in one round."""
