@@ -251,7 +251,7 @@ def report(levels: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
               + f"{lv['orchard_over_raw']['median']:>14.2f}"
               + f"{lv['orchard_over_raw_arrivals']['median']:>18.2f}"
               + f"{lv['orchard_over_mlx_server']['median']:>14.2f}")
-    print("ratios: median of the per-round ratios (each round's three targets ran back to "
+    print("ratios: median of the per-round ratios (each round's targets ran back to "
           "back); their min-max:")
     for n, lv in levels.items():
         a, b = lv["orchard_over_raw"], lv["orchard_over_mlx_server"]
