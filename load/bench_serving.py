@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -95,11 +96,15 @@ class RawModel:
             n += 1
         return Run(n, time.perf_counter() - start, [first or 0.0])
 
-    def batched(self, max_tokens: int, batch: int) -> Run:
+    def _generator(self, batch: int) -> Any:
+        """mlx-lm's `BatchGenerator` with the servers' limits (8 prefilling at a time)."""
         from mlx_lm.generate import BatchGenerator
 
-        gen = BatchGenerator(self.loaded.model, completion_batch_size=max(batch, 8),
-                             prefill_batch_size=8)
+        return BatchGenerator(self.loaded.model, completion_batch_size=max(batch, 8),
+                              prefill_batch_size=8)
+
+    def batched(self, max_tokens: int, batch: int) -> Run:
+        gen = self._generator(batch)
         start = time.perf_counter()
         gen.insert([list(self.prompt)] * batch, max_tokens=[max_tokens] * batch)
         n, live = 0, batch
@@ -115,10 +120,7 @@ class RawModel:
         replaced by the next of `prompts` (tokenized already) the step it ends, as a closed
         loop of clients would. The first `batch` end at staggered lengths, so rows join and
         leave one at a time as in a steady state; timed until the last prompt has joined."""
-        from mlx_lm.generate import BatchGenerator
-
-        gen = BatchGenerator(self.loaded.model, completion_batch_size=max(batch, 8),
-                             prefill_batch_size=8)
+        gen = self._generator(batch)
         queue = iter(prompts)
         start = time.perf_counter()
         gen.insert([next(queue) for _ in range(batch)],
