@@ -209,29 +209,44 @@ LAYOUTS: dict[str, dict[str, bool]] = {"default": {}, "two-hop": {"colocate": Fa
 def start_server(source: str, model: str, flush_ms: float, layout: str = "default",
                  haproxy: bool = False, metrics: bool = True,
                  settings: dict[str, object] | None = None,
-                 actor_calls: bool = False) -> subprocess.Popen[bytes]:
-    """`serve run` of one model, with the Serve settings `serve_config.yaml` ships (its
-    `controller_options`); `settings` are more of the model's config fields; `actor_calls`:
-    Serve's own default transport between its proxy and the replica (Ray actor calls)
-    instead of the shipped gRPC."""
+                 actor_calls: bool = False,
+                 app: dict[str, Any] | None = None) -> subprocess.Popen[bytes]:
+    """`serve run` of one model (`bench_config`)."""
     if port_in_use(PORT):
         raise RuntimeError(f"something already listens on 127.0.0.1:{PORT} (a stale "
                            "`serve run`? `serve shutdown -y` / `ray stop`); refusing to "
                            "benchmark it")
-    config: dict[str, object] = {
+    config = bench_config(source, model, flush_ms, layout, haproxy, metrics, settings,
+                          actor_calls, app)
+    return run_config(config, [model], env=HAPROXY_ENV if haproxy else {})
+
+
+def bench_config(source: str, model: str, flush_ms: float, layout: str = "default",
+                 haproxy: bool = False, metrics: bool = True,
+                 settings: dict[str, object] | None = None,
+                 actor_calls: bool = False,
+                 app: dict[str, Any] | None = None) -> dict[str, object]:
+    """One model's config, with the Serve settings `serve_config.yaml` ships (its
+    `controller_options`); `settings` are more of the model's config fields; `actor_calls`:
+    Serve's own default transport between its proxy and the replica (Ray actor calls)
+    instead of the shipped gRPC; `app`: more of the application's keys (Serve's
+    `logging_config`), its `args` merged into Orchard's (`observability`)."""
+    extra = dict(app or {})
+    application: dict[str, Any] = {
+        "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
+        "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
+                             "stream_flush_ms": flush_ms, **(settings or {})}],
+                 "ingress": LAYOUTS[layout],
+                 # Off: no metrics and no request log lines, for the on/off overhead ratio.
+                 "observability": {"metrics": metrics, "request_logs": metrics},
+                 **extra.pop("args", {})},
+        **extra}
+    return {
         # HAProxy takes the port itself and Serve gives each replica one of its own range.
         **serve_settings(PORT, direct=not haproxy,
                          **({"RAY_SERVE_PROXY_USE_GRPC": "0"} if actor_calls else {})),
-        "applications": [{
-            "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": {"models": [{"id": model, "source": source, "max_ongoing_requests": 64,
-                                 "stream_flush_ms": flush_ms, **(settings or {})}],
-                     "ingress": LAYOUTS[layout],
-                     # Off: no metrics and no request log lines, for the on/off overhead ratio.
-                     "observability": {"metrics": metrics, "request_logs": metrics}},
-        }],
+        "applications": [application],
     }
-    return run_config(config, [model], env=HAPROXY_ENV if haproxy else {})
 
 
 def run_config(config: dict[str, object], models: list[str],
