@@ -53,7 +53,8 @@ from load.bench_serving import (PORT, PROMPT, RawModel, port_in_use,  # noqa: E4
                                 require_alive, start_server, stop_server)
 from load.bench_vs_mlx_server import (MLX_PORT, eos_bias, local_path,  # noqa: E402
                                       mlx_server, running)
-from load.process_cpu import CpuSnapshot, process_tree  # noqa: E402
+from load.process_cpu import (CpuSnapshot, process_tree, thread_seconds,  # noqa: E402
+                              threads_between)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "load" / "out"
@@ -75,6 +76,10 @@ class LevelRun:
     ttft_ms: list[float] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)  # by process role, timed part only
     loadgen_cpu_s: float = 0.0  # this process during HTTP levels (it shares the cores)
+    # The decoding process by thread (`process_cpu.thread_seconds`): raw's own, Orchard's
+    # model replica's; the Python loop that drives the batch is raw's main thread and
+    # Orchard's `orchard-engine`.
+    threads_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def tps(self) -> float:
@@ -112,22 +117,25 @@ def measure_http(port: int, model: str, pids: Callable[[], list[int]], streams: 
         return before, time.process_time() - cpu, seconds, results
 
     before, cpu, seconds, results = asyncio.run(level())
-    spent = CpuSnapshot.take(pids()).since(before)
+    after = CpuSnapshot.take(pids())
+    spent = after.since(before)
     ok = [r for r in results if r.error is None]
     for r in results:
         if r.error:
             print(f"    error ({tag}): {r.error}", flush=True)
     return LevelRun(sum(r.tokens for r in ok), seconds, len(results) - len(ok), len(results),
-                    [r.ttft * 1e3 for r in ok if r.ttft is not None], spent, cpu)
+                    [r.ttft * 1e3 for r in ok if r.ttft is not None], spent, cpu,
+                    after.replica_threads_since(before))
 
 
 def raw_level(raw: RawModel, streams: int, args: argparse.Namespace) -> LevelRun:
     raw.batched(8, streams)  # warm-up: this batch size's first steps
-    cpu = time.process_time()
+    cpu, threads = time.process_time(), thread_seconds(os.getpid())
     runs = [raw.batched(args.tokens, streams) for _ in range(args.waves)]
     cpu = time.process_time() - cpu
     return LevelRun(sum(r.tokens for r in runs), sum(r.seconds for r in runs), 0,
-                    streams * args.waves, [], {"raw (this process)": cpu})
+                    streams * args.waves, [], {"raw (this process)": cpu},
+                    threads_s=threads_between(threads, thread_seconds(os.getpid())))
 
 
 def arrivals_level(raw: RawModel, streams: int, args: argparse.Namespace,
@@ -220,6 +228,14 @@ def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
                 if t not in RAW:
                     spent["load generator"] += r[t][n].loadgen_cpu_s
             cpu[t] = {role: s * 1e3 / tokens for role, s in spent.items()}
+        threads: dict[str, dict[str, float]] = {}
+        for t in ("raw", "orchard"):
+            tokens = sum(r[t][n].tokens for r in rounds) or 1
+            by_kind: dict[str, float] = defaultdict(float)
+            for r in rounds:
+                for kind, seconds in r[t][n].threads_s.items():
+                    by_kind[kind] += seconds
+            threads[t] = {kind: s * 1e3 / tokens for kind, s in by_kind.items()}
         levels[str(n)] = {
             "tps": {t: dict(zip(("median", "min", "max"), spread(v))) for t, v in tps.items()},
             "per_round_tps": tps,
@@ -231,6 +247,7 @@ def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
                                                  for r in rounds if r[t][n].ttft_ms)
                             for t in SERVERS if any(r[t][n].ttft_ms for r in rounds)},
             "cpu_ms_per_token": cpu,
+            "decoding_process_threads_ms_per_token": threads,
             "errors": {t: sum(r[t][n].errors for r in rounds) for t in TARGETS},
             "requests": {t: sum(r[t][n].requests for r in rounds) for t in TARGETS},
         }
@@ -274,6 +291,14 @@ def report(levels: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
             total = sum(ms for role, ms in rows if role != "load generator")
             print(f"  x{n:<3} {t:<11} total {total:7.3f}   "
                   + ", ".join(f"{role} {ms:.3f}" for role, ms in rows if ms >= 0.0005))
+
+    print("\nthe decoding process's CPU ms per output token, by thread (raw: this process; "
+          "orchard: its model replica; the batch's Python loop is raw's main thread and "
+          "orchard-engine):")
+    for n, lv in levels.items():
+        for t, kinds in lv["decoding_process_threads_ms_per_token"].items():
+            print(f"  x{n:<3} {t:<11} " + ", ".join(
+                f"{kind} {ms:.3f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1])))
 
     errors = {f"{t} x{n}": e for n, lv in levels.items() for t, e in lv["errors"].items() if e}
     print("\nerrors: " + (", ".join(f"{k}: {v}" for k, v in errors.items()) if errors else

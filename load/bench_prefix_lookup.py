@@ -10,17 +10,23 @@ busy server is). mlx-lm's is read as `PromptCache` read it before this index rep
 (exact, else a longer entry past the longest shorter one, else the shorter). Per level:
 `--rounds` alternating rounds, each the median of `--lookups` lookups per index; prints the
 medians (min-max) and mlx-lm/Orchard, the median of the per-round ratios.
+
+Then what holding the index costs the engine thread, each index built alone: the adds (an
+entry is added for every request that ends) and one full pass of Python's garbage collector
+with it alive, which stalls every thread (the collector walks each container object, and a
+node per token makes one per cached token).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
@@ -51,6 +57,32 @@ def timed(lookup: Callable[[], object], lookups: int) -> tuple[float, object]:
     return statistics.median(times), answer
 
 
+def conversation(system: list[int], seed: int, length: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(system + [rng.randrange(1000, 100_000) for _ in range(length)])
+
+
+def full_collection_ms() -> float:
+    start = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - start) * 1e3
+
+
+def held_cost(make: Callable[[], Any], add: Callable[[Any, tuple[int, ...]], object],
+              keys: list[tuple[int, ...]]) -> tuple[float, float]:
+    """Microseconds per add, and the milliseconds one full collection takes longer with the
+    index alive than without it (the keys themselves are alive in both)."""
+    without = min(full_collection_ms() for _ in range(3))
+    index, start = make(), time.perf_counter()
+    for key in keys:
+        add(index, key)
+    per_add = (time.perf_counter() - start) / len(keys) * 1e6
+    pause = min(full_collection_ms() for _ in range(3)) - without
+    del index
+    gc.collect()
+    return per_add, pause
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -63,11 +95,14 @@ def main() -> None:
     system = list(range(SYSTEM))
     query = system + [7] * 50  # token 7 follows the system prompt in no entry
     print(f"{'entries':>8} {'tokens':>7} {'mlx-lm ms':>22} {'orchard ms':>22} {'mlx-lm/orchard':>16}")
+    costs = []
     for entries, length in LEVELS:
+        keys = [conversation(system, e, length) for e in range(entries)]
+        costs.append((entries, length,
+                      held_cost(PromptTrie, lambda t, k: t.add("m", list(k), k), keys),
+                      held_cost(PrefixTrie, lambda t, k: t.add(k), keys)))
         ours, mlx = PrefixTrie(), PromptTrie()
-        for e in range(entries):
-            rng = random.Random(e)
-            key = tuple(system + [rng.randrange(1000, 100_000) for _ in range(length)])
+        for key in keys:
             ours.add(key)
             mlx.add("m", list(key), key)
         slow, fast, ratios = [], [], []
@@ -85,6 +120,11 @@ def main() -> None:
             return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
         print(f"{entries:>8} {SYSTEM + length:>7} {show(slow):>22} {show(fast):>22} "
               f"{statistics.median(ratios):>16.0f}", flush=True)
+    print(f"\n{'entries':>8} {'tokens':>7} {'add us, mlx-lm':>15} {'add us, orchard':>16} "
+          f"{'+full GC ms, mlx-lm':>20} {'+full GC ms, orchard':>21}")
+    for entries, length, (add_mlx, gc_mlx), (add_ours, gc_ours) in costs:
+        print(f"{entries:>8} {SYSTEM + length:>7} {add_mlx:>15.0f} {add_ours:>16.1f} "
+              f"{gc_mlx:>20.1f} {gc_ours:>21.1f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -46,13 +46,56 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
 
 
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of one process by thread: its main thread, each thread Orchard named for
+    the OS (`replicas.os_thread`: the engine's loop), the threads those started (Linux
+    gives a new thread its creator's name: MLX's compute threads, started from the engine
+    thread, as "orchard-engine's threads"), and all the others together (event loops,
+    Ray's own; in raw mlx-lm, MLX's compute)."""
+    spent: dict[str, float] = defaultdict(float)
+    tasks = Path(f"/proc/{pid}/task")
+    first: dict[str, int] = {}  # a named thread is the oldest of its name: the lowest id
+    rows: list[tuple[int, str, float]] = []
+    for tid in sorted(map(int, os.listdir(tasks))) if tasks.is_dir() else []:
+        try:
+            name = (tasks / str(tid) / "comm").read_text().strip()
+            fields = (tasks / str(tid) / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        first.setdefault(name, tid)
+        rows.append((tid, name, (int(fields[11]) + int(fields[12])) * _TICK_S))
+    for tid, name, seconds in rows:
+        if tid == pid:
+            kind = "main thread"
+        elif not name.startswith("orchard-"):
+            kind = "other threads"
+        else:
+            kind = name if first[name] == tid else f"{name}'s threads"
+        spent[kind] += seconds
+    return dict(spent)
+
+
+def threads_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per kind of thread between two `thread_seconds` readings (a thread that
+    ended meanwhile takes its seconds with it: the kinds measured are long-lived)."""
+    return {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
+
+
 @dataclass(frozen=True)
 class CpuSnapshot:
     by_pid: dict[int, tuple[str, float]]
+    # The model replica's threads (`thread_seconds`), the replicas' together.
+    replica_threads: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def take(cls, pids: list[int]) -> "CpuSnapshot":
-        return cls({pid: (role(pid), cpu_seconds(pid)) for pid in pids})
+        by_pid = {pid: (role(pid), cpu_seconds(pid)) for pid in pids}
+        threads: dict[str, float] = defaultdict(float)
+        for pid, (name, _) in by_pid.items():
+            if name == "model replica":
+                for kind, seconds in thread_seconds(pid).items():
+                    threads[kind] += seconds
+        return cls(by_pid, dict(threads))
 
     def since(self, before: "CpuSnapshot") -> dict[str, float]:
         """CPU seconds spent per role between `before` and this snapshot."""
@@ -60,6 +103,9 @@ class CpuSnapshot:
         for pid, (name, now) in self.by_pid.items():
             spent[name] += now - before.by_pid.get(pid, (name, 0.0))[1]
         return dict(spent)
+
+    def replica_threads_since(self, before: "CpuSnapshot") -> dict[str, float]:
+        return threads_between(before.replica_threads, self.replica_threads)
 
 
 def per_token_table(spent: dict[str, float], tokens: int, raw_ms_per_token: float) -> list[str]:

@@ -47,6 +47,7 @@ from replicas.engine.request import EngineRequest, Generated, RequestOutput, Sub
 from replicas.engine.scheduling import Active, Prefills, Queued, Ready, Waiting, row_for
 from replicas.engine.stats import EngineStats, memory_figures
 from replicas.errors import ReplicaError
+from replicas.os_thread import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class Engine:
     # ---- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread(self._thread.name)  # the threads MLX starts from here inherit it
         try:
             self._loaded, self._batch, ranks = self._opener()
             kv = KvBudget(tightest(ranks, self._loaded.context_length), ranks[0].layout,

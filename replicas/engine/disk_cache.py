@@ -36,6 +36,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache
 from replicas.engine.prefix_directory import HeldBlocks
 from replicas.engine.prefix_trie import PrefixTrie
 from replicas.engine.quantized_kv import as_rows, stored_name, stored_state
+from replicas.os_thread import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ class DiskTier:
     # ---- the writer thread --------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        name_os_thread(self._writer.name)
         while True:
             item = self._queue.get()
             if isinstance(item, threading.Event):

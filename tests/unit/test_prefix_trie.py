@@ -37,6 +37,36 @@ def reference(held: set[Key], tokens: Key, trimmable: set[Key]) -> tuple[set[Key
     return ({best}, len(best)) if best is not None else None
 
 
+def check_shape(trie: PrefixTrie, held: set[Key]) -> None:
+    """The radix tree's invariants: edges spell the entries, runs without a branch are one
+    node, and every node's marks name the shortest entry at or below it."""
+    found: set[Key] = set()
+
+    def walk(node: object, path: Key, is_root: bool) -> int:
+        children = node.children  # type: ignore[attr-defined]
+        entry = node.entry  # type: ignore[attr-defined]
+        if not is_root:
+            assert entry is not None or len(children) >= 2, "an unbranched node stayed"
+        if entry is not None:
+            assert entry == path
+            found.add(entry)
+        lengths = {token: walk(child, path + child.edge, False)
+                   for token, child in children.items()}
+        for token, child in children.items():
+            assert child.edge and child.edge[0] == token
+        shortest = min([*lengths.values(), *([len(entry)] if entry is not None else [])],
+                       default=0)
+        if not is_root:
+            assert node.shortest == shortest  # type: ignore[attr-defined]
+            via = node.via  # type: ignore[attr-defined]
+            assert (via is None and entry is not None and len(entry) == shortest) or \
+                (via is not None and lengths[via] == shortest)
+        return shortest
+
+    walk(trie._root, (), True)
+    assert found == held
+
+
 def _key(rng: random.Random) -> Key:
     # A tiny alphabet and shared openings: prefixes, ties and divergences are common.
     opening = rng.choice([(), (1,), (1, 2), (1, 2, 3), (4, 4)])
@@ -64,6 +94,7 @@ def test_matches_the_brute_force_reading(seed: int) -> None:
             expected = {k for k in held if len(k) < len(key) and key[:len(k)] == k}
             assert set(removed) == expected and len(removed) == len(expected)
             held -= expected
+        check_shape(trie, held)
         # Trimmable or not by length's parity: entries tied for shortest always agree.
         trimmable = {k for k in held if len(k) % 2 == 0}
         query = _key(rng)
@@ -82,7 +113,7 @@ def test_an_emptied_trie_holds_nothing() -> None:
         trie.add(key)
     for key in keys:
         trie.remove(key)
-    assert trie._root == {}
+    assert trie._root.children == {}
     assert trie.longest_prefix((1, 2, 3), lambda k: True) is None
 
 

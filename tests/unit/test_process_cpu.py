@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
-from load.process_cpu import CpuSnapshot, cpu_seconds, per_token_table, role
+from load.process_cpu import (CpuSnapshot, cpu_seconds, per_token_table, role,
+                              thread_seconds, threads_between)
+from replicas.os_thread import name_os_thread
 
 
 def test_cpu_seconds_grows_with_work_and_is_zero_for_a_gone_process() -> None:
@@ -31,3 +34,39 @@ def test_the_table_shows_the_replica_less_raw_decode_and_what_is_outside_it() ->
     assert "less raw decode's 3.00: 1.00" in rows[0]
     assert rows[1].split()[:2] == ["proxy", "0.50"]
     assert rows[-1].split()[-3:] == ["0.60", "ms", "CPU/token"]
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_named_thread_and_its_children_are_told_apart_while_they_run() -> None:
+    """The split `bench_ceiling.py` prints: a thread Orchard named for the OS, the threads
+    it started (they take its name: MLX's, started by the engine thread), the main one.
+    Measured while all run: an ended thread leaves /proc."""
+    go, done = threading.Event(), threading.Event()
+
+    def child() -> None:
+        _burn(0.3)
+        go.wait()
+
+    def named() -> None:
+        assert name_os_thread("orchard-test")
+        c = threading.Thread(target=child)
+        c.start()
+        _burn(0.2)
+        done.set()
+        c.join()
+
+    worker = threading.Thread(target=named)
+    worker.start()
+    done.wait(30)
+    time.sleep(0.35)  # the child's burn ends too
+    seen = threads_between({}, thread_seconds(os.getpid()))
+    go.set()
+    worker.join()
+    assert seen["orchard-test"] >= 0.15
+    assert seen["orchard-test's threads"] >= 0.25
+    assert "main thread" in seen
