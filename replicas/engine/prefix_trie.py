@@ -56,6 +56,9 @@ class _Node:
 
 def _common(edge: Key, tokens: Sequence[int], at: int) -> int:
     """How many of `edge`'s tokens `tokens` repeat from `at`."""
+    end = at + len(edge)
+    if end <= len(tokens) and tuple(tokens[at:end]) == edge:
+        return len(edge)  # the usual case, a whole edge, compared in C: prompts run long
     n = 0
     for token in edge:
         if at + n >= len(tokens) or tokens[at + n] != token:

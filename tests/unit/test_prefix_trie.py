@@ -5,6 +5,7 @@ replaces."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from mlx_lm.models.cache import PromptTrie
@@ -42,9 +43,8 @@ def check_shape(trie: PrefixTrie, held: set[Key]) -> None:
     node, and every node's marks name the shortest entry at or below it."""
     found: set[Key] = set()
 
-    def walk(node: object, path: Key, is_root: bool) -> int:
-        children = node.children  # type: ignore[attr-defined]
-        entry = node.entry  # type: ignore[attr-defined]
+    def walk(node: Any, path: Key, is_root: bool) -> int:
+        children, entry = node.children, node.entry
         if not is_root:
             assert entry is not None or len(children) >= 2, "an unbranched node stayed"
         if entry is not None:
@@ -57,8 +57,8 @@ def check_shape(trie: PrefixTrie, held: set[Key]) -> None:
         shortest = min([*lengths.values(), *([len(entry)] if entry is not None else [])],
                        default=0)
         if not is_root:
-            assert node.shortest == shortest  # type: ignore[attr-defined]
-            via = node.via  # type: ignore[attr-defined]
+            assert node.shortest == shortest
+            via = node.via
             assert (via is None and entry is not None and len(entry) == shortest) or \
                 (via is not None and lengths[via] == shortest)
         return shortest
