@@ -24,6 +24,7 @@ from replicas.engine.logprobs import Picked
 from replicas.engine.quantized_kv import cache_maker
 from replicas.engine.prompt_cache import CacheHit, PromptCache, prefix_view, segments
 from replicas.engine.prefix_directory import HeldBlocks
+from replicas.engine.prefilling import Prefilling
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.scoring import score_prompt
 from replicas.engine.shared_drafts import SharedDrafts
@@ -115,19 +116,25 @@ class LocalBatch:
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
                  = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None,
                  shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None,
-                 draft: nn.Module | Mtp | None = None, gate: SpeculationGate | None = None
-                 ) -> None:
+                 draft: nn.Module | Mtp | None = None, gate: SpeculationGate | None = None,
+                 collective: bool = False) -> None:
         """`shared_drafts`: on a sharded replica, how this rank shares speculation's
         decisions with the others, over the batch's stream. `draft`: the draft model
         speculation drafts with (`speculative.draft_model`), or the model's MTP layer.
         `gate`: what an earlier batch measured of drafting's pace (a benchmark's rounds
-        share one); by default a new one where `speculative.disable_when_slower`."""
+        share one); by default a new one where `speculative.disable_when_slower`.
+        `collective`: the model's passes hold collectives (a sharded replica), so every pass
+        stays on the batch's one stream, in the same order on every rank."""
         self._draft = draft
         self._model = model
         self._config = config
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
                                   disk=disk, held=held) if config.prompt_cache_bytes > 0 else None
         self.stream = mx.new_stream(mx.default_device())  # the batch's work, in order
+        # Prefills and leaving rows, which mlx-lm waits on: on `stream` they would wait for
+        # the decode pass in flight too (`replicas.engine.prefilling`, `generation`).
+        self.side = mx.new_stream(mx.default_device())
+        self._prefill_aside = not collective
         self.decode_stats = DecodeStats()  # kept across `recover`
         # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.
         self._make_cache = cache_maker(config.kv_bits, config.kv_group_size)
@@ -170,10 +177,18 @@ class LocalBatch:
         )
         # Our decoding batch in place of mlx-lm's (`replicas.engine.generation`): mlx-lm
         # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
-        decoding = Generation.make(self._model, gen.sampler, self._drafter(), self._shared,
-                                   self.gate)
+        drafter = self._drafter()
+        decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate,
+                                   self.side)
         decoding.stats = self.decode_stats
         gen._generation_batch = decoding
+        # And our prefilling batch (`replicas.engine.prefilling`): mlx-lm `extend`s it.
+        prefilling = Prefilling.empty(self._model, gen.sampler,
+                                      prefill_step_size=self._config.prefill_step_size)
+        prefilling.in_pass = drafter is None
+        prefilling.side = self.side if self._prefill_aside else None
+        gen._prompt_batch = prefilling
+        self._decoding = decoding
         return gen
 
     def _drafter(self) -> Drafter | None:
@@ -253,10 +268,21 @@ class LocalBatch:
 
     def step(self) -> list[Any]:
         """One batch step (prefill and/or decode): mlx-lm's responses, one per row that got
-        a token. Rows mlx-lm ended itself (stop id, length) have left the batch."""
-        prefilled, responses = self._gen.next()
-        if self._cache is not None:
+        a token. Rows mlx-lm ended itself (stop id, length) have left the batch.
+
+        mlx-lm's `next` decodes, then prefills; here the prefill goes first, so the rows it
+        readies join this very pass (their prompt's last token rides in it: `prefilling`)
+        and get their first token no later than after mlx-lm's pass of their own. The
+        pass is queued last: it computes while the engine turns its tokens into events."""
+        self._decoding.held = True
+        try:  # mlx-lm's `next` with its decode held back: joins and prefill only
+            prefilled, _ = self._gen.next()
+        finally:
+            self._decoding.held = False
+        if self._cache is not None:  # before the decode is queued: nothing to wait behind
             self._cache.save_boundaries(self._gen, prefilled, self._key)
+        with mx.stream(self.stream):
+            responses: list[Any] = self._decoding.next()  # mlx-lm's Response, loosely typed
         self._ended = {r.uid: (self._key(r.uid, r.all_tokens), r.prompt_cache)
                        for r in responses
                        if r.finish_reason is not None and r.prompt_cache is not None}

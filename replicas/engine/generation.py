@@ -4,18 +4,23 @@
   runs any row's logits processors in a Python loop, so one `logit_bias` sends every row
   through it. Here only a request's own processors (the pipeline's grammar mask, budgets,
   bans) are called per row, and only for the rows that have them.
+- **New rows join the batch's next pass** (`joining`, built by `replicas.engine.prefilling`).
+  mlx-lm runs a joining row's last prompt token in a pass of the new rows alone, a whole
+  pass over the weights per arrival; here that token rides in the batch's next pass, and
+  the row emits nothing until the pass after.
 - **Speculative decoding** (`replicas.engine.speculation`): a step may verify each row's
   drafts in the same pass, and emit several tokens per row. On a sharded replica rank 0
   decides the drafts and what was kept, and shares both (`replicas.engine.shared_drafts`).
 
 Everything else is mlx-lm's: the cache, the one-step-ahead pipelining of the plain step,
 `extend`/`filter`/`extract_cache`, stop matching, and `BatchGenerator` around it (which
-builds a plain `GenerationBatch` for a row's first token, then `extend`s this one with it).
-We override `_step` and `next`, pinned to mlx-lm 0.32.2's attributes.
+builds a batch of the joining rows, then `extend`s this one with it).
+We override `_step`, `next`, `extend` and `filter`, pinned to mlx-lm 0.32.2's attributes.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Sequence, cast
 
 import mlx.core as mx
@@ -44,7 +49,9 @@ def _local(sampler: Sampler) -> Sampler | None:
 class Generation(GenerationBatch):
     """The rows that decode. Engine thread only."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, joining: bool = False, **kwargs: Any) -> None:
+        """`joining`: rows whose pending token is their prompt's last (mlx-lm's constructor
+        would run it at once, in a pass of their own)."""
         self.stats = DecodeStats()
         self.drafter: Drafter | None = None
         # This step's rows whose drafts the drafter sampled: the distribution of each.
@@ -52,14 +59,25 @@ class Generation(GenerationBatch):
         self._orders: list[Order | None] = []  # per row: its slot order (`tails`)
         self.shared: SharedDrafts | None = None  # a sharded replica's
         self.gate: SpeculationGate | None = None  # whether drafting pays at this size
+        self.held = False  # `next` steps nothing while set (`replicas.engine.batch`)
+        self.side: mx.Stream | None = None  # where rows leave (`filter`)
+        self._joining = joining
         super().__init__(*args, **kwargs)
+        self._joining = False
+        # Per row: its pending token is a prompt token, so its next pass emits nothing.
+        self._fresh = [joining] * len(self.uids)
+        self._joined = len(self.uids) if joining else 0  # how many are
+        if joining:
+            self._next_logprobs = [None] * len(self.uids)  # type: ignore[list-item]
 
     @classmethod
     def make(cls, model: nn.Module, sampler: Sampler, drafter: Drafter | None,
-             shared: SharedDrafts | None = None, gate: SpeculationGate | None = None
-             ) -> Generation:
-        """`drafter`: None without speculation; `gate`: None to draft at every size."""
+             shared: SharedDrafts | None = None, gate: SpeculationGate | None = None,
+             side: mx.Stream | None = None) -> Generation:
+        """`drafter`: None without speculation; `gate`: None to draft at every size;
+        `side`: the batch's side stream, where rows leave."""
         batch = cls.empty(model, sampler)
+        batch.side = side
         batch.drafter = drafter
         batch.shared = shared
         batch.gate = gate
@@ -68,24 +86,29 @@ class Generation(GenerationBatch):
     def next(self) -> list[GenerationBatch.Response]:
         """Each row's tokens of one pass (one, or more when drafts were kept), as mlx-lm's
         responses; a row that ends mid-way drops the rest and leaves the batch."""
-        if not self.uids:
+        if not self.uids or self.held:
             return []
         rows = len(self.uids)
-        active = self.drafter is not None and self.drafter.active(rows)
+        # Rows that join in this pass are only ever built without a drafter (`prefilling`).
+        active = self.drafter is not None and not self._joined and self.drafter.active(rows)
         if self.gate is not None and not active:
             self.gate.pause()  # a plain step by config is neither mode's measure
         drafting = (self._drafts(self.gate is None or self.gate.allow(rows))
                     if active else None)
         emitted: list[Emitted]
+        prompts = self._joined  # rows whose pass is their prompt's last token's, not a decode
         if drafting is None:
             tokens, lps = self._step()
             emitted = [[(t, lp)] for t, lp in zip(tokens, lps)]
+            if self._joined:  # their prompts' last tokens went in: their first comes next
+                emitted = [[] if new else row for new, row in zip(self._fresh, emitted)]
+                self._fresh, self._joined = [False] * rows, 0
             if self.drafter is not None:  # resting rows count the steps to their probe
                 for uid in self.uids:
                     self.drafter.observe(uid, 0, 0)
         else:
             emitted = self._speculate(*drafting)
-        self.stats.passes += len(self.uids)
+        self.stats.passes += len(self.uids) - prompts
         keep, responses = [], []
         for i, row in enumerate(emitted):
             finish = None
@@ -114,14 +137,22 @@ class Generation(GenerationBatch):
         return responses
 
     def filter(self, keep: list[int]) -> None:
-        super().filter(keep)
+        # A stream of its own: mlx-lm's filter reads the rows' padding back, which on the
+        # batch's stream would wait for the pass in flight (`replicas.engine.batch`).
+        with mx.stream(self.side) if self.side is not None else nullcontext():
+            super().filter(keep)
         self._orders = [self._orders[i] for i in keep]
+        self._fresh = [self._fresh[i] for i in keep]
+        self._joined = sum(self._fresh)
         if self.drafter is not None:
             self.drafter.keep(self.uids)
 
     def extend(self, batch: GenerationBatch) -> None:
         super().extend(batch)
         self._orders += [None] * (len(self.uids) - len(self._orders))
+        fresh = getattr(batch, "_fresh", None) or [False] * len(batch.uids)
+        self._fresh += fresh
+        self._joined += sum(fresh)
 
     def extract_cache(self, idx: int) -> list[Any]:
         """Row `idx`'s cache with its positions in order (speculation may have moved its
@@ -131,6 +162,8 @@ class Generation(GenerationBatch):
     def _step(self) -> tuple[list[int], list[mx.array]]:
         """mlx-lm's plain step (the next step's forward queued before this one's tokens are
         read), with the batch's bias and penalties applied in one go."""
+        if self._joining:  # mlx-lm's constructor: the batch's next pass runs these rows
+            return [], []
         inputs: mx.array = self._next_tokens
         self._current_tokens = inputs  # type: ignore[assignment]  # mlx-lm inits it None
         self._current_logprobs = self._next_logprobs

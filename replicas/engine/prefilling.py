@@ -1,0 +1,64 @@
+"""The prefilling half of the batch: mlx-lm's `PromptProcessingBatch`, with two changes.
+
+A request's prompt is prefilled but for its last token; mlx-lm then runs that token in a
+pass of the joining rows alone (`PromptProcessingBatch.generate` steps the new
+`GenerationBatch` at once) before they join the decoding rows. On a Mac a decode pass
+costs a read of all the weights whatever its rows, so each arrival cost a pass. Here the
+joining rows hand that token to the decoding batch instead (`Generation(joining=True)`),
+and it goes through in the batch's next pass with everyone else's tokens.
+
+Speculation keeps mlx-lm's way: its drafters start a row from its first sampled token.
+
+The prefill runs on the batch's side stream (`prompt`, `split`), so that waiting for it
+does not also wait for the decode pass in flight. In process, 32 streams with rows joining
+and leaving, the two make 1.17x the tokens a second of mlx-lm's own join and a fifth fewer
+decode passes (`load/bench_joining.py`, load/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+
+from replicas.engine.generation import Generation
+
+
+class Prefilling(PromptProcessingBatch):
+    """Rows being prefilled. `in_pass`: joining rows' last prompt tokens ride in the
+    decoding batch's next pass (mlx-lm 0.32.2's attributes, as `generate` reads them)."""
+
+    in_pass = True
+    side: mx.Stream | None = None  # where prompts are prefilled
+
+    def _copy(self) -> Prefilling:
+        new: Prefilling = super()._copy()  # `split`'s copy: mlx-lm copies its own fields
+        new.in_pass, new.side = self.in_pass, self.side
+        return new
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        """mlx-lm's prefill, which waits for its result, on the batch's side stream: on the
+        batch's own it would also wait for the decode pass queued before it."""
+        with mx.stream(self.side) if self.side is not None else nullcontext():
+            super().prompt(tokens)
+
+    def split(self, indices: list[int]) -> Prefilling:
+        """mlx-lm's split, which filters the cache and so reads its padding back: aside too."""
+        with mx.stream(self.side) if self.side is not None else nullcontext():
+            return super().split(indices)
+
+    def generate(self, tokens: list[list[int]]) -> GenerationBatch:
+        if not self.in_pass:
+            return super().generate(tokens)
+        if any(len(t) > 1 for t in tokens):
+            self.prompt([t[:-1] for t in tokens])
+        joining: Any = Generation(
+            self.model, self.uids, mx.array([t[-1] for t in tokens]), self.prompt_cache,
+            self.tokens, self.samplers, self.fallback_sampler, self.logits_processors,
+            self.stop_sequences, self.max_tokens, joining=True)
+        # The rows now belong to the decoding batch, as after mlx-lm's own `generate`.
+        self.uids, self.prompt_cache, self.tokens = [], [], []
+        self.samplers, self.logits_processors, self.max_tokens = [], [], []
+        return joining
