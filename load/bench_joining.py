@@ -9,9 +9,8 @@ lengths, so rows join and leave one at a time. Timed until the last of `--reques
 has joined. Three targets, in alternating rounds:
 
 - mlx_lm: its `BatchGenerator` (`RawModel.arrivals`, the ceiling bench's `raw_arrivals`);
-- orchard_mlx_join: Orchard's batch with its joins and its one stream as mlx-lm's (a joining
-  row's last prompt token in a pass of its own; prefills and leaving rows on the batch's
-  stream), set through the batch's own switches;
+- orchard_mlx_join: Orchard's batch with mlx-lm's join (a joining row's last prompt token in
+  a pass of its own), set through the batch's own switch, as speculation sets it;
 - orchard: the batch as shipped.
 
 Besides tok/s, every model call is counted (the model class's `__call__`): single-position
@@ -63,10 +62,8 @@ def orchard(raw: RawModel, prompts: list[list[int]], streams: int, tokens: int,
     from replicas.engine.sampling import make_request_sampler
 
     batch = LocalBatch(raw.loaded.model, EngineConfig(prompt_cache_bytes=0))
-    if mlx_join:  # the batch's switches: a sharded batch's one stream, a speculating join
+    if mlx_join:  # the batch's switch, as a speculating batch sets it
         batch._gen._prompt_batch.in_pass = False
-        batch._gen._prompt_batch.side = None
-        batch._decoding.side = None
     sampler = make_request_sampler(SamplingParams(temperature=0.0))
     queue = iter(prompts)
 

@@ -116,25 +116,20 @@ class LocalBatch:
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
                  = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None,
                  shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None,
-                 draft: nn.Module | Mtp | None = None, gate: SpeculationGate | None = None,
-                 collective: bool = False) -> None:
+                 draft: nn.Module | Mtp | None = None, gate: SpeculationGate | None = None
+                 ) -> None:
         """`shared_drafts`: on a sharded replica, how this rank shares speculation's
         decisions with the others, over the batch's stream. `draft`: the draft model
         speculation drafts with (`speculative.draft_model`), or the model's MTP layer.
         `gate`: what an earlier batch measured of drafting's pace (a benchmark's rounds
-        share one); by default a new one where `speculative.disable_when_slower`.
-        `collective`: the model's passes hold collectives (a sharded replica), so every pass
-        stays on the batch's one stream, in the same order on every rank."""
+        share one); by default a new one where `speculative.disable_when_slower`."""
         self._draft = draft
         self._model = model
         self._config = config
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
                                   disk=disk, held=held) if config.prompt_cache_bytes > 0 else None
-        self.stream = mx.new_stream(mx.default_device())  # the batch's work, in order
-        # Prefills and leaving rows, which mlx-lm waits on: on `stream` they would wait for
-        # the decode pass in flight too (`replicas.engine.prefilling`, `generation`).
-        self.side = mx.new_stream(mx.default_device())
-        self._prefill_aside = not collective
+        # The batch's work, in order: one stream only (`replicas.engine.prefilling` says why).
+        self.stream = mx.new_stream(mx.default_device())
         self.decode_stats = DecodeStats()  # kept across `recover`
         # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.
         self._make_cache = cache_maker(config.kv_bits, config.kv_group_size)
@@ -178,15 +173,13 @@ class LocalBatch:
         # Our decoding batch in place of mlx-lm's (`replicas.engine.generation`): mlx-lm
         # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
         drafter = self._drafter()
-        decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate,
-                                   self.side)
+        decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate)
         decoding.stats = self.decode_stats
         gen._generation_batch = decoding
         # And our prefilling batch (`replicas.engine.prefilling`): mlx-lm `extend`s it.
         prefilling = Prefilling.empty(self._model, gen.sampler,
                                       prefill_step_size=self._config.prefill_step_size)
         prefilling.in_pass = drafter is None
-        prefilling.side = self.side if self._prefill_aside else None
         gen._prompt_batch = prefilling
         self._decoding = decoding
         return gen
@@ -279,7 +272,7 @@ class LocalBatch:
             prefilled, _ = self._gen.next()
         finally:
             self._decoding.held = False
-        if self._cache is not None:  # before the decode is queued: nothing to wait behind
+        if self._cache is not None:  # before this step's decode is queued
             self._cache.save_boundaries(self._gen, prefilled, self._key)
         with mx.stream(self.stream):
             responses: list[Any] = self._decoding.next()  # mlx-lm's Response, loosely typed

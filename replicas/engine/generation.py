@@ -20,7 +20,6 @@ We override `_step`, `next`, `extend` and `filter`, pinned to mlx-lm 0.32.2's at
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Sequence, cast
 
 import mlx.core as mx
@@ -60,7 +59,6 @@ class Generation(GenerationBatch):
         self.shared: SharedDrafts | None = None  # a sharded replica's
         self.gate: SpeculationGate | None = None  # whether drafting pays at this size
         self.held = False  # `next` steps nothing while set (`replicas.engine.batch`)
-        self.side: mx.Stream | None = None  # where rows leave (`filter`)
         self._joining = joining
         super().__init__(*args, **kwargs)
         self._joining = False
@@ -72,12 +70,10 @@ class Generation(GenerationBatch):
 
     @classmethod
     def make(cls, model: nn.Module, sampler: Sampler, drafter: Drafter | None,
-             shared: SharedDrafts | None = None, gate: SpeculationGate | None = None,
-             side: mx.Stream | None = None) -> Generation:
-        """`drafter`: None without speculation; `gate`: None to draft at every size;
-        `side`: the batch's side stream, where rows leave."""
+             shared: SharedDrafts | None = None,
+             gate: SpeculationGate | None = None) -> Generation:
+        """`drafter`: None without speculation; `gate`: None to draft at every size."""
         batch = cls.empty(model, sampler)
-        batch.side = side
         batch.drafter = drafter
         batch.shared = shared
         batch.gate = gate
@@ -137,10 +133,7 @@ class Generation(GenerationBatch):
         return responses
 
     def filter(self, keep: list[int]) -> None:
-        # A stream of its own: mlx-lm's filter reads the rows' padding back, which on the
-        # batch's stream would wait for the pass in flight (`replicas.engine.batch`).
-        with mx.stream(self.side) if self.side is not None else nullcontext():
-            super().filter(keep)
+        super().filter(keep)
         self._orders = [self._orders[i] for i in keep]
         self._fresh = [self._fresh[i] for i in keep]
         self._joined = sum(self._fresh)

@@ -9,15 +9,13 @@ and it goes through in the batch's next pass with everyone else's tokens.
 
 Speculation keeps mlx-lm's way: its drafters start a row from its first sampled token.
 
-The prefill runs on the batch's side stream (`prompt`, `split`), so that waiting for it
-does not also wait for the decode pass in flight. In process, 32 streams with rows joining
-and leaving, the two make 1.17x the tokens a second of mlx-lm's own join and a fifth fewer
-decode passes (`load/bench_joining.py`, load/RESULTS.md).
+Everything stays on the batch's one stream. A second stream for the prefill (so waiting
+for it would not wait for the decode pass in flight too) was tried and taken out: CI's
+test process segfaulted with it (load/RESULTS.md, "Rows join the batch's pass").
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -31,23 +29,11 @@ class Prefilling(PromptProcessingBatch):
     decoding batch's next pass (mlx-lm 0.32.2's attributes, as `generate` reads them)."""
 
     in_pass = True
-    side: mx.Stream | None = None  # where prompts are prefilled
 
     def _copy(self) -> Prefilling:
         new: Prefilling = super()._copy()  # `split`'s copy: mlx-lm copies its own fields
-        new.in_pass, new.side = self.in_pass, self.side
+        new.in_pass = self.in_pass
         return new
-
-    def prompt(self, tokens: list[list[int]]) -> None:
-        """mlx-lm's prefill, which waits for its result, on the batch's side stream: on the
-        batch's own it would also wait for the decode pass queued before it."""
-        with mx.stream(self.side) if self.side is not None else nullcontext():
-            super().prompt(tokens)
-
-    def split(self, indices: list[int]) -> Prefilling:
-        """mlx-lm's split, which filters the cache and so reads its padding back: aside too."""
-        with mx.stream(self.side) if self.side is not None else nullcontext():
-            return super().split(indices)
 
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         if not self.in_pass:

@@ -158,8 +158,7 @@ def open_shard(source: str, resolved: Path | str, plan: ShardPlan, config: Engin
     most = config.speculative.num_speculative_tokens if config.speculative else 0
     batch = LocalBatch(model, config, _cache_scale(model, model_conf, plan), held=held,
                        shared_drafts=lambda stream: SharedDrafts(group, stream, plan.rank == 0,
-                                                                 most), draft=drafts_with,
-                       collective=True)
+                                                                 most), draft=drafts_with)
     # Every rank runs the probe's forward pass (and its collectives) here, together.
     mine = plan_memory(model, config.kv_budget_bytes, plan.label,
                        make_cache=cache_maker(config.kv_bits, config.kv_group_size),
