@@ -99,7 +99,7 @@ def _sees(model: ModelSettings) -> bool:
 def _check_sharding(model: ModelSettings) -> None:
     """A `shards`/`sharding` the architecture cannot take fails the deploy, naming the
     field; a Hub model not on disk is checked by its replica, once fetched."""
-    from replicas.engine.sharding import ShardingError, sharding_mode
+    from replicas.engine.sharded.rank import ShardingError, sharding_mode
     from replicas.sources import model_config
 
     config = model_config(model.source, fetch=False)

@@ -38,7 +38,7 @@ class _Layout(Protocol):
 
 
 class _Memory(Protocol):
-    """`replicas.engine.memory.MemoryStats`, read without importing MLX here."""
+    """`replicas.engine.kv.budget.MemoryStats`, read without importing MLX here."""
 
     @property
     def budget_bytes(self) -> int: ...

@@ -48,7 +48,7 @@ ENGINE_METRICS = (
     "orchard_prefix_cache_misses_total", "orchard_prefix_cache_evictions_total",
     "orchard_prefix_cache_bytes", "orchard_grammar_compile_seconds",
 )
-# KV memory admission (`replicas.engine.memory`).
+# KV memory admission (`replicas.engine.kv.budget`).
 MEMORY_METRICS = ("orchard_kv_budget_bytes", "orchard_kv_projected_bytes",
                   "orchard_waiting_for_memory", "orchard_memory_refusals_total",
                   "orchard_preemptions_total", "orchard_kv_token_bytes",

@@ -33,7 +33,7 @@ from replicas.contract import (
     TokenizerInfo,
 )
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv_transfer import PrefixKV, PrefixPull
+from replicas.engine.kv.transfer import PrefixKV, PrefixPull
 from replicas.kv_pull import Fetch, Source
 from replicas.replica import ModelReplica, ReplicaOptions
 
@@ -85,7 +85,7 @@ class ReplicaOwner:
         self._shards: ShardGroup | None = None
         if config.shards > 1:
             # Ranks 1..N-1 start first and wait for rank 0 (this replica) to join them.
-            from replicas.engine.sharding import layer_count, sharding_mode
+            from replicas.engine.sharded.rank import layer_count, sharding_mode
             from replicas.sources import model_config
 
             found = model_config(config.source)

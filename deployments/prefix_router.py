@@ -1,5 +1,5 @@
 """Cache-aware routing: each request goes to the model replica most likely to hold its
-prompt prefix in its KV cache (`replicas.engine.prompt_cache`), unless that replica is busier than
+prompt prefix in its KV cache (`replicas.engine.kv.prefix_cache`), unless that replica is busier than
 the least-loaded one by more than `routing.max_imbalance` requests, or has no KV room for it
 (`deployments.headroom`: then, as without a preference, the replicas with the most room go
 first); a request no replica has room for now is shed with the overloaded error.
@@ -17,7 +17,7 @@ Keys (`replicas.routing_keys`), in order of preference:
   computes alike;
 - else a hash chain over the prompt's leading units (messages of a chat, blocks of text or
   tokens). The deepest key of the chain that a replica reports holding (the cluster prefix
-  directory: `PREFIXES` in its routing stats, `replicas.engine.prefix_directory`) names
+  directory: `PREFIXES` in its routing stats, `replicas.engine.kv.directory`) names
   the holder; where none does, the deepest key this router recorded against the replica
   it sent that request to (the whole prompt, and the prompt less its last message).
 

@@ -88,7 +88,7 @@ class PromptCacheSettings(_Strict):
 
 
 class SpeculativeSettings(_Strict):
-    """Speculative decoding inside the batch (`replicas.engine.speculation`), vLLM's names.
+    """Speculative decoding inside the batch (`replicas.engine.spec.drafter`), vLLM's names.
     Greedy output is unchanged and sampled output keeps the model's distribution; it pays
     where outputs repeat their context (code edits, quoted files, JSON echoes)."""
 
@@ -129,7 +129,7 @@ class SpeculativeSettings(_Strict):
 
 
 class MemorySettings(_Strict):
-    """KV memory admission (`replicas.engine.memory`): a request joins the batch when its
+    """KV memory admission (`replicas.engine.kv.budget`): a request joins the batch when its
     prompt's KV fits and grows a cache step at a time; when memory runs out the youngest is
     preempted and resumed later. What cannot join waits, then gets the overloaded error."""
 

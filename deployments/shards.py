@@ -26,9 +26,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.cluster import require_metal
 from deployments.config import DistributedSettings, ModelSettings
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
-from replicas.engine.kv_parts import KvParts
-from replicas.engine.kv_transfer import PrefixKV
-from replicas.engine.stages import plan_stages
+from replicas.engine.sharded.kv_parts import KvParts
+from replicas.engine.kv.transfer import PrefixKV
+from replicas.engine.sharded.stages import plan_stages
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def listen_address(settings: DistributedSettings) -> str:
 
 
 def _machine_bytes() -> int:
-    from replicas.engine.memory import machine  # MLX: only where a rank runs
+    from replicas.engine.kv.budget import machine  # MLX: only where a rank runs
 
     return machine().bytes
 
@@ -86,7 +86,7 @@ class ShardWorker:
             metal_for: str | None = None) -> int:
         """Load this rank's shard and follow rank 0 until it stops (the steps run).
         `metal_for`: the model id, when its placement requires Metal on every rank."""
-        from replicas.engine.sharding import follow
+        from replicas.engine.sharded.rank import follow
         from replicas.sources import resolve_source
 
         if metal_for is not None:
@@ -102,7 +102,7 @@ class ShardWorker:
     def stage(self, staged: str, payload: Any, tokens: int) -> None:
         """This rank's part of a pulled prefix: `payload` arrives as an object Ray fetched
         from the holder's same rank; decoded and checked here, off the engine thread."""
-        from replicas.engine.kv_transfer import decode
+        from replicas.engine.kv.transfer import decode
 
         layers = decode(payload)
         held = {int(getattr(layer, "offset", tokens)) for layer in layers}

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from replicas.engine.disk_cache import model_fingerprint
-from replicas.engine.draft_model import check_draft_model
-from replicas.engine.loading import LoadedModel, load_model
-from replicas.engine.mtp import Mtp, load_mtp
+from replicas.engine.kv.disk import model_fingerprint
+from replicas.engine.spec.draft_model import check_draft_model
+from replicas.engine.model.loading import LoadedModel, load_model
+from replicas.engine.model.mtp import Mtp, load_mtp
 from replicas.options import ReplicaOptions
 from replicas.sources import resolve_source
 

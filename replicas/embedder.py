@@ -7,7 +7,7 @@ length, a token id outside the vocabulary. Accepted inputs join one queue for th
 and each engine `call` runs one forward over what is queued then, whichever requests it
 came from (`plan_batches`: sorted by length, bounded by rows and padded bytes), so many
 small requests at once share forwards, and the decode steps of running generations come
-between the forwards of a large one. The pooling itself is `replicas.engine.embedding`'s.
+between the forwards of a large one. The pooling itself is `replicas.engine.model.embedding`'s.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any, Callable, Sequence
 from replicas.contract import EmbeddingInput, EmbeddingRequest, EmbeddingResult
 from replicas.embedding_files import SENTENCE_TRANSFORMERS_FILES, EmbeddingSpec, \
     NotEmbedding, embedding_support
-from replicas.engine.embedding import PoolingSpec, bytes_per_token, embed_rows, hidden_size, \
+from replicas.engine.model.embedding import PoolingSpec, bytes_per_token, embed_rows, hidden_size, \
     plan_batches
 from replicas.engine.core import EngineDead
-from replicas.engine.loading import LoadedModel
+from replicas.engine.model.loading import LoadedModel
 from replicas.errors import ContextLengthError, InternalError, InvalidRequestError
 from replicas.options import ReplicaOptions
 from replicas.pipeline.prompt import encodable

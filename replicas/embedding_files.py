@@ -26,7 +26,7 @@ SENTENCE_TRANSFORMERS_FILES = ("modules.json", "*/config.json", "sentence_bert_c
 _POOLING = "sentence_transformers.models.Pooling"
 _NORMALIZE = "sentence_transformers.models.Normalize"
 # sentence-transformers' mode names (`pooling_mode_<name>`, or `pooling_mode: <name>` in
-# newer files) -> the poolings Orchard computes (`replicas.engine.embedding`).
+# newer files) -> the poolings Orchard computes (`replicas.engine.model.embedding`).
 _MODES: dict[str, Pooling] = {"lasttoken": "last_token", "mean_tokens": "mean", "mean": "mean",
                                "cls_token": "cls", "cls": "cls"}
 

@@ -5,7 +5,7 @@ mlx-lm loads decoders; the sentence encoders many retrieval pipelines still run 
 E5, all-MiniLM, nomic) are encoders, which mlx-embeddings implements in MLX. Such a replica
 has no generation: its engine thread runs the embedding forwards alone (`Engine.call`, as
 for any model), its batch refuses rows, and a chat or completion request is a 400. The
-pooling is Orchard's (`replicas.engine.embedding`, as the model's sentence-transformers
+pooling is Orchard's (`replicas.engine.model.embedding`, as the model's sentence-transformers
 files name it, `cls` included), over the encoder's last hidden states, with the padding
 masked out of attention: an encoder's tokens see both ways, so right padding would reach them.
 """
@@ -21,12 +21,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_tokenizer
 
 from replicas.engine.stats import DecodeCounts
-from replicas.engine.batch import Done, Prefill, Row
-from replicas.engine.kv_layout import KvLayout
-from replicas.engine.loading import LoadedModel, loaded_model
-from replicas.engine.logprobs import Picked
-from replicas.engine.memory import RankMemory, default_budget, machine
-from replicas.engine.prompt_cache import PromptCache
+from replicas.engine.batch.local import Done, Prefill, Row
+from replicas.engine.kv.layout import KvLayout
+from replicas.engine.model.loading import LoadedModel, loaded_model
+from replicas.engine.sampling.logprobs import Picked
+from replicas.engine.kv.budget import RankMemory, default_budget, machine
+from replicas.engine.kv.prefix_cache import PromptCache
 from replicas.errors import InvalidRequestError
 from replicas.startup import Progress
 

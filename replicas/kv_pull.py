@@ -12,7 +12,7 @@ Ray, no HTTP.
 A sharded replica moves its KV rank to rank: rank 0's part travels in the answer, and the
 other ranks' parts as handles (`PrefixKV.ranks`) that the asker's rank r fetches from the
 holder's rank r (`Ranks`, the deployment's transport), staged on every rank before rank 0
-adopts the prefix for all of them (`replicas.engine.kv_parts`).
+adopts the prefix for all of them (`replicas.engine.sharded.kv_parts`).
 
 The decision compares two estimates per missing token: its KV bytes over the link's rate
 (measured on this replica's earlier pulls; `link_bytes_per_s` until then) against its
@@ -30,8 +30,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Literal, Protocol, Sequence
 
-from replicas.engine.batch import Exported
-from replicas.engine.kv_transfer import PrefixKV, PrefixPull, decode, encode
+from replicas.engine.batch.local import Exported
+from replicas.engine.kv.transfer import PrefixKV, PrefixPull, decode, encode
 from replicas.options import PullOptions
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ SourceKind = Literal["holder", "prefill"]
 
 class KvHome(Protocol):
     """Where exported KV comes from and pulled KV lands: the replica's batch
-    (`replicas.engine.batch.Batch`), on the engine thread only."""
+    (`replicas.engine.batch.local.Batch`), on the engine thread only."""
 
     def held_length(self, tokens: Sequence[int]) -> int: ...
     def export_prefix(self, tokens: Sequence[int], at_least: int) -> Exported | None: ...

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncGenerator, Callable
 
-from replicas.engine.batch import Batch, LocalBatch
+from replicas.engine.batch.local import Batch, LocalBatch
 from replicas.contract import (
     EmbeddingRequest,
     EmbeddingResult,
@@ -33,14 +33,14 @@ from replicas.contract import (
 from replicas.embedder import Embedder
 from replicas.engine.core import Engine, EngineDead
 from replicas.beside_model import kv_fingerprint, load_draft
-from replicas.engine.disk_cache import DiskTier
-from replicas.engine.prefix_directory import DIRECTORY_FILE, PrefixDirectory
+from replicas.engine.kv.disk import DiskTier
+from replicas.engine.kv.directory import DIRECTORY_FILE, PrefixDirectory
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
-from replicas.engine.loading import LoadedModel, load_model
-from replicas.engine.lockstep import LockstepBatch
-from replicas.engine.quantized_kv import cache_maker
-from replicas.engine.memory import RankMemory, plan_memory
+from replicas.engine.model.loading import LoadedModel, load_model
+from replicas.engine.sharded.lockstep import LockstepBatch
+from replicas.engine.kv.quantized import cache_maker
+from replicas.engine.kv.budget import RankMemory, plan_memory
 from replicas.options import ReplicaOptions
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
@@ -57,7 +57,7 @@ from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.prepare import InputProcessor, Prepared
 from replicas.routing_keys import token_spans
 from replicas.kv_pull import KvPuller, PullResult, Ranks, Source
-from replicas.engine.kv_transfer import PrefixKV, PrefixPull
+from replicas.engine.kv.transfer import PrefixKV, PrefixPull
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
 from replicas.timings import Timings, TimingSamples
@@ -126,7 +126,7 @@ class ModelReplica:
             return model, self._batch, (memory,)
         if self.options.kind == "vision":
             raise VisionUnsupported("a sharded replica reads text only: set shards: 1")
-        from replicas.engine.sharding import open_shard  # only sharded replicas join a group
+        from replicas.engine.sharded.rank import open_shard  # only sharded replicas join a group
 
         model, local, group, ranks = open_shard(
             self.options.source, resolve_source(self.options.source), plan, self.options.engine,

@@ -51,6 +51,6 @@ def model_config(source: str, fetch: bool = True) -> dict[str, Any] | None:
 
 def load_source(source: str) -> Any:
     """The `LoadedModel` of `source`, resolved and loaded as a replica loads it."""
-    from replicas.engine.loading import load_model
+    from replicas.engine.model.loading import load_model
 
     return load_model(source, resolve_source(source))

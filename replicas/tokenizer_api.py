@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from replicas.contract import TokenizerInfo
 from replicas.errors import InvalidRequestError
-from replicas.engine.loading import LoadedModel
+from replicas.engine.model.loading import LoadedModel
 from replicas.pipeline.prompt import encodable
 
 

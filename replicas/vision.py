@@ -6,7 +6,7 @@ preprocessing and the expansion of each image token into the image's grid of tok
 its vision tower and projector (`get_input_embeddings`: the prompt's embeddings with the
 image features merged in). The language model is mlx-lm's own class, loaded by the
 production loader and driven by the same batch as any text model. That is the cut: the
-engine prefills the image prefix from embeddings once (`replicas.engine.batch`), and from
+engine prefills the image prefix from embeddings once (`replicas.engine.batch.local`), and from
 there streaming, stops, channels, guided decoding, tool calls, the prefix cache, admission
 and continuous batching are the text path's, unchanged, rather than a second engine
 (mlx-vlm's own batch generator) kept in step with the first.

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import load_tokenizer
 
-from ..engine.mtp import NextN, file_key
+from replicas.engine.model.mtp import NextN, file_key
 from ..startup import Progress
 from .recipe import RandomInit, Recipe, Training, cache_key
 from .scripts import Script, parse_scripts, renderings, scripts_text

@@ -96,7 +96,7 @@ class RandomInit:
     # Drawn as a model of this many layers (the seed's draws those would take), then cut to
     # the architecture's: a cut model's layers, embeddings and head equal the whole one's.
     drawn_layers: int | None = None
-    # An MTP layer in the files (`replicas.engine.mtp`), as DeepSeek V3 ships one: "random"
+    # An MTP layer in the files (`replicas.engine.model.mtp`), as DeepSeek V3 ships one: "random"
     # weights, or "agree": it predicts what the model will (a model whose layers are all
     # inert: its next token depends on its newest alone, and the layer reads that token).
     mtp: str | None = None
@@ -214,7 +214,7 @@ AGREE_DRAFT = replace(BENCH, name="agree-draft",
 
 def _cache_kind(name: str, seed: int, model_type: str, layers: int, **extra: Any) -> Recipe:
     """A small random-weights model whose cache is of one kind, in mlx-lm's own class for
-    that architecture: KV memory accounting (`replicas.engine.kv_layout`) is checked on each."""
+    that architecture: KV memory accounting (`replicas.engine.kv.layout`) is checked on each."""
     return Recipe(
         name=name,
         architecture=Architecture(hidden_size=128, num_hidden_layers=layers,
@@ -254,7 +254,7 @@ ARCH_SSM = _cache_kind(
     hybrid_override_pattern=["M", "*", "-", "M"])
 CACHE_KINDS = (ARCH_MLA, ARCH_SLIDING, ARCH_LINEAR, ARCH_SSM)
 
-# The other MLA families whose attention Orchard absorbs (`replicas.engine.mla`), at
+# The other MLA families whose attention Orchard absorbs (`replicas.engine.model.mla`), at
 # `arch-mla`'s shape: GLM-4.7-Flash (glm4_moe_lite), Mistral Small 4 (mistral4), whose
 # queries grow by Llama 4's scale past 64 positions here, and LongCat-Flash.
 _MLA_SHAPE = {k: v for k, v in ARCH_MLA.architecture.extra}

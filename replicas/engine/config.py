@@ -8,7 +8,7 @@ from typing import Literal
 
 Mode = Literal["tensor", "pipeline"]
 Backend = Literal["ring", "jaccl"]
-# How a vector is pooled from the hidden states (`replicas.engine.embedding`).
+# How a vector is pooled from the hidden states (`replicas.engine.model.embedding`).
 Pooling = Literal["last_token", "mean", "cls"]
 
 
@@ -16,12 +16,12 @@ Pooling = Literal["last_token", "mean", "cls"]
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's names: draft up to `num_speculative_tokens` tokens
     after the longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that
-    occurred before (prompt lookup, `replicas.engine.drafting`), or, with `draft_model`
-    (a source, as a model's), what that model writes (`replicas.engine.draft_model`), or
-    with `mtp`, what the checkpoint's own MTP layer writes (`replicas.engine.mtp`); no
+    occurred before (prompt lookup, `replicas.engine.spec.ngram`), or, with `draft_model`
+    (a source, as a model's), what that model writes (`replicas.engine.spec.draft_model`), or
+    with `mtp`, what the checkpoint's own MTP layer writes (`replicas.engine.model.mtp`); no
     drafts while more than `disable_by_batch_size` rows decode (None: at any size), nor,
     with `disable_when_slower`, at a batch size where the engine measured drafting making
-    fewer tokens a second than not (`replicas.engine.spec_gate`)."""
+    fewer tokens a second than not (`replicas.engine.spec.gate`)."""
 
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
@@ -51,7 +51,7 @@ class EngineConfig:
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
     stuck_after_s: float = 120.0  # a step longer than this marks the engine unhealthy
-    # KV bytes for running requests plus the prefix cache (`replicas.engine.memory`); None: a
+    # KV bytes for running requests plus the prefix cache (`replicas.engine.kv.budget`); None: a
     # share of the machine's memory less the weights.
     kv_budget_bytes: int | None = None
     max_memory_waiting: int = 64  # requests waiting for KV memory before overload errors
@@ -65,15 +65,15 @@ class EngineConfig:
     # KV of earlier prompts kept for reuse, bytes per replica (0: off). Sequences in the
     # batch are not counted: this is what stays resident between requests.
     prompt_cache_bytes: int = 2 * 1024**3
-    # The prefix cache's disk tier (`replicas.engine.disk_cache`): a directory for the KV
+    # The prefix cache's disk tier (`replicas.engine.kv.disk`): a directory for the KV
     # memory evicts and all of it at shutdown, bounded by bytes; None: memory only.
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 16 * 1024**3
-    # KV cache quantized to this many bits (4 or 8; `replicas.engine.quantized_kv`) in
+    # KV cache quantized to this many bits (4 or 8; `replicas.engine.kv.quantized`) in
     # groups of `kv_group_size` values; None: the model's dtype.
     kv_bits: int | None = None
     kv_group_size: int = 64
-    # Speculative decoding inside the batch (`replicas.engine.speculation`); None: off.
+    # Speculative decoding inside the batch (`replicas.engine.spec.drafter`); None: off.
     speculative: SpeculativeConfig | None = None
 
 
@@ -91,7 +91,7 @@ class ShardPlan:
     # writes it.
     rdma_devices: tuple[tuple[str | None, ...], ...] | None = None
     # Pipeline only: layers per rank, rank 0 first (rank 0 runs the last ones, mlx-lm's
-    # order); None: mlx-lm's even split (`replicas.engine.stages`).
+    # order); None: mlx-lm's even split (`replicas.engine.sharded.stages`).
     layers: tuple[int, ...] | None = None
 
     @property

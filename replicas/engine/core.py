@@ -1,6 +1,6 @@
 """The engine thread: the sole owner of MLX in a replica.
 
-It drives the batch (`replicas.engine.batch`: mlx-lm's BatchGenerator with continuous
+It drives the batch (`replicas.engine.batch.local`: mlx-lm's BatchGenerator with continuous
 batching, requests join and leave between steps, and the KV prefix cache), hands each
 generated token id to that request's `RequestOutput` (`replicas.engine.request`; the
 pipeline's output processor, which alone turns tokens into events), and hands the events
@@ -14,14 +14,14 @@ step fails that batch; if the thread itself dies, every queued and in-flight req
 at once and later submissions raise, so nothing waits on a thread that is gone.
 
 Prefix reuse: a request joins the batch with the KV of the longest cached prefix of its
-prompt (`replicas.engine.prompt_cache`) and prefills the rest, kept at its last message boundary;
+prompt (`replicas.engine.kv.prefix_cache`) and prefills the rest, kept at its last message boundary;
 one that finishes normally leaves its prompt plus output behind for the next turn.
 
 Memory: a request joins when its prompt's KV fits, and a row whose KV cannot grow preempts
 the youngest, which rejoins later where it stopped (`replicas.engine.scheduling`).
 
 The engine does not know how many processes run the model: on a sharded replica the batch
-it is handed keeps the other ranks in lockstep (`replicas.engine.lockstep`).
+it is handed keeps the other ranks in lockstep (`replicas.engine.sharded.lockstep`).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from replicas.contract import ErrorKind, Failed, OutputEvent
 from replicas.engine import failpoints
-from replicas.engine.batch import Batch, Done
+from replicas.engine.batch.local import Batch, Done
 from replicas.engine.calls import Call, Cancel, Command, Commands, take_commands
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import EventSink, deliver
-from replicas.engine.loading import LoadedModel
-from replicas.engine.logprobs import Asked, Picked, pick
-from replicas.engine.memory import KvBudget, RankMemory, tightest
+from replicas.engine.model.loading import LoadedModel
+from replicas.engine.sampling.logprobs import Asked, Picked, pick
+from replicas.engine.kv.budget import KvBudget, RankMemory, tightest
 from replicas.engine.request import EngineRequest, Generated, RequestOutput, Submitted
 from replicas.engine.scheduling import Active, Prefills, Queued, Ready, Waiting, row_for
 from replicas.engine.stats import EngineStats, memory_figures

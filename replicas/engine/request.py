@@ -13,8 +13,8 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 
 from replicas.contract import OutputEvent, SamplingParams
 from replicas.engine.delivery import EventSink
-from replicas.engine.logprobs import Picked
-from replicas.engine.sampling import LogitsProcessor
+from replicas.engine.sampling.logprobs import Picked
+from replicas.engine.sampling.samplers import LogitsProcessor
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Who joins the batch, and who leaves it when KV memory runs out (engine thread only).
 
-A request waits in `Waiting` until its prompt fits (`replicas.engine.memory`); in the batch
+A request waits in `Waiting` until its prompt fits (`replicas.engine.kv.budget`); in the batch
 its reservation grows a cache step at a time. When a reservation cannot grow, the youngest
 request is preempted, vLLM's recompute preemption: it leaves the batch and waits first in
 line as its prompt plus the tokens it generated, with fewer left to generate and its
@@ -19,11 +19,11 @@ from typing import Callable, Iterable
 from replicas.contract import ErrorKind, Failed
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
-from replicas.engine.memory import Bound, KvBudget
+from replicas.engine.kv.budget import Bound, KvBudget
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
-from replicas.engine.batch import Prefill, Row
-from replicas.engine.penalties import Penalties
-from replicas.engine.sampling import GuardedProcessors, guarded_processors, \
+from replicas.engine.batch.local import Prefill, Row
+from replicas.engine.sampling.penalties import Penalties
+from replicas.engine.sampling.samplers import GuardedProcessors, guarded_processors, \
     make_request_sampler
 
 log = logging.getLogger(__name__)

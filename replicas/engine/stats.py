@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replicas.engine.memory import KvBudget, MemoryStats
-from replicas.engine.prompt_cache import PromptCache, PromptCacheStats
+from replicas.engine.kv.budget import KvBudget, MemoryStats
+from replicas.engine.kv.prefix_cache import PromptCache, PromptCacheStats
 
 _CONSISTENT_READS = 8  # `memory_figures`: reads until the cache's bytes hold still
 
@@ -34,7 +34,7 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class DecodeCounts:
-    """The decoding passes (`replicas.engine.generation`) and their speculation."""
+    """The decoding passes (`replicas.engine.batch.decode`) and their speculation."""
 
     speculative: bool  # drafts configured and possible for this model
     passes: int  # rows' decoding passes (a pass counts once per row in it)

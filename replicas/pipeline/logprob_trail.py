@@ -1,6 +1,6 @@
 """Logprob entries on their way out (OpenAI `logprobs` / `top_logprobs`, completions'
 `echo`): each number's token text, and which event carries it. The numbers themselves come
-from the engine (`replicas.engine.logprobs`, `replicas.engine.scoring`)."""
+from the engine (`replicas.engine.sampling.logprobs`, `replicas.engine.batch.scoring`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 from typing import Sequence
 
 from replicas.contract import Channel, Finished, OutputEvent, TextDelta, TokenLogprob
-from replicas.engine.logprobs import Picked
+from replicas.engine.sampling.logprobs import Picked
 from replicas.engine.request import Generated
 from replicas.pipeline.detokenizer import Decode
 

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, TokenIds
 from replicas.engine.delivery import EventSink
-from replicas.engine.logprobs import Picked
+from replicas.engine.sampling.logprobs import Picked
 from replicas.engine.request import Generated
 from replicas.pipeline.control import RequestController
 from replicas.pipeline.decoding import RequestDecoder

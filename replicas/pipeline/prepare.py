@@ -22,7 +22,7 @@ from replicas.pipeline.control import Grammar, RequestController
 from replicas.engine.delivery import EventSink
 from replicas.engine.request import EngineRequest
 from replicas.errors import ContextLengthError, InvalidRequestError
-from replicas.engine.loading import LoadedModel
+from replicas.engine.model.loading import LoadedModel
 from replicas.pipeline.logprob_trail import LogprobTrail, TokenPieces
 from replicas.options import ReplicaOptions
 from replicas.families.channel_format import ChannelFormat
@@ -36,7 +36,7 @@ from replicas.pipeline.detokenizer import Decode
 from replicas.pipeline.stops import merge_stops
 from replicas.pipeline.compose import with_tools, without_calls
 from replicas.pipeline.prompt import RenderedPrompt, Seer, last_message_boundary, render_prompt
-from replicas.engine.sampling import validate as validate_sampling
+from replicas.engine.sampling.samplers import validate as validate_sampling
 from replicas.timings import Timings
 from replicas.pipeline.tool_plan import ToolPlan, plan_tools
 
@@ -210,7 +210,7 @@ class InputProcessor:
         is lowered to what is left. A prompt that itself leaves no room is always a 400.
         """
         # The replica's KV memory budget caps a request like the context does: one that
-        # could not fit even alone would wait forever (`replicas.engine.memory`).
+        # could not fit even alone would wait forever (`replicas.engine.kv.budget`).
         context = min(self._context_length, self._kv_max_tokens)
         by_context = context == self._context_length
         what = (f"this model's maximum context length is {context} tokens" if by_context

@@ -4,7 +4,7 @@ with `embedding_dimensions` on) next to the chat model `builtin:tiny` (not opted
 models so the two-hop layout (the Ray handle client) serves them.
 
 The vectors are checked against the same pooling run in this process on the same model
-(`replicas.engine.embedding`, on the built files), within TOLERANCE; the colocated client
+(`replicas.engine.model.embedding`, on the built files), within TOLERANCE; the colocated client
 is covered in-process (tests/integration/test_embeddings_replica.py).
 """
 
@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from replicas.engine.embedding import PoolingSpec, embed_rows
+from replicas.engine.model.embedding import PoolingSpec, embed_rows
 from replicas.sources import load_source
 from tests.serve_process import private_serve
 

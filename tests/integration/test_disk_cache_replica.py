@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from replicas.engine.config import EngineConfig
-from replicas.engine.prefix_directory import BLOCK_TOKENS
-from replicas.engine.prompt_cache import DISK_MIN_TOKENS
+from replicas.engine.kv.directory import BLOCK_TOKENS
+from replicas.engine.kv.prefix_cache import DISK_MIN_TOKENS
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.routing_keys import routing_keys
 from tests.scripted import GREEDY, script_request

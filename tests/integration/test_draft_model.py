@@ -1,5 +1,5 @@
 """Speculation with a draft model (`speculative.method: draft`,
-`replicas.engine.draft_model`) through a whole replica of the built-in scripted model:
+`replicas.engine.spec.draft_model`) through a whole replica of the built-in scripted model:
 every script comes out exactly as without speculation, alone and eight at once, whether
 the draft agrees with the model (the model itself: nearly every draft kept) or not
 (`builtin:pipe`, random weights on the same tokenizer: nearly every draft rejected).
@@ -16,10 +16,10 @@ import pytest
 
 from replicas.contract import SamplingParams, TextPrompt
 from replicas.engine.config import SpeculativeConfig
-from replicas.engine.draft_model import check_draft_model
-from replicas.engine.kv_layout import measure_kv
+from replicas.engine.spec.draft_model import check_draft_model
+from replicas.engine.kv.layout import measure_kv
 from replicas.engine.stats import DecodeCounts
-from replicas.engine.loading import load_model
+from replicas.engine.model.loading import load_model
 from replicas.replica import ModelReplica
 from replicas.sources import resolve_source
 from tests.integration.test_prompt_cache import output

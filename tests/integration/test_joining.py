@@ -1,4 +1,4 @@
-"""Rows that join a decoding batch (`replicas.engine.prefilling`): their prompt's last token
+"""Rows that join a decoding batch (`replicas.engine.batch.prefill`): their prompt's last token
 rides in the batch's next pass instead of a pass of its own, on built-in models of several
 architectures loaded through the production loader.
 
@@ -19,10 +19,10 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from replicas.contract import SamplingParams
-from replicas.engine.batch import Done, LocalBatch, Row
+from replicas.engine.batch.local import Done, LocalBatch, Row
 from replicas.engine.config import EngineConfig
-from replicas.engine.loading import load_model
-from replicas.engine.sampling import make_request_sampler
+from replicas.engine.model.loading import load_model
+from replicas.engine.sampling.samplers import make_request_sampler
 from replicas.sources import resolve_source
 
 # Plain attention, gpt-oss's sliding window and MoE, MLA (DeepSeek V3), Qwen3-Next's linear

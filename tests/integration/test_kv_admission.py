@@ -1,4 +1,4 @@
-"""KV memory admission on the real tiny model (`replicas.engine.memory`): requests join the batch
+"""KV memory admission on the real tiny model (`replicas.engine.kv.budget`): requests join the batch
 while what the batch holds (every row padded to the longest, in 256-token cache steps) fits
 the budget, wait in order otherwise, are refused as overloaded past the waiting bound, and a
 request that cannot fit even alone is lowered or refused like one past the context. The
@@ -24,8 +24,8 @@ from replicas.contract import (
     TokenPrompt,
 )
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv_layout import CACHE_STEP
-from replicas.engine.memory import weights_bytes
+from replicas.engine.kv.layout import CACHE_STEP
+from replicas.engine.kv.budget import weights_bytes
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect, stream_events
 

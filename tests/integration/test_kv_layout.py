@@ -1,4 +1,4 @@
-"""KV bytes measured per cache kind (`replicas.engine.kv_layout`), on built-in random-weight
+"""KV bytes measured per cache kind (`replicas.engine.kv.layout`), on built-in random-weight
 models in mlx-lm's own classes: MLA (DeepSeek V3), sliding window (gpt-oss), linear attention
 (Qwen3-Next) and SSM (Nemotron-H), each loaded through the production path.
 
@@ -23,7 +23,7 @@ from mlx_lm.sample_utils import make_sampler
 from replicas.builtin.recipe import CACHE_KINDS
 from replicas.contract import Finished, GenerationRequest, SamplingParams, TextDelta, TokenPrompt
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv_layout import CACHE_STEP, KvLayout
+from replicas.engine.kv.layout import CACHE_STEP, KvLayout
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect, stream_events
 

@@ -16,7 +16,7 @@ import pytest
 
 from replicas.contract import Finished, OutputEvent
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv_transfer import PrefixKV, PrefixPull
+from replicas.engine.kv.transfer import PrefixKV, PrefixPull
 from replicas.kv_pull import Fetch, Source
 from replicas.options import PullOptions
 from replicas.replica import ModelReplica, ReplicaOptions

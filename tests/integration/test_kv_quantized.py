@@ -1,4 +1,4 @@
-"""A quantized KV cache in the batch (`engine.kv_bits`, `replicas.engine.quantized_kv`), on
+"""A quantized KV cache in the batch (`engine.kv_bits`, `replicas.engine.kv.quantized`), on
 the built-in scripted model loaded through the production path.
 
 Bytes per token fall as the formula says (measured by the replica's own probe at load);
@@ -19,7 +19,7 @@ import pytest
 
 from replicas.contract import OutputEvent
 from replicas.engine.config import EngineConfig, SpeculativeConfig
-from replicas.engine.kv_layout import KvLayout
+from replicas.engine.kv.layout import KvLayout
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.integration.test_prompt_cache import CONVERSATION, output
 from tests.integration.test_speculative import GREEDY, decode, prompts

@@ -3,7 +3,7 @@ class (`builtin:arch-mla`), LongCat-Flash's (`builtin:arch-longcat`), whose laye
 cache two attentions in a `CacheList`, DeepSeek V3.2's (`builtin:arch-dsv32`), whose sparse
 indexer keeps its own keys unpacked beside the packed latent, and Kimi Linear's
 (`builtin:arch-kimi-linear`), whose MLA layers sit among linear-attention ones. Orchard's
-MLA attention reads the packed latent and rope key (`replicas.engine.mla`), where mlx-lm's
+MLA attention reads the packed latent and rope key (`replicas.engine.model.mla`), where mlx-lm's
 cannot.
 
 On each: bytes per token fall as the packing says; the top token stays within a stated
@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from replicas.engine.config import EngineConfig, SpeculativeConfig
-from replicas.engine.quantized_kv import make_quantized_prompt_cache
+from replicas.engine.kv.quantized import make_quantized_prompt_cache
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.integration.test_kv_quantized import check_conversation_from_the_cache, layout, text
 from tests.integration.test_prompt_cache import output

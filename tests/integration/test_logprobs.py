@@ -195,7 +195,7 @@ def test_echo_without_logprobs_is_the_prompt_then_the_answer(replica: ModelRepli
 
 
 def test_scoring_in_chunks_agrees_with_one_pass(replica: ModelReplica) -> None:
-    from replicas.engine.scoring import score_prompt
+    from replicas.engine.batch.scoring import score_prompt
 
     loaded = replica._engine.wait_ready(1)
     ids, _ = prompt_reference(replica, LONG_PROMPT)

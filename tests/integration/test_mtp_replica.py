@@ -1,5 +1,5 @@
 """Speculation with the checkpoint's MTP layer (`speculative.method: mtp`,
-`replicas.engine.mtp_drafter`) through a whole replica of a DeepSeek V3 model (MLA, MoE),
+`replicas.engine.spec.mtp`) through a whole replica of a DeepSeek V3 model (MLA, MoE),
 and of GLM-4.7-Flash's: every script's request, guided ones included, comes out exactly as
 without speculation, alone and eight at once, whether the layer agrees with the model
 (`builtin:mtp-agree`, `builtin:mtp-glm-lite`: every draft kept where no grammar masks the

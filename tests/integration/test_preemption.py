@@ -25,7 +25,7 @@ from replicas.contract import (
     TokenPrompt,
 )
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv_layout import CACHE_STEP
+from replicas.engine.kv.layout import CACHE_STEP
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect
 

@@ -1,4 +1,4 @@
-"""The speculation gate inside the engine's batch (`replicas.engine.spec_gate`): where
+"""The speculation gate inside the engine's batch (`replicas.engine.spec.gate`): where
 drafting steps are timed slower than plain ones for the tokens they make, the batch stops
 drafting and decodes plain steps, with the same greedy output; where they pay, it keeps
 drafting. The gate runs on a clock of its own here (steps cost what the test says), so
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from replicas.engine.batch import LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch, Row
 from replicas.engine.config import EngineConfig
-from replicas.engine.sampling import make_request_sampler
-from replicas.engine.spec_gate import WINDOW, SpeculationGate
+from replicas.engine.sampling.samplers import make_request_sampler
+from replicas.engine.spec.gate import WINDOW, SpeculationGate
 from tests.integration.test_speculative import GREEDY, SPEC, model, prompts
 
 GATED = replace(SPEC, disable_when_slower=True)

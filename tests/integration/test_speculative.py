@@ -1,4 +1,4 @@
-"""Speculative decoding and batched penalties in the batch (`replicas.engine.generation`),
+"""Speculative decoding and batched penalties in the batch (`replicas.engine.batch.decode`),
 on built-in models of several architectures loaded through the production loader.
 
 Exactness: greedy and seeded output with speculation is the output without it, token for
@@ -23,11 +23,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from replicas.contract import SamplingParams
-from replicas.engine.batch import Done, LocalBatch, Row
+from replicas.engine.batch.local import Done, LocalBatch, Row
 from replicas.engine.config import EngineConfig, SpeculativeConfig
-from replicas.engine.loading import load_model
-from replicas.engine.penalties import PENALTY_CONTEXT, Penalties
-from replicas.engine.sampling import GuardedProcessors, make_request_sampler
+from replicas.engine.model.loading import load_model
+from replicas.engine.sampling.penalties import PENALTY_CONTEXT, Penalties
+from replicas.engine.sampling.samplers import GuardedProcessors, make_request_sampler
 from replicas.engine.stats import DecodeCounts
 from replicas.sources import resolve_source
 
@@ -38,7 +38,7 @@ SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_l
 # With a draft model, unseeded sampled rows draft samples, kept by the q/p rule.
 DRAFTING = SpeculativeConfig(num_speculative_tokens=4, draft_model="builtin:tiny",
                              disable_when_slower=False)
-# qwen3, qwen2, and the MLA families whose attention Orchard absorbs (`replicas.engine.mla`):
+# qwen3, qwen2, and the MLA families whose attention Orchard absorbs (`replicas.engine.model.mla`):
 # DeepSeek V3, GLM-4.7-Flash, Mistral Small 4, LongCat-Flash (two attentions a layer, each
 # layer's KV a `CacheList`).
 ROLLS_BACK = ["builtin:tiny", "builtin:pipe", "builtin:arch-mla", "builtin:arch-glm-lite",

@@ -2,7 +2,7 @@
 tensor, in the sharded cluster of `conftest.py`): rank 0 reads the model's hidden states,
 whole after the tensor-parallel sums, drafts with its MTP layer and shares the drafts;
 both ranks verify, each over its 8-bit KV cache (`engine.kv_bits`), which Orchard's MLA
-attention reads packed (`replicas.engine.mla`)."""
+attention reads packed (`replicas.engine.model.mla`)."""
 
 from __future__ import annotations
 

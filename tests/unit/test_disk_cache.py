@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from replicas.engine.disk_cache import DiskTier
+from replicas.engine.kv.disk import DiskTier
 
 
 def kv(tokens: int, layers: int = 2) -> list[Any]:

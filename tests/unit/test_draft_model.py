@@ -1,4 +1,4 @@
-"""The draft model's batch (`replicas.engine.draft_model.ModelDrafter`) keeps each row's
+"""The draft model's batch (`replicas.engine.spec.draft_model.ModelDrafter`) keeps each row's
 cache true to its sequence while rows join, leave, keep some drafts and reject the rest:
 every greedy row's draft equals what the draft model writes greedily for that row alone,
 from scratch, and a sampled row's drafts come with the distribution the draft model gives
@@ -13,10 +13,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
-from replicas.engine.draft_model import ModelDrafter
-from replicas.engine.loading import load_model
-from replicas.engine.sampling import SamplingShape
-from replicas.engine.speculation import Ask
+from replicas.engine.spec.draft_model import ModelDrafter
+from replicas.engine.model.loading import load_model
+from replicas.engine.sampling.samplers import SamplingShape
+from replicas.engine.spec.drafter import Ask
 from replicas.sources import resolve_source
 
 

@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts (`replicas.engine.drafting`, `speculation.Drafter`): the longest
+"""Prompt-lookup drafts (`replicas.engine.spec.ngram`, `speculation.Drafter`): the longest
 recurring suffix, its newest earlier occurrence, bounded, and the same however the
 sequence arrived."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from replicas.engine.config import SpeculativeConfig
-from replicas.engine.drafting import NgramIndex
-from replicas.engine.speculation import PROBE_EVERY, Drafter, accepted
+from replicas.engine.spec.ngram import NgramIndex
+from replicas.engine.spec.drafter import PROBE_EVERY, Drafter, accepted
 
 
 def index(tokens: list[int], **config: int) -> NgramIndex:

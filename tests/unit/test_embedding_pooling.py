@@ -1,4 +1,4 @@
-"""The pooling of `/v1/embeddings` (`replicas.engine.embedding`) against a reference
+"""The pooling of `/v1/embeddings` (`replicas.engine.model.embedding`) against a reference
 computed directly with mlx: each input alone through the model's body, no padding, pooled
 by hand. Batched (right-padded, unequal lengths) must equal it within TOLERANCE, for both
 poolings, with and without normalization, truncated or not, on two mlx-lm families."""
@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama, qwen3
 
-from replicas.engine.embedding import (
+from replicas.engine.model.embedding import (
     POOLINGS,
     Pooling,
     PoolingSpec,

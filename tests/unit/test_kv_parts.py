@@ -1,5 +1,5 @@
 """A sharded rank's KV parts between the lockstep op and the transport
-(`replicas.engine.kv_parts`): an export waits for the op that makes it, a staged import is
+(`replicas.engine.sharded.kv_parts`): an export waits for the op that makes it, a staged import is
 taken once, and what nobody comes for is dropped."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from replicas.engine.kv_parts import KvParts
-from replicas.engine.kv_transfer import Payload
+from replicas.engine.sharded.kv_parts import KvParts
+from replicas.engine.kv.transfer import Payload
 
 
 def encoded(value: int) -> Future[Payload]:

@@ -1,4 +1,4 @@
-"""Moving a prefix's KV (`replicas.engine.kv_transfer`) and deciding to (`replicas.kv_pull`):
+"""Moving a prefix's KV (`replicas.engine.kv.transfer`) and deciding to (`replicas.kv_pull`):
 bytes that decode to the same arrays, and the transfer-versus-prefill arithmetic."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import pytest
 
-from replicas.engine.batch import Exported
-from replicas.engine.disk_cache import snapshot
-from replicas.engine.kv_transfer import PrefixKV, decode, encode
-from replicas.engine.quantized_kv import QuantizedRowKVCache
+from replicas.engine.batch.local import Exported
+from replicas.engine.kv.disk import snapshot
+from replicas.engine.kv.transfer import PrefixKV, decode, encode
+from replicas.engine.kv.quantized import QuantizedRowKVCache
 from replicas.kv_pull import KvPuller, Rate, Source
 from replicas.options import PullOptions
 from tests.unit.test_disk_cache import kv, same

@@ -1,4 +1,4 @@
-"""The KV budget arithmetic (`replicas.engine.memory`) on the machines and models a cluster is
+"""The KV budget arithmetic (`replicas.engine.kv.budget`) on the machines and models a cluster is
 for: the worked examples of docs/architecture.md ("KV memory"), to the byte; the tightest
 rank; admission by what mlx-lm's padded batch cache holds; and layouts of every kind."""
 
@@ -8,8 +8,8 @@ from collections import deque
 
 import pytest
 
-from replicas.engine.kv_layout import CACHE_STEP, UNBOUNDED, KvLayout
-from replicas.engine.memory import KvBudget, Machine, RankMemory, default_budget, tightest
+from replicas.engine.kv.layout import CACHE_STEP, UNBOUNDED, KvLayout
+from replicas.engine.kv.budget import KvBudget, Machine, RankMemory, default_budget, tightest
 
 GIB = 1024**3
 # Llama 3.3 70B: 80 layers, 8 KV heads of 128, bfloat16. Qwen3-235B-A22B: 94 layers, 4 KV

@@ -12,8 +12,8 @@ import deployments.metrics as metrics
 from ingress.observe import RequestRecord
 from replicas.contract import ErrorKind, FinishReason, Usage
 from replicas.engine.stats import DecodeCounts, EngineStats
-from replicas.engine.kv_layout import KvLayout
-from replicas.engine.memory import MemoryStats
+from replicas.engine.kv.layout import KvLayout
+from replicas.engine.kv.budget import MemoryStats
 from replicas.timings import TimingSamples
 
 

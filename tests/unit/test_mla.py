@@ -1,4 +1,4 @@
-"""MLA's own route (`replicas.engine.mla`): a pass of a few positions over a cached context
+"""MLA's own route (`replicas.engine.model.mla`): a pass of a few positions over a cached context
 gives what mlx-lm's decompressing route gives, in each mlx-lm MLA class Orchard absorbs,
 and every model the production loader returns takes it; long passes (prefill) keep
 mlx-lm's route; over a quantized cache every pass gives what mlx-lm's route gives on the
@@ -24,11 +24,11 @@ from mlx_lm.models import (
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
-from replicas.engine.loading import load_model
-from replicas.engine.mla import ABSORBING, SHORT_PASS, absorb_short_passes, mla_attentions
-from replicas.engine.disk_cache import snapshot
-from replicas.engine.kv_transfer import decode, encode
-from replicas.engine.quantized_kv import QuantizedRowKVCache, make_quantized_prompt_cache
+from replicas.engine.model.loading import load_model
+from replicas.engine.model.mla import ABSORBING, SHORT_PASS, absorb_short_passes, mla_attentions
+from replicas.engine.kv.disk import snapshot
+from replicas.engine.kv.transfer import decode, encode
+from replicas.engine.kv.quantized import QuantizedRowKVCache, make_quantized_prompt_cache
 from replicas.sources import resolve_source
 
 CONTEXT = mx.array([[3 + i % 90 for i in range(40)]])

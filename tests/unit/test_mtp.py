@@ -1,5 +1,5 @@
-"""MTP layers (`replicas.engine.mtp`) read from a checkpoint's files through the production
-loader, and the drafter's batch (`replicas.engine.mtp_drafter`): every row's drafts are
+"""MTP layers (`replicas.engine.model.mtp`) read from a checkpoint's files through the production
+loader, and the drafter's batch (`replicas.engine.spec.mtp`): every row's drafts are
 what the layer writes for that row alone, from all the pairs it was handed, however rows
 join, leave, keep some positions and chain guesses between steps."""
 
@@ -14,10 +14,10 @@ from mlx_lm.models.cache import KVCache
 
 from replicas.builtin.build import MTP_FILE
 from replicas.engine.config import SpeculativeConfig
-from replicas.engine.loading import LoadedModel, load_model
-from replicas.engine.mtp import Mtp, hidden_and_logits, load_mtp
-from replicas.engine.mtp_drafter import MtpDrafter
-from replicas.engine.speculation import Ask
+from replicas.engine.model.loading import LoadedModel, load_model
+from replicas.engine.model.mtp import Mtp, hidden_and_logits, load_mtp
+from replicas.engine.spec.mtp import MtpDrafter
+from replicas.engine.spec.drafter import Ask
 from replicas.sources import resolve_source
 
 

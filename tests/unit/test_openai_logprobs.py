@@ -25,7 +25,7 @@ from replicas.contract import (
     Usage,
     merge_deltas,
 )
-from replicas.engine.logprobs import Picked
+from replicas.engine.sampling.logprobs import Picked
 from replicas.engine.request import Generated
 from replicas.pipeline.logprob_trail import LogprobTrail, TokenPieces
 from tests.fakes import FakeClient

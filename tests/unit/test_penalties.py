@@ -1,4 +1,4 @@
-"""Bias and penalties for a whole batch (`replicas.engine.penalties`) equal mlx-lm's own
+"""Bias and penalties for a whole batch (`replicas.engine.sampling.penalties`) equal mlx-lm's own
 per-row processors (`make_logits_processors`), value for value."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
 from replicas.contract import SamplingParams
-from replicas.engine.penalties import PENALTY_CONTEXT, Penalties, apply, window
+from replicas.engine.sampling.penalties import PENALTY_CONTEXT, Penalties, apply, window
 
 VOCAB = 97
 

@@ -1,4 +1,4 @@
-"""A replica's entry in the cluster prefix directory (`replicas.engine.prefix_directory`):
+"""A replica's entry in the cluster prefix directory (`replicas.engine.kv.directory`):
 which prefix keys a request teaches it, and that it publishes exactly the keys whose
 tokens its cache's tiers (memory and disk, on real MLX caches) still hold."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from replicas.contract import ChatMessage, ChatPrompt, GenerationRequest, TextPrompt, \
     TokenPrompt
-from replicas.engine.disk_cache import DiskTier
-from replicas.engine.prefix_directory import BLOCK_TOKENS, DIRECTORY_FILE, HeldBlocks, \
+from replicas.engine.kv.disk import DiskTier
+from replicas.engine.kv.directory import BLOCK_TOKENS, DIRECTORY_FILE, HeldBlocks, \
     PrefixDirectory, block_hashes
-from replicas.engine.prompt_cache import PromptCache
+from replicas.engine.kv.prefix_cache import PromptCache
 from replicas.routing_keys import TOKEN_BLOCK, routing_keys, token_spans
 from tests.unit.test_disk_cache import kv
 

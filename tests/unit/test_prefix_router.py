@@ -21,7 +21,7 @@ from replicas.contract import (
     TokenPrompt,
     ToolSpec,
 )
-from replicas.engine.kv_transfer import PrefixPull
+from replicas.engine.kv.transfer import PrefixPull
 from replicas.routing_keys import TEXT_BLOCK_CHARS, routing_keys
 
 SYSTEM = ChatMessage("system", "You are an agent. " * 50)
@@ -354,8 +354,8 @@ def test_what_a_request_needs() -> None:
 
 
 def test_a_replica_reports_its_room_in_tokens() -> None:
-    from replicas.engine.kv_layout import KvLayout
-    from replicas.engine.memory import MemoryStats
+    from replicas.engine.kv.layout import KvLayout
+    from replicas.engine.kv.budget import MemoryStats
 
     memory = MemoryStats(budget_bytes=1024 * 1000, projected_bytes=1024 * 600, waiting=2,
                          refused=0, layout=KvLayout(per_token=1024))

@@ -1,4 +1,4 @@
-"""`replicas.engine.prefix_trie` against a brute-force reading of its contract, over random
+"""`replicas.engine.kv.trie` against a brute-force reading of its contract, over random
 adds, removes and prefix removals; and against mlx-lm's `PromptTrie`, whose answers it
 replaces."""
 
@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import PromptTrie
 
 from load.bench_prefix_lookup import theirs
-from replicas.engine.prefix_trie import Key, PrefixTrie
+from replicas.engine.kv.trie import Key, PrefixTrie
 
 
 def _common(a: Key, b: Key) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from replicas.engine.prompt_cache import PromptCache, segments
+from replicas.engine.kv.prefix_cache import PromptCache, segments
 
 
 class Layer:

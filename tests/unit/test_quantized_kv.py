@@ -1,4 +1,4 @@
-"""The batched quantized KV cache (`replicas.engine.quantized_kv`) inside mlx-lm's
+"""The batched quantized KV cache (`replicas.engine.kv.quantized`) inside mlx-lm's
 `BatchGenerator`, on tiny random-weight models built with mlx-lm's own classes.
 
 Weights are scaled up (x2) from mlx-lm's init, which is so flat that greedy decoding
@@ -30,8 +30,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from replicas.engine.prompt_cache import PromptCache, prefix_view
-from replicas.engine.quantized_kv import (
+from replicas.engine.kv.prefix_cache import PromptCache, prefix_view
+from replicas.engine.kv.quantized import (
     BatchQuantizedKVCache,
     QuantizedRowKVCache,
     make_quantized_prompt_cache,
@@ -234,7 +234,7 @@ def _prefill(model: nn.Module, prompt: list[int], bits: int = 8) -> list[Any]:
 @pytest.mark.parametrize("rejected", [[0, 2, 4], [1, 3, 4]])
 def test_rollback_of_rejected_tokens(model: nn.Module, rejected: list[int]) -> None:
     """Speculative rollback: 4 positions appended to a live 3-row batch, then each row's
-    rejected tail rolled away as `replicas.engine.speculation.roll_back` does it: what all
+    rejected tail rolled away as `replicas.engine.spec.drafter.roll_back` does it: what all
     rows reject trimmed, the rest with `prepare(right_padding)` and `finalize()`."""
     prompts = [PROMPTS[0], PROMPTS[2][:9], PROMPTS[4] + [11]]
     draft = [[21, 22, 23, 24], [31, 32, 33, 34], [41, 42, 43, 44]]

@@ -1,4 +1,4 @@
-"""The q/p rule (`replicas.engine.rejection`) and the samplers' shape (`SamplingShape`).
+"""The q/p rule (`replicas.engine.sampling.rejection`) and the samplers' shape (`SamplingShape`).
 
 Over 40,000 trials of two sampled drafts each, on a 6-token vocabulary, the first two
 tokens emitted follow the target's p exactly (within 3x the sampling noise in total
@@ -14,8 +14,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from replicas.contract import SamplingParams
-from replicas.engine.rejection import judge, verdict
-from replicas.engine.sampling import SamplingShape, make_request_sampler
+from replicas.engine.sampling.rejection import judge, verdict
+from replicas.engine.sampling.samplers import SamplingShape, make_request_sampler
 
 TRIALS, VOCAB = 40_000, 6
 

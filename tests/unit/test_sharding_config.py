@@ -12,11 +12,11 @@ from pydantic import ValidationError
 from deployments.app import build_app
 from deployments.config import AppArgs, ModelSettings
 from deployments.model_deployment import replica_options
-from replicas.engine.batch import Done
+from replicas.engine.batch.local import Done
 from replicas.engine.config import SpeculativeConfig
 from replicas.builtin import ensure_builtin
-from replicas.engine.lockstep import _Finish, _Insert, _RowSpec
-from replicas.engine.sharding import ShardingError, sharding_mode
+from replicas.engine.sharded.lockstep import _Finish, _Insert, _RowSpec
+from replicas.engine.sharded.rank import ShardingError, sharding_mode
 from replicas.sources import model_config
 
 

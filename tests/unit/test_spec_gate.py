@@ -1,9 +1,9 @@
 """The speculation gate: drafting kept at a batch size only while it makes more tokens a
-second than plain steps, by windows it times (`replicas.engine.spec_gate`)."""
+second than plain steps, by windows it times (`replicas.engine.spec.gate`)."""
 
 from __future__ import annotations
 
-from replicas.engine.spec_gate import PROBE_EVERY, WINDOW, SpeculationGate, size_class
+from replicas.engine.spec.gate import PROBE_EVERY, WINDOW, SpeculationGate, size_class
 
 
 class Machine:

@@ -1,4 +1,4 @@
-"""Pipeline stages sized to the Macs (`replicas.engine.stages`): the split arithmetic, a
+"""Pipeline stages sized to the Macs (`replicas.engine.sharded.stages`): the split arithmetic, a
 pinned split and its config errors, the load hook on mlx-lm's own pipeline, and the prefix
 cache's scale for unequal stages. Real ranks with an unequal split: tests/sharded."""
 
@@ -17,8 +17,8 @@ from deployments.app import build_app
 from deployments.config import ModelSettings
 from replicas.builtin import ensure_builtin
 from replicas.engine.config import ShardPlan
-from replicas.engine.sharding import ShardingError, _cache_scale, sharding_mode
-from replicas.engine.stages import plan_stages, proportional, split_stages, stage_layers
+from replicas.engine.sharded.rank import ShardingError, _cache_scale, sharding_mode
+from replicas.engine.sharded.stages import plan_stages, proportional, split_stages, stage_layers
 from replicas.sources import model_config
 
 GIB = 1 << 30
@@ -56,11 +56,11 @@ def test_equal_nodes_keep_mlx_lms_split_and_a_pinned_split_wins() -> None:
 
 
 def test_tensor_parallel_warns_when_the_nodes_differ(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "replicas.engine.stages"):
+    with caplog.at_level(logging.WARNING, "replicas.engine.sharded.stages"):
         assert plan_stages("tensor", 36, [64 * GIB, 192 * GIB], None, "m") is None
     assert "the smallest (rank 0) bounds every rank" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, "replicas.engine.stages"):
+    with caplog.at_level(logging.WARNING, "replicas.engine.sharded.stages"):
         plan_stages("tensor", 36, [64 * GIB, 64 * GIB], None, "m")
     assert not caplog.records
 

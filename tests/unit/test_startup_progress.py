@@ -11,7 +11,7 @@ import pytest
 
 from replicas import startup
 from replicas.builtin import ensure_builtin
-from replicas.engine.loading import load_model
+from replicas.engine.model.loading import load_model
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -1,4 +1,4 @@
-"""Rejected tails out of a batch cache (`replicas.engine.tails`), on the built-in model's
+"""Rejected tails out of a batch cache (`replicas.engine.spec.tails`), on the built-in model's
 float cache and its 8-bit quantized one: over several verifying passes with ragged
 rejections (rows moving their oldest slots into their tails again and again), each row's
 next logits are what a cache that never saw the rejected tokens gives, and the row taken
@@ -16,9 +16,9 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from replicas.engine.loading import load_model
-from replicas.engine.quantized_kv import QuantizedRowKVCache, make_quantized_prompt_cache
-from replicas.engine.tails import drop_tails, in_order, rotated
+from replicas.engine.model.loading import load_model
+from replicas.engine.kv.quantized import QuantizedRowKVCache, make_quantized_prompt_cache
+from replicas.engine.spec.tails import drop_tails, in_order, rotated
 from replicas.sources import resolve_source
 
 

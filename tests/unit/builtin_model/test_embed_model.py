@@ -14,8 +14,8 @@ from replicas.builtin import BUILTIN_NAMES, ensure_builtin
 from replicas.builtin.embed_model import EMBED, MAX_SEQ_LENGTH
 from replicas.builtin.tokenizer_files import PAD_TOKEN
 from replicas.embedding_files import EmbeddingSpec, embedding_support
-from replicas.engine.embedding import PoolingSpec, embed_rows
-from replicas.engine.loading import load_model
+from replicas.engine.model.embedding import PoolingSpec, embed_rows
+from replicas.engine.model.loading import load_model
 
 
 @pytest.fixture(scope="module")

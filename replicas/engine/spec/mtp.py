@@ -1,8 +1,8 @@
-"""Drafts from the model's own MTP layer (`speculative.method: mtp`, `replicas.engine.mtp`).
+"""Drafts from the model's own MTP layer (`speculative.method: mtp`, `replicas.engine.model.mtp`).
 
 The layer reads the model's last hidden state at a position and the token that followed,
 so it drafts from what the model's own passes leave behind: every target pass
-(`replicas.engine.generation`) hands over, per row, the hidden states of the positions it
+(`replicas.engine.batch.decode`) hands over, per row, the hidden states of the positions it
 kept and the tokens that followed them (`saw`). A step's drafts then cost one forward of
 the layer that feeds those pairs, all rows right-padded together (its logits at each
 row's newest pair give the first draft), and k - 1 one-position forwards where each
@@ -23,10 +23,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from replicas.engine.config import SpeculativeConfig
-from replicas.engine.draft_model import BatchDrafter, write_drafts
-from replicas.engine.mtp import Mtp
-from replicas.engine.speculation import Ask
-from replicas.engine.tails import drop_tails
+from replicas.engine.spec.draft_model import BatchDrafter, write_drafts
+from replicas.engine.model.mtp import Mtp
+from replicas.engine.spec.drafter import Ask
+from replicas.engine.spec.tails import drop_tails
 
 # Pairs a row may have waiting (a row not drafting for long: a large batch under
 # `disable_by_batch_size`); past this it starts over from its newest pairs.

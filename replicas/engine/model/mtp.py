@@ -12,7 +12,7 @@ layer (DeepSeek-V3 report, section 2.2):
 
 `h[i]` is the model's last hidden state at position i (after its final norm, as vLLM
 feeds it), `t[i+1]` the token that followed: so the head predicts t[i+2]. Chained, each
-draft's `h'` stands in for `h` at the next position (`replicas.engine.mtp_drafter`).
+draft's `h'` stands in for `h` at the next position (`replicas.engine.spec.mtp`).
 Quantized conversions (mlx-community's) were written by that `sanitize`, so they hold no
 MTP weights: MTP needs the checkpoint as its makers published it.
 """
@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from replicas.engine.mla import absorb_short_passes
+from replicas.engine.model.mla import absorb_short_passes
 
 # mlx-lm's model modules whose checkpoints carry DeepSeek-style MTP layers, at
 # `model.layers.{num_hidden_layers + k}`.

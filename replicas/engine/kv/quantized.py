@@ -34,7 +34,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from replicas.engine.mla import ABSORBING, has_sparse_indexer, mla_attentions
+from replicas.engine.model.mla import ABSORBING, has_sparse_indexer, mla_attentions
 
 # One quantized tensor as `mx.quantize` packs it: (uint32 codes, scales, biases), every
 # part (batch, kv heads, positions, ...), positions on axis 2.
@@ -344,7 +344,7 @@ def _check(bits: int, group_size: int) -> None:
 
 def _check_latents(model: nn.Module, group_size: int) -> None:
     """MLA caches a latent and a rope key per token: Orchard's attention reads them packed
-    (`replicas.engine.mla`), mlx-lm's own cannot, and each must split into whole groups."""
+    (`replicas.engine.model.mla`), mlx-lm's own cannot, and each must split into whole groups."""
     for attention in mla_attentions(model):
         name = type(attention).__name__
         if type(attention) not in ABSORBING.values():

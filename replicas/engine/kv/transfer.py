@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from replicas.engine.disk_cache import Snapshot, load_cache
+from replicas.engine.kv.disk import Snapshot, load_cache
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class PrefixKV:
     payload: Payload  # safetensors bytes (rank 0's part on a sharded replica)
     fingerprint: str  # the model's (`disk_cache.model_fingerprint`): KV fits that model only
     # A sharded holder's: the id its other ranks keep their parts under, and the
-    # transport's handles to those parts, by rank (`replicas.engine.kv_parts`).
+    # transport's handles to those parts, by rank (`replicas.engine.sharded.kv_parts`).
     export_id: str = ""
     ranks: tuple[Any, ...] = ()
 

@@ -33,9 +33,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache
 
-from replicas.engine.prefix_directory import HeldBlocks
-from replicas.engine.prefix_trie import PrefixTrie
-from replicas.engine.quantized_kv import as_rows, stored_name, stored_state
+from replicas.engine.kv.directory import HeldBlocks
+from replicas.engine.kv.trie import PrefixTrie
+from replicas.engine.kv.quantized import as_rows, stored_name, stored_state
 from replicas.os_thread import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class DiskTier:
     def __init__(self, root: Path, max_bytes: int, fingerprint: str,
                  held: HeldBlocks | None = None) -> None:
         self.directory = Path(root) / fingerprint
-        # The prefix directory's view of what this tier holds (`replicas.engine.prefix_directory`).
+        # The prefix directory's view of what this tier holds (`replicas.engine.kv.directory`).
         self.held = held or HeldBlocks()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes

@@ -4,7 +4,7 @@ A coding agent re-emits large spans of what it read: the file it edits, the diff
 quotes, the JSON it echoes. When the newest few tokens of a sequence occurred before in
 it, the tokens that followed them then are a good guess for what follows now, at no cost
 but a dictionary lookup. The target model checks the guess in the next pass
-(`replicas.engine.speculation`).
+(`replicas.engine.spec.drafter`).
 """
 
 from __future__ import annotations

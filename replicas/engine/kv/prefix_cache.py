@@ -2,7 +2,7 @@
 byte bound. Used only on the engine thread (it holds MLX arrays).
 
 mlx-lm's `LRUPromptCache` (what `mlx_lm.server` uses) is the model, and its trim helpers
-are used as they are. The index is our own (`replicas.engine.prefix_trie`: theirs walks
+are used as they are. The index is our own (`replicas.engine.kv.trie`: theirs walks
 every entry below a prompt's divergence on each lookup), and so is the LRU, because theirs
 does not serve here: a hit does not refresh an entry's recency (a prefix every conversation
 shares would age out first), it reports no evictions, it deep-copies every hit (a second
@@ -21,10 +21,10 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from replicas.engine.disk_cache import DiskTier
-from replicas.engine.prefix_directory import HeldBlocks
-from replicas.engine.prefix_trie import PrefixTrie
-from replicas.engine.quantized_kv import QuantizedRowKVCache
+from replicas.engine.kv.disk import DiskTier
+from replicas.engine.kv.directory import HeldBlocks
+from replicas.engine.kv.trie import PrefixTrie
+from replicas.engine.kv.quantized import QuantizedRowKVCache
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,12 @@ class PromptCache:
         """`cost_scale` (num, den): an entry counts `nbytes * num // den` against
         `max_bytes`. A pipeline stage holding `l` of a model's `L` layers on `n` ranks uses
         (L, l * n): every stage then counts the same bytes for the same tokens, so all
-        ranks of a sharded replica keep and evict the same entries (`replicas.engine.lockstep`)."""
+        ranks of a sharded replica keep and evict the same entries (`replicas.engine.sharded.lockstep`)."""
         self.max_bytes = max_bytes
         self._scale = cost_scale
         # Where evicted entries go, and every entry at shutdown; looked up after memory.
         self._disk = disk
-        # The prefix directory's view of what this tier holds (`replicas.engine.prefix_directory`).
+        # The prefix directory's view of what this tier holds (`replicas.engine.kv.directory`).
         self._held = held or HeldBlocks()
         # A pulled prefix too big for the bound, waiting for its request (`adopt`).
         self._adopted: tuple[tuple[int, ...], list[Any]] | None = None

@@ -1,16 +1,16 @@
 """The decoding half of the batch: mlx-lm's `GenerationBatch`, with two changes to its step.
 
-- **Bias and penalties for the whole batch at once** (`replicas.engine.penalties`). mlx-lm
+- **Bias and penalties for the whole batch at once** (`replicas.engine.sampling.penalties`). mlx-lm
   runs any row's logits processors in a Python loop, so one `logit_bias` sends every row
   through it. Here only a request's own processors (the pipeline's grammar mask, budgets,
   bans) are called per row, and only for the rows that have them.
-- **New rows join the batch's next pass** (`joining`, built by `replicas.engine.prefilling`).
+- **New rows join the batch's next pass** (`joining`, built by `replicas.engine.batch.prefill`).
   mlx-lm runs a joining row's last prompt token in a pass of the new rows alone, a whole
   pass over the weights per arrival; here that token rides in the batch's next pass, and
   the row emits nothing until the pass after.
-- **Speculative decoding** (`replicas.engine.speculation`): a step may verify each row's
+- **Speculative decoding** (`replicas.engine.spec.drafter`): a step may verify each row's
   drafts in the same pass, and emit several tokens per row. On a sharded replica rank 0
-  decides the drafts and what was kept, and shares both (`replicas.engine.shared_drafts`).
+  decides the drafts and what was kept, and shares both (`replicas.engine.spec.sharded`).
 
 Everything else is mlx-lm's: the cache, the one-step-ahead pipelining of the plain step,
 `extend`/`filter`/`extract_cache`, stop matching, and `BatchGenerator` around it (which
@@ -26,15 +26,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 
-from replicas.engine.mtp import hidden_and_logits
-from replicas.engine.penalties import Penalties, apply, window
-from replicas.engine.rejection import judge, verdict
-from replicas.engine.sampling import Drafting, LogitsProcessor, Sampler, SamplingShape, \
+from replicas.engine.model.mtp import hidden_and_logits
+from replicas.engine.sampling.penalties import Penalties, apply, window
+from replicas.engine.sampling.rejection import judge, verdict
+from replicas.engine.sampling.samplers import Drafting, LogitsProcessor, Sampler, SamplingShape, \
     SeededSampler, SharedSampler
-from replicas.engine.shared_drafts import SharedDrafts
-from replicas.engine.spec_gate import SpeculationGate
-from replicas.engine.speculation import Ask, DecodeStats, Drafter, accepted
-from replicas.engine.tails import Order, drop_tails, in_order, rotated
+from replicas.engine.spec.sharded import SharedDrafts
+from replicas.engine.spec.gate import SpeculationGate
+from replicas.engine.spec.drafter import Ask, DecodeStats, Drafter, accepted
+from replicas.engine.spec.tails import Order, drop_tails, in_order, rotated
 
 Emitted = list[tuple[int, mx.array]]  # one row's tokens of a step, each with its logprobs
 
@@ -58,7 +58,7 @@ class Generation(GenerationBatch):
         self._orders: list[Order | None] = []  # per row: its slot order (`tails`)
         self.shared: SharedDrafts | None = None  # a sharded replica's
         self.gate: SpeculationGate | None = None  # whether drafting pays at this size
-        self.held = False  # `next` steps nothing while set (`replicas.engine.batch`)
+        self.held = False  # `next` steps nothing while set (`replicas.engine.batch.local`)
         self._joining = joining
         super().__init__(*args, **kwargs)
         self._joining = False
@@ -149,7 +149,7 @@ class Generation(GenerationBatch):
 
     def extract_cache(self, idx: int) -> list[Any]:
         """Row `idx`'s cache with its positions in order (speculation may have moved its
-        oldest slots: `replicas.engine.tails`)."""
+        oldest slots: `replicas.engine.spec.tails`)."""
         return in_order(super().extract_cache(idx), self._orders[idx])
 
     def _step(self) -> tuple[list[int], list[mx.array]]:

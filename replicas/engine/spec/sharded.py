@@ -5,7 +5,7 @@ replica every rank runs that forward together, so every rank needs the same draf
 rank 0 has what drafts come from (the requests' grammars, and n-gram indices it keeps),
 and only rank 0 runs the requests' own processors over the pass's logits, so only rank 0
 knows how many drafts each row keeps. Two small collectives per speculative step carry its
-decisions, as `replicas.engine.lockstep.LockstepSampler` carries its sampled tokens:
+decisions, as `replicas.engine.sharded.lockstep.LockstepSampler` carries its sampled tokens:
 
 - `drafts`: before the pass, each row's drafts (a fixed-width table: a length, then the
   tokens), which the other ranks receive as zeros summed with rank 0's;

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from replicas.engine.kv_layout import leaves
+from replicas.engine.kv.layout import leaves
 
 Order = np.ndarray  # a row's slot order: the position each of its first slots holds
 

@@ -27,17 +27,17 @@ from mlx_lm.models.pipeline import PipelineMixin
 # config is judged exactly as `sharded_load` will load it.
 from mlx_lm.utils import _get_classes, sharded_load
 
-from replicas.engine.batch import LocalBatch
+from replicas.engine.batch.local import LocalBatch
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
-from replicas.engine.loading import LoadedModel, loaded_model
-from replicas.engine.mtp import Mtp
-from replicas.engine.kv_parts import KvParts
-from replicas.engine.lockstep import Follower
-from replicas.engine.stages import held_layers, split_stages, stage_layers
-from replicas.engine.quantized_kv import cache_maker
-from replicas.engine.memory import RankMemory, plan_memory
-from replicas.engine.prefix_directory import HeldBlocks
-from replicas.engine.shared_drafts import SharedDrafts
+from replicas.engine.model.loading import LoadedModel, loaded_model
+from replicas.engine.model.mtp import Mtp
+from replicas.engine.sharded.kv_parts import KvParts
+from replicas.engine.sharded.lockstep import Follower
+from replicas.engine.sharded.stages import held_layers, split_stages, stage_layers
+from replicas.engine.kv.quantized import cache_maker
+from replicas.engine.kv.budget import RankMemory, plan_memory
+from replicas.engine.kv.directory import HeldBlocks
+from replicas.engine.spec.sharded import SharedDrafts
 from replicas.startup import Progress
 
 

@@ -4,7 +4,7 @@ op that snapshots or adopts a prefix and the transport that carries it.
 Each rank of a sharded replica holds its own part of every layer's KV (its heads under
 tensor parallelism, its layers under pipeline), so a prefix moves between two replicas
 sharded alike as N parts, rank r to rank r, never through rank 0. Rank 0 decides (it
-owns the prefix cache's decisions, `replicas.engine.lockstep`); each other rank:
+owns the prefix cache's decisions, `replicas.engine.sharded.lockstep`); each other rank:
 
 - on `_Export`, snapshots its part on its engine thread and encodes it on a worker
   thread, kept here until the transport takes it (`take_export`);
@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from replicas.engine.kv_transfer import Payload
+from replicas.engine.kv.transfer import Payload
 
 # A part nobody came for within this long is dropped (the pull that wanted it failed).
 PART_TTL_S = 120.0

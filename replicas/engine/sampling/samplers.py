@@ -2,7 +2,7 @@
 
 The batch samples all its rows in one call only when every row holds the *same* sampler
 object, so unseeded samplers are cached by their parameters and shared. Bias and penalties
-are not processors here: `replicas.engine.penalties` applies them to the whole batch.
+are not processors here: `replicas.engine.sampling.penalties` applies them to the whole batch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import (
 
 from replicas.contract import SamplingParams
 from replicas.errors import InvalidRequestError
-from replicas.engine.logprobs import MAX_TOP_LOGPROBS
+from replicas.engine.sampling.logprobs import MAX_TOP_LOGPROBS
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

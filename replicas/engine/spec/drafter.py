@@ -1,7 +1,7 @@
 """Speculative decoding inside the batch: drafts per row, and what a verifying pass keeps.
 
 Each step, every row that may speculate proposes up to k tokens after its pending one
-(`replicas.engine.drafting`). One target pass runs all rows over their pending token and
+(`replicas.engine.spec.ngram`). One target pass runs all rows over their pending token and
 drafts (right-padded to the longest), the target samples every position with the row's
 own sampler, and a row keeps its drafts up to the first one the target did not sample,
 plus the target's token there. Drafts are deterministic guesses, so "sample, then compare"
@@ -9,7 +9,7 @@ is exactly rejection sampling: a draft d is kept with probability p(d), and on a
 target's token is a draw from p without d. Greedy output is the output without
 speculation, and seeded samplers draw position j with the key of the j-th next token.
 
-The rows' rejected positions leave the batch cache by `replicas.engine.tails.drop_tails`:
+The rows' rejected positions leave the batch cache by `replicas.engine.spec.tails.drop_tails`:
 trimmed where all rows rejected as many, and a row's excess filled with its oldest slots
 (a few slots moved, never the row's whole cache).
 """
@@ -24,10 +24,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
-from replicas.engine.drafting import NgramIndex
-from replicas.engine.kv_layout import leaves
-from replicas.engine.mla import has_sparse_indexer
-from replicas.engine.sampling import SamplingShape
+from replicas.engine.spec.ngram import NgramIndex
+from replicas.engine.kv.layout import leaves
+from replicas.engine.model.mla import has_sparse_indexer
+from replicas.engine.sampling.samplers import SamplingShape
 
 
 class Ask(NamedTuple):
@@ -38,7 +38,7 @@ class Ask(NamedTuple):
     pending: int
     budget: int
     # A sampled row's distribution: a draft model samples its drafts from it, for the q/p
-    # rule (`replicas.engine.rejection`). None: drafts are guesses (greedy).
+    # rule (`replicas.engine.sampling.rejection`). None: drafts are guesses (greedy).
     shape: SamplingShape | None = None
 
 

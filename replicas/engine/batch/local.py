@@ -2,7 +2,7 @@
 
 Everything that changes the batch goes through here as a few whole operations (insert rows,
 step, finish rows, recover after a failed step), never as loose calls on the generator. That is what lets a
-sharded replica run the same batch on every rank: `replicas.engine.lockstep` records these
+sharded replica run the same batch on every rank: `replicas.engine.sharded.lockstep` records these
 operations on rank 0 and replays them on the others, and the engine above never knows how
 many ranks there are.
 """
@@ -18,22 +18,22 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from replicas.engine.config import EngineConfig
-from replicas.engine.disk_cache import DiskTier, Snapshot, snapshot
-from replicas.engine.generation import Generation
-from replicas.engine.logprobs import Picked
-from replicas.engine.quantized_kv import cache_maker
-from replicas.engine.prompt_cache import CacheHit, PromptCache, prefix_view, segments
-from replicas.engine.prefix_directory import HeldBlocks
-from replicas.engine.prefilling import Prefilling
+from replicas.engine.kv.disk import DiskTier, Snapshot, snapshot
+from replicas.engine.batch.decode import Generation
+from replicas.engine.sampling.logprobs import Picked
+from replicas.engine.kv.quantized import cache_maker
+from replicas.engine.kv.prefix_cache import CacheHit, PromptCache, prefix_view, segments
+from replicas.engine.kv.directory import HeldBlocks
+from replicas.engine.batch.prefill import Prefilling
 from replicas.engine.request import PromptEmbeddings
-from replicas.engine.scoring import score_prompt
-from replicas.engine.shared_drafts import SharedDrafts
-from replicas.engine.sampling import LogitsProcessor, Sampler
-from replicas.engine.draft_model import ModelDrafter
-from replicas.engine.mtp import Mtp
-from replicas.engine.mtp_drafter import MtpDrafter
-from replicas.engine.spec_gate import SpeculationGate
-from replicas.engine.speculation import DecodeStats, Drafter, can_roll_back
+from replicas.engine.batch.scoring import score_prompt
+from replicas.engine.spec.sharded import SharedDrafts
+from replicas.engine.sampling.samplers import LogitsProcessor, Sampler
+from replicas.engine.spec.draft_model import ModelDrafter
+from replicas.engine.model.mtp import Mtp
+from replicas.engine.spec.mtp import MtpDrafter
+from replicas.engine.spec.gate import SpeculationGate
+from replicas.engine.spec.drafter import DecodeStats, Drafter, can_roll_back
 from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Prefill:
 class Exported:
     """A cached prefix another replica pulls: this rank's part, snapshot on the engine
     thread, and on a sharded replica the id the other ranks keep theirs under
-    (`replicas.engine.kv_parts`)."""
+    (`replicas.engine.sharded.kv_parts`)."""
 
     tokens: tuple[int, ...]
     snap: Snapshot
@@ -92,7 +92,7 @@ class Exported:
 
 
 class Batch(Protocol):
-    """What the engine drives; `LocalBatch`, or `replicas.engine.lockstep.LockstepBatch`."""
+    """What the engine drives; `LocalBatch`, or `replicas.engine.sharded.lockstep.LockstepBatch`."""
 
     @property
     def cache(self) -> PromptCache | None: ...
@@ -128,7 +128,7 @@ class LocalBatch:
         self._config = config
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
                                   disk=disk, held=held) if config.prompt_cache_bytes > 0 else None
-        # The batch's work, in order: one stream only (`replicas.engine.prefilling` says why).
+        # The batch's work, in order: one stream only (`replicas.engine.batch.prefill` says why).
         self.stream = mx.new_stream(mx.default_device())
         self.decode_stats = DecodeStats()  # kept across `recover`
         # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.
@@ -170,13 +170,13 @@ class LocalBatch:
             prefill_step_size=self._config.prefill_step_size,
             stream=self.stream,
         )
-        # Our decoding batch in place of mlx-lm's (`replicas.engine.generation`): mlx-lm
+        # Our decoding batch in place of mlx-lm's (`replicas.engine.batch.decode`): mlx-lm
         # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
         drafter = self._drafter()
         decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate)
         decoding.stats = self.decode_stats
         gen._generation_batch = decoding
-        # And our prefilling batch (`replicas.engine.prefilling`): mlx-lm `extend`s it.
+        # And our prefilling batch (`replicas.engine.batch.prefill`): mlx-lm `extend`s it.
         prefilling = Prefilling.empty(self._model, gen.sampler,
                                       prefill_step_size=self._config.prefill_step_size)
         prefilling.in_pass = drafter is None
@@ -315,7 +315,7 @@ class LocalBatch:
             log.exception("saving a prompt cache entry failed")
 
     def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
-        """The prompt's token logprobs from one prefill (`replicas.engine.scoring`); its KV
+        """The prompt's token logprobs from one prefill (`replicas.engine.batch.scoring`); its KV
         goes into the prefix cache, for the generation that follows."""
         picked, cache = score_prompt(self._model, prompt_ids, top,
                                      self._config.prefill_step_size, self.stream,

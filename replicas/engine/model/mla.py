@@ -6,7 +6,7 @@ too).
 mlx-lm 0.32.2's MLA attention attends over the compressed latents directly only for a pass
 of one position; any longer pass first decompresses every cached latent into full keys and
 values for all heads. That suits a prefill, but a speculative verifying pass (the pending
-token and a few drafts, `replicas.engine.speculation`) would then pay for the whole
+token and a few drafts, `replicas.engine.spec.drafter`) would then pay for the whole
 context's decompression every step: O(context) on top of the pass, where the one-position
 step pays O(context) only in the latent width. A short pass here takes the one-position
 route (queries absorbed into the latent space, the output unembedded after), which holds
@@ -14,7 +14,7 @@ for any number of queries given the causal mask: so a verifying pass computes wh
 plain steps do, and costs them a few positions more, not a decompression.
 
 mlx-lm's MLA also reads its cache as plain arrays, so `kv_bits` (a packed latent and rope
-key, `replicas.engine.quantized_kv`) fails in it. Over a quantized cache every pass runs
+key, `replicas.engine.kv.quantized`) fails in it. Over a quantized cache every pass runs
 here: short ones absorbed against the packed latent, long ones on the latent unpacked.
 """
 

@@ -40,13 +40,13 @@ from typing import Any, Callable, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from replicas.engine.batch import Done, Exported, LocalBatch, Prefill, Row
-from replicas.engine.kv_parts import KvParts
-from replicas.engine.kv_transfer import encode
+from replicas.engine.batch.local import Done, Exported, LocalBatch, Prefill, Row
+from replicas.engine.sharded.kv_parts import KvParts
+from replicas.engine.kv.transfer import encode
 from replicas.errors import InternalError
-from replicas.engine.logprobs import Picked
-from replicas.engine.prompt_cache import PromptCache
-from replicas.engine.sampling import Sampler, SeededSampler
+from replicas.engine.sampling.logprobs import Picked
+from replicas.engine.kv.prefix_cache import PromptCache
+from replicas.engine.sampling.samplers import Sampler, SeededSampler
 from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class _Score:
 class _Export:
     """Another replica pulls a cached prefix: every rank looks it up as rank 0 did (a
     lookup moves the entry in the cache's order), and where rank 0 found `length` tokens,
-    keeps its part under `export_id` for the transport (`replicas.engine.kv_parts`). No
+    keeps its part under `export_id` for the transport (`replicas.engine.sharded.kv_parts`). No
     step follows this record."""
 
     tokens: tuple[int, ...]
@@ -322,7 +322,7 @@ class Follower:
                  wait_for_work: Callable[[], None], parts: KvParts | None = None) -> None:
         """`wait_for_work` returns once rank 0 has called its `wake` (at once if it did
         since the last wait). `parts`: where this rank's parts of moving KV wait for the
-        transport (`replicas.engine.kv_parts`)."""
+        transport (`replicas.engine.sharded.kv_parts`)."""
         self._local = local
         self._parts = parts if parts is not None else KvParts()  # empty is falsy
         self._encoder: ThreadPoolExecutor | None = None  # made at the first export

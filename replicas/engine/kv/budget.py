@@ -2,7 +2,7 @@
 
 A Mac has no swap worth the name for a GPU working set: one long request, or many agent
 sessions growing together, can take the node down with every stream on it. So a replica
-knows what its model's cache costs (`replicas.engine.kv_layout`, measured at load on
+knows what its model's cache costs (`replicas.engine.kv.layout`, measured at load on
 every rank) and its budget, and admits by what the batch holds:
 
 - mlx-lm's batch cache pads every row to the longest and grows in steps of 256 tokens, so
@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from replicas.engine.kv_layout import CACHE_STEP, KvLayout, measure_kv
+from replicas.engine.kv.layout import CACHE_STEP, KvLayout, measure_kv
 
 log = logging.getLogger(__name__)
 

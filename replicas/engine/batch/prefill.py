@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-from replicas.engine.generation import Generation
+from replicas.engine.batch.decode import Generation
 
 
 class Prefilling(PromptProcessingBatch):

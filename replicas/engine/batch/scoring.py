@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from replicas.engine.logprobs import Picked, top_of
+from replicas.engine.sampling.logprobs import Picked, top_of
 
 # Logits of one chunk are (chunk, vocab) float32: bound them, whatever the vocabulary.
 _LOGITS_BYTES = 256 * 1024**2

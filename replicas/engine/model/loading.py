@@ -12,7 +12,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from replicas.engine.mla import absorb_short_passes
+from replicas.engine.model.mla import absorb_short_passes
 from replicas.startup import Progress
 
 @dataclass(frozen=True)

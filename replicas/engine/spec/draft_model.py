@@ -1,11 +1,11 @@
 """Drafts from a draft model: a small model sharing the target's tokenizer writes the next
 few tokens, and the target verifies them in its batch pass like any draft
-(`replicas.engine.speculation`).
+(`replicas.engine.spec.drafter`).
 
 A greedy row's drafts are the draft model's argmax: deterministic guesses, checked by
 "sample, then compare", so greedy output is the target's. An unseeded sampled row's drafts
 are samples from the draft model's distribution under the row's own sampling shape, and
-the target keeps them by the q/p rule (`replicas.engine.rejection`), which keeps the
+the target keeps them by the q/p rule (`replicas.engine.sampling.rejection`), which keeps the
 target's distribution and keeps every draft of a draft that agrees with it. A seeded row
 drafts greedily: "sample, then compare" draws each position with the key it would use
 without speculation, so a seed gives the same text either way.
@@ -34,9 +34,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.request import common_prefix
-from replicas.engine.sampling import SamplingShape
-from replicas.engine.speculation import Ask, Drafter
-from replicas.engine.tails import drop_tails
+from replicas.engine.sampling.samplers import SamplingShape
+from replicas.engine.spec.drafter import Ask, Drafter
+from replicas.engine.spec.tails import drop_tails
 
 
 def check_draft_model(draft: nn.Module, draft_vocab: dict[str, int],
