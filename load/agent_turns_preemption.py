@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 from load.agent_turns import spread
 from load.agent_turns_admission import MIB, _replica, _session, _watched
 from replicas.contract import Failed, Finished, GenerationRequest, TokenIds
-from replicas.engine.memory import round_up
+from replicas.engine.kv.budget import round_up
 from replicas.replica import ModelReplica
 
 MODES = ("whole", "grow")

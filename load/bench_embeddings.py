@@ -4,7 +4,7 @@ HTTP, same model, one run.
     python load/bench_embeddings.py [--model builtin:embed] [--batch 1 16 64] [--repeat 3]
 
 Raw: the model loaded by the production code (`replicas.sources.load_source`), each request's
-texts tokenized by its tokenizer and pooled by `replicas.engine.embedding.embed_rows`, the
+texts tokenized by its tokenizer and pooled by `replicas.engine.model.embedding.embed_rows`, the
 same code a replica runs, in one forward per request. HTTP: a real `serve run` of that model
 alone (the default layout: HTTP served from the model's replica) on 127.0.0.1, one client
 sending one request at a time, `--batch` inputs per request, `--encoding` (the `openai`
@@ -61,7 +61,7 @@ class Raw:
 
     def __init__(self, source: str) -> None:
         from replicas.embedding_files import EmbeddingSpec, embedding_support
-        from replicas.engine.embedding import PoolingSpec
+        from replicas.engine.model.embedding import PoolingSpec
         from replicas.sources import load_source
 
         self.loaded = load_source(source)
@@ -71,7 +71,7 @@ class Raw:
         self.spec = PoolingSpec(spec.pooling, spec.normalize)
 
     def run(self, requests: list[list[str]]) -> Run:
-        from replicas.engine.embedding import embed_rows
+        from replicas.engine.model.embedding import embed_rows
 
         start = time.perf_counter()
         for batch in requests:

@@ -1,5 +1,5 @@
 """Rows joining and leaving a decoding batch, in process: mlx-lm's `BatchGenerator` against
-Orchard's `LocalBatch` (`replicas/engine/prefilling.py`), no HTTP.
+Orchard's `LocalBatch` (`replicas/engine/batch/prefill.py`), no HTTP.
 
     python load/bench_joining.py
 
@@ -57,9 +57,9 @@ def orchard(raw: RawModel, prompts: list[list[int]], streams: int, tokens: int,
             mlx_join: bool) -> tuple[int, float]:
     """Orchard's `LocalBatch` fed as `RawModel.arrivals` feeds mlx-lm: (tokens, seconds)."""
     from replicas.contract import SamplingParams
-    from replicas.engine.batch import Done, LocalBatch, Row
+    from replicas.engine.batch.local import Done, LocalBatch, Row
     from replicas.engine.config import EngineConfig
-    from replicas.engine.sampling import make_request_sampler
+    from replicas.engine.sampling.samplers import make_request_sampler
 
     batch = LocalBatch(raw.loaded.model, EngineConfig(prompt_cache_bytes=0))
     if mlx_join:  # the batch's switch, as a speculating batch sets it

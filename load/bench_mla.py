@@ -1,5 +1,5 @@
 """What one verifying pass costs on MLA models: mlx-lm's attention against Orchard's
-(`replicas.engine.mla`), in the same run, on each family's own mlx-lm class.
+(`replicas.engine.model.mla`), in the same run, on each family's own mlx-lm class.
 
 A pass of W positions (the pending token and W - 1 drafts) over a cached context: mlx-lm
 0.32.2 decompresses every cached latent for all heads when W > 1, Orchard attends in the
@@ -22,8 +22,8 @@ import mlx.nn as nn
 from mlx_lm.models import deepseek_v3, glm4_moe_lite, mistral4
 from mlx_lm.models.cache import make_prompt_cache
 
-from replicas.engine.mla import absorb_short_passes, mla_attentions
-from replicas.engine.quantized_kv import make_quantized_prompt_cache
+from replicas.engine.model.mla import absorb_short_passes, mla_attentions
+from replicas.engine.kv.quantized import make_quantized_prompt_cache
 
 # `bench`'s width and depth (hidden 512, 8 layers), dense, DeepSeek V3's latent proportions.
 SHAPE = dict(vocab_size=1024, hidden_size=512, num_attention_heads=8, kv_lora_rank=256,

@@ -41,7 +41,7 @@ from load.kv_remote import chat  # noqa: E402
 from replicas.contract import ChatMessage, ChatPrompt, GenerationRequest, \
     SamplingParams, TokenIds  # noqa: E402
 from replicas.engine.config import EngineConfig  # noqa: E402
-from replicas.engine.kv_transfer import PrefixKV  # noqa: E402
+from replicas.engine.kv.transfer import PrefixKV  # noqa: E402
 from replicas.kv_pull import Source  # noqa: E402
 from replicas.replica import ModelReplica, ReplicaOptions  # noqa: E402
 

@@ -1,5 +1,5 @@
 """A prefix-cache lookup as the cache fills: mlx-lm's `PromptTrie` against Orchard's
-`PrefixTrie` (`replicas.engine.prefix_trie`), on the same entries, in this process.
+`PrefixTrie` (`replicas.engine.kv.trie`), on the same entries, in this process.
 
     python load/bench_prefix_lookup.py
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain s
 
 from mlx_lm.models.cache import PromptTrie  # noqa: E402
 
-from replicas.engine.prefix_trie import PrefixTrie  # noqa: E402
+from replicas.engine.kv.trie import PrefixTrie  # noqa: E402
 
 SYSTEM = 500  # tokens of the shared system prompt
 LEVELS = ((100, 230), (1000, 1000), (2000, 2000))  # (conversations, tokens each after it)

@@ -2,7 +2,7 @@
 MTP layer, `--mtp`), and batched logit_bias: raw mlx-lm vs Orchard.
 
 In-process: raw mlx-lm's `BatchGenerator` vs Orchard's batch
-(`replicas.engine.batch.LocalBatch`) with speculation off and on, same model, prompts and
+(`replicas.engine.batch.local.LocalBatch`) with speculation off and on, same model, prompts and
 `max_tokens`.
 
     python load/bench_speculative.py [--model builtin:bench] [--streams 1 8 32] [--rounds 3]
@@ -22,7 +22,7 @@ stream count), for each workload:
 Three engines, in an order that rotates each round: `raw` (plain
 `mlx_lm.generate.BatchGenerator`), `off` (`LocalBatch`, `EngineConfig.speculative` None) and
 `on` (`SpeculativeConfig` from the flags). `on` runs the speculation gate
-(`replicas.engine.spec_gate`, `--no-gate`: none), one per workload and stream count kept
+(`replicas.engine.spec.gate`, `--no-gate`: none), one per workload and stream count kept
 across rounds, as a server's engine keeps its own: the first rounds pay for measuring
 drafting and plain steps (16 steps each), so short runs show less of what it keeps. Rows are built as `replicas.engine.scheduling.row_for`
 builds them, with no stop ids, so every row makes exactly `max_tokens`; prompts are a
@@ -65,8 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain s
 import mlx.core as mx  # noqa: E402
 
 from replicas.engine.config import SpeculativeConfig  # noqa: E402
-from replicas.engine.mtp import load_mtp  # noqa: E402
-from replicas.engine.spec_gate import SpeculationGate  # noqa: E402
+from replicas.engine.model.mtp import load_mtp  # noqa: E402
+from replicas.engine.spec.gate import SpeculationGate  # noqa: E402
 from replicas.sources import load_source  # noqa: E402
 from load.speculative_runs import TIES, Outputs, Run, copy_prompts, mismatch, prompts, \
     run_orchard, run_raw  # noqa: E402

@@ -1,6 +1,6 @@
 """What dropping rejected speculative tails costs a batch cache: mlx-lm's roll of each row
 into its left padding (`prepare(right_padding)` / `finalize()`, what Orchard did before)
-against `replicas.engine.tails.drop_tails` (a few slots moved per row), at several context
+against `replicas.engine.spec.tails.drop_tails` (a few slots moved per row), at several context
 lengths, on a cache shaped like `builtin:bench`'s (8 layers, 4 KV heads of 64, bfloat16).
 
 Each round appends a verifying pass's positions to every row, then drops a ragged tail
@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replicas.engine.tails import drop_tails  # noqa: E402
+from replicas.engine.spec.tails import drop_tails  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 8, 4, 64  # builtin:bench's KV
 WIDTH = 5  # a pass of the pending token and 4 drafts

@@ -15,7 +15,7 @@ import ray
 from replicas.contract import ChatMessage, ChatPrompt, Finished, GenerationRequest, \
     SamplingParams
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv_transfer import PrefixKV, PrefixPull
+from replicas.engine.kv.transfer import PrefixKV, PrefixPull
 from replicas.kv_pull import Source
 from replicas.replica import ModelReplica, ReplicaOptions
 

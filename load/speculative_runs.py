@@ -15,11 +15,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from replicas.contract import SamplingParams
-from replicas.engine.batch import LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch, Row
 from replicas.engine.config import EngineConfig, SpeculativeConfig
-from replicas.engine.penalties import Penalties
-from replicas.engine.sampling import make_request_sampler
-from replicas.engine.spec_gate import SpeculationGate
+from replicas.engine.sampling.penalties import Penalties
+from replicas.engine.sampling.samplers import make_request_sampler
+from replicas.engine.spec.gate import SpeculationGate
 
 WORDS = ("the river runs past the old mill where children play in summer and the "
          "lighthouse keeper writes letters about storms ships and the quiet sea").split()
