@@ -15,14 +15,13 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from replicas.contract import Channel, ChatPrompt, GenerationRequest, SamplingParams, TextPrompt
 from replicas.pipeline.control import Grammar, RequestController
 from replicas.engine.delivery import EventSink
 from replicas.engine.request import EngineRequest
 from replicas.errors import ContextLengthError, InvalidRequestError
-from replicas.engine.model.loading import LoadedModel
 from replicas.pipeline.logprob_trail import LogprobTrail, TokenPieces
 from replicas.options import ReplicaOptions
 from replicas.families.channel_format import ChannelFormat
@@ -54,10 +53,22 @@ class Prepared:
     warnings: tuple[str, ...]
 
 
+class TokenizedModel(Protocol):
+    """What preparing a request reads of the loaded model (`replicas.engine.model.loading.
+    LoadedModel` is one); a protocol so the pipeline need not import the model stack."""
+
+    @property
+    def hf_tokenizer(self) -> Any: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+
 class InputProcessor:
     """Prepares requests for one loaded model; thread-safe (requests prepare in parallel)."""
 
-    def __init__(self, options: ReplicaOptions, model: LoadedModel, decode: Decode,
+    def __init__(self, options: ReplicaOptions, model: TokenizedModel, decode: Decode,
                  channels: ChannelFormat, tools: ToolFormat, context_length: int,
                  timings: Timings, kv_max_tokens: int | None = None,
                  seer: Seer | None = None) -> None:

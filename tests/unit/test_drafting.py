@@ -10,7 +10,8 @@ import pytest
 
 from replicas.engine.config import SpeculativeConfig
 from replicas.engine.spec.ngram import NgramIndex
-from replicas.engine.spec.drafter import PROBE_EVERY, Drafter, accepted
+from replicas.engine.sampling.rejection import accepted
+from replicas.engine.spec.drafter import PROBE_EVERY, Drafter
 
 
 def index(tokens: list[int], **config: int) -> NgramIndex:

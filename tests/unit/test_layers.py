@@ -4,6 +4,7 @@ state: ingress's allow-list of replica modules, and no import cycle inside a pac
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,33 @@ def _reachable(edges: dict[str, set[str]], start: str) -> set[str]:
             todo.extend(edges[module])
     return seen
 
+
+
+# One arrow added upward in each direction the engine's layers forbid: KV reaching into the
+# batch, sampling into speculation, the pipeline into the KV room.
+UPWARD = [("replicas/engine/kv/budget.py", "replicas.engine.batch.local",
+           "the engine's rooms are layered"),
+          ("replicas/engine/sampling/rejection.py", "replicas.engine.spec.drafter",
+           "the engine's rooms are layered"),
+          ("replicas/pipeline/output.py", "replicas.engine.kv.prefix_cache",
+           "the pipeline imports only the engine's request, delivery and sampling")]
+
+
+@pytest.mark.parametrize(("importer", "imported", "contract"), UPWARD)
+def test_an_upward_arrow_breaks_the_contracts(tmp_path: Path, importer: str, imported: str,
+                                              contract: str) -> None:
+    # The contracts run on a copy of the sources with one import added, so the test shows
+    # they can fail, not only that today's code passes them.
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    for package in PACKAGES:
+        for source in (ROOT / package).rglob("*.py"):
+            target = tmp_path / source.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, target)
+    with (tmp_path / importer).open("a") as f:
+        f.write(f"\nimport {imported}  # upward\n")
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    result = subprocess.run([exe, "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode != 0
+    assert f"{contract} BROKEN" in result.stdout, result.stdout

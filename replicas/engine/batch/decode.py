@@ -28,12 +28,12 @@ from mlx_lm.generate import GenerationBatch
 
 from replicas.engine.model.mtp import hidden_and_logits
 from replicas.engine.sampling.penalties import Penalties, apply, window
-from replicas.engine.sampling.rejection import judge, verdict
+from replicas.engine.sampling.rejection import accepted, judge, verdict
 from replicas.engine.sampling.samplers import Drafting, LogitsProcessor, Sampler, SamplingShape, \
     SeededSampler, SharedSampler
 from replicas.engine.spec.sharded import SharedDrafts
 from replicas.engine.spec.gate import SpeculationGate
-from replicas.engine.spec.drafter import Ask, DecodeStats, Drafter, accepted
+from replicas.engine.spec.drafter import Ask, DecodeStats, Drafter
 from replicas.engine.spec.tails import Order, drop_tails, in_order, rotated
 
 Emitted = list[tuple[int, mx.array]]  # one row's tokens of a step, each with its logprobs

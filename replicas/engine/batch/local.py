@@ -29,11 +29,10 @@ from replicas.engine.request import PromptEmbeddings
 from replicas.engine.batch.scoring import score_prompt
 from replicas.engine.spec.sharded import SharedDrafts
 from replicas.engine.sampling.samplers import LogitsProcessor, Sampler
-from replicas.engine.spec.draft_model import ModelDrafter
 from replicas.engine.model.mtp import Mtp
-from replicas.engine.spec.mtp import MtpDrafter
+from replicas.engine.spec.factory import make_drafter, usable
 from replicas.engine.spec.gate import SpeculationGate
-from replicas.engine.spec.drafter import DecodeStats, Drafter, can_roll_back
+from replicas.engine.spec.drafter import DecodeStats
 from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
@@ -133,12 +132,7 @@ class LocalBatch:
         self.decode_stats = DecodeStats()  # kept across `recover`
         # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.
         self._make_cache = cache_maker(config.kv_bits, config.kv_group_size)
-        self._speculative = config.speculative
-        if self._speculative is not None and not can_roll_back(model):
-            log.warning("speculative decoding is off: this model's cache cannot drop "
-                        "rejected tokens (sliding window, recurrent layers or a sparse "
-                        "indexer)")
-            self._speculative = None
+        self._speculative = usable(config.speculative, model)
         self._shared = shared_drafts(self.stream) if shared_drafts and self._speculative \
             else None
         spec = self._speculative
@@ -172,7 +166,7 @@ class LocalBatch:
         )
         # Our decoding batch in place of mlx-lm's (`replicas.engine.batch.decode`): mlx-lm
         # 0.32.2 only ever `extend`s and `filter`s this attribute after building it.
-        drafter = self._drafter()
+        drafter = make_drafter(self._speculative, self._draft, self._config.prefill_step_size)
         decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate)
         decoding.stats = self.decode_stats
         gen._generation_batch = decoding
@@ -183,17 +177,6 @@ class LocalBatch:
         gen._prompt_batch = prefilling
         self._decoding = decoding
         return gen
-
-    def _drafter(self) -> Drafter | None:
-        spec = self._speculative
-        if spec is None:
-            return None
-        if isinstance(self._draft, Mtp):
-            return MtpDrafter(spec, self._draft)
-        if self._draft is not None:
-            return ModelDrafter(spec, self._draft, self._config.prefill_step_size)
-        # Prompt lookup; on a sharded replica's other ranks, never asked (rank 0 drafts).
-        return Drafter(spec)
 
     def decode_counts(self) -> DecodeCounts:
         d, spec = self.decode_stats, self._speculative

@@ -39,3 +39,14 @@ def verdict(keep: Sequence[bool], fix: Sequence[int], final: int) -> tuple[int, 
         if not kept:
             return j, fix[j]
     return len(keep), final
+
+
+def accepted(drafts: Sequence[Sequence[int]], sampled: Sequence[Sequence[int]]) -> list[int]:
+    """Per row, how many leading drafts the target sampled too."""
+    kept = []
+    for draft, target in zip(drafts, sampled):
+        n = 0
+        while n < len(draft) and target[n] == draft[n]:
+            n += 1
+        kept.append(n)
+    return kept

@@ -146,14 +146,3 @@ class Drafter:
             del self._rested[uid]
         for uid in [u for u in self._indices if u not in live]:
             del self._indices[uid]
-
-
-def accepted(drafts: Sequence[Sequence[int]], sampled: Sequence[Sequence[int]]) -> list[int]:
-    """Per row, how many leading drafts the target sampled too."""
-    kept = []
-    for draft, target in zip(drafts, sampled):
-        n = 0
-        while n < len(draft) and target[n] == draft[n]:
-            n += 1
-        kept.append(n)
-    return kept
