@@ -24,7 +24,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deployments.config import IngressSettings
-from deployments.headroom import MemoryShed
+from deployments.routing.headroom import MemoryShed
 from ingress.client import ModelCard
 from replicas.contract import (
     EmbeddingRequest,
@@ -327,7 +327,12 @@ class _Sent:
         return events
 
     def resume(self) -> tuple[int, ...] | None:
-        return tuple(self.ids) if self.answered else None
+        """What the next replica continues from; None starts it over, and then the ids
+        sent so far are forgotten, since the next replica sends them again."""
+        if not self.answered:
+            self.ids.clear()
+            return None
+        return tuple(self.ids)
 
     def progress(self) -> tuple[int, bool]:
         return len(self.ids), self.answered

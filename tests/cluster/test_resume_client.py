@@ -130,3 +130,15 @@ def test_a_replica_that_keeps_refusing_ends_the_stream_within_the_wait() -> None
     events = asyncio.run(asyncio.wait_for(collect(client.stream(REQUEST)), 10))
     assert events[0] == text("a") and isinstance(events[-1], Failed)
     assert 2 < len(handle.sent) < 50  # it tried again, and gave up at the deadline
+
+
+def test_a_restart_from_scratch_forgets_the_ids_it_had_sent() -> None:
+    """The first replica sends only a token id (a `<think>` marker, say) and dies: nothing
+    reached the client, so the next one starts over, and sends that id again. When it too
+    dies after some text, the third continues from its ids alone (issue 59: not (9, 9, 5))."""
+    handle = Handle([[TokenIds((9,))], RayActorError()],
+                    [[TokenIds((9,))], [TokenIds((5,)), text("a")], RayActorError()],
+                    [[TokenIds((6,)), text("b"), END]])
+    events, _ = run(handle)
+    assert events == [text("ab"), END]
+    assert [r.resume for r in handle.sent] == [None, None, (9, 5)]
