@@ -12,14 +12,18 @@ from deployments.colocated_deployment import ColocatedModel
 from deployments.config import AppArgs, ModelSettings
 from deployments.ingress_deployment import EdgeArgs, Ingress
 from deployments.model_deployment import ModelDeployment
-from deployments.prefix_router import PrefixAffinityRouter
+from deployments.routing.prefix import PrefixAffinityRouter
 from deployments.roles import served
 from deployments.serve_options import check_http_ports
 from replicas.sources import BUILTIN_PREFIX, resolve_source
+from replicas.versions import MODEL_STACK, SERVING, check as check_versions
 
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppArgs.model_validate(args)
+    # At `serve run`, before Ray starts anything: the head's versions; each replica checks
+    # its own node's again before it loads (`replicas.replica`).
+    check_versions({**MODEL_STACK, **SERVING})
     check_http_ports(config.http_replicas, os.environ)
     for model in config.models:
         if model.source.startswith(BUILTIN_PREFIX):
@@ -99,16 +103,16 @@ def _sees(model: ModelSettings) -> bool:
 def _check_sharding(model: ModelSettings) -> None:
     """A `shards`/`sharding` the architecture cannot take fails the deploy, naming the
     field; a Hub model not on disk is checked by its replica, once fetched."""
-    from replicas.engine.sharded.rank import ShardingError, sharding_mode
+    from replicas.sharding import sharding_problem
     from replicas.sources import model_config
 
     config = model_config(model.source, fetch=False)
     if config is None:
         return
-    try:
-        sharding_mode(config, model.shards, model.sharding, model.distributed.pipeline_layers)
-    except ShardingError as exc:
-        raise ValueError(f"model '{model.id}': {exc}") from exc
+    problem = sharding_problem(config, model.shards, model.sharding,
+                               model.distributed.pipeline_layers)
+    if problem is not None:
+        raise ValueError(f"model '{model.id}': {problem}")
 
 
 def _model_deployment(settings: ModelSettings) -> Deployment:

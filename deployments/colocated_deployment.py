@@ -19,7 +19,7 @@ from deployments.ingress_deployment import EdgeArgs
 from deployments.model_clients import LocalModelClient
 from deployments.model_deployment import ReplicaOwner
 from deployments.observability import request_observer
-from deployments.response_store import response_store
+from deployments.responses.store import response_store
 from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
 from ingress.client import ModelCard

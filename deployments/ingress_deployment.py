@@ -15,7 +15,7 @@ from deployments.config import AppArgs, IngressSettings, ObservabilitySettings, 
 from deployments.metrics import stream_resumes
 from deployments.model_clients import RayModelClient, ResumePolicy
 from deployments.observability import request_observer
-from deployments.response_store import response_store
+from deployments.responses.store import response_store
 from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
 from ingress.client import ModelCard

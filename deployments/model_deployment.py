@@ -19,10 +19,10 @@ from deployments.config import (
     PullSettings,
     replica_max_stops,
 )
-from deployments.headroom import ReplicaRoom
+from deployments.routing.headroom import ReplicaRoom
 from deployments.metrics import kv_pulls
 from deployments.observability import engine_poller
-from deployments.prefix_router import PREFIXES
+from deployments.routing.prefix import PREFIXES
 from deployments.shards import ShardGroup
 from replicas.contract import (
     EmbeddingRequest,
@@ -85,7 +85,7 @@ class ReplicaOwner:
         self._shards: ShardGroup | None = None
         if config.shards > 1:
             # Ranks 1..N-1 start first and wait for rank 0 (this replica) to join them.
-            from replicas.engine.sharded.rank import layer_count, sharding_mode
+            from replicas.sharding import layer_count, sharding_mode
             from replicas.sources import model_config
 
             found = model_config(config.source)
@@ -208,7 +208,7 @@ class ModelDeployment(ReplicaOwner):
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve asks every `routing.stats_period_s`; the request router weighs replicas by
-        it and sheds what none has KV room for (`deployments.headroom`), and sends a
+        it and sheds what none has KV room for (`deployments.routing.headroom`), and sends a
         request where its prefix is cached (`PREFIXES`: this replica's entry in the
         cluster prefix directory)."""
         stats: dict[str, Any] = {PREFIXES: self._replica.held_prefixes()}

@@ -189,7 +189,7 @@ class PullSettings(_Strict):
 
 
 class RoutingSettings(_Strict):
-    """Cache-aware routing across a model's replicas (`deployments.prefix_router`)."""
+    """Cache-aware routing across a model's replicas (`deployments.routing.prefix`)."""
 
     policy: RoutingPolicy = Field(
         "auto", description="`prefix`: a request goes to the replica that served its "

@@ -28,7 +28,7 @@ from deployments.config import DistributedSettings, ModelSettings
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
 from replicas.engine.sharded.kv_parts import KvParts
 from replicas.engine.kv.transfer import PrefixKV
-from replicas.engine.sharded.stages import plan_stages
+from replicas.sharding import follow, machine_bytes, plan_stages
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +56,6 @@ def listen_address(settings: DistributedSettings) -> str:
     raise RuntimeError(f"no free port for a shard on {host} in {low}..{high}")
 
 
-def _machine_bytes() -> int:
-    from replicas.engine.kv.budget import machine  # MLX: only where a rank runs
-
-    return machine().bytes
-
-
 class ShardWorker:
     """Rank r >= 1 of one sharded replica."""
 
@@ -80,13 +74,12 @@ class ShardWorker:
     def address(self, settings: DistributedSettings) -> tuple[str, str, int]:
         """Where this rank will listen, its node, and its machine's memory (stage sizes)."""
         return listen_address(settings), ray.get_runtime_context().get_node_id(), \
-            _machine_bytes()
+            machine_bytes()
 
     def run(self, source: str, plan: ShardPlan, engine: EngineConfig,
             metal_for: str | None = None) -> int:
         """Load this rank's shard and follow rank 0 until it stops (the steps run).
         `metal_for`: the model id, when its placement requires Metal on every rank."""
-        from replicas.engine.sharded.rank import follow
         from replicas.sources import resolve_source
 
         if metal_for is not None:
@@ -165,7 +158,7 @@ class ShardGroup:
         addresses = (listen_address(dist), *(a for a, _, _ in found))
         self.nodes = [ray.get_runtime_context().get_node_id(), *(n for _, n, _ in found)]
         devices = tuple(tuple(row) for row in dist.rdma_devices) if dist.rdma_devices else None
-        memories = dist.node_memory_bytes or [_machine_bytes(), *(m for _, _, m in found)]
+        memories = dist.node_memory_bytes or [machine_bytes(), *(m for _, _, m in found)]
         split = plan_stages(mode, layers, memories, dist.pipeline_layers, settings.id)
         self.layers = split
 

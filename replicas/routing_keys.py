@@ -1,5 +1,5 @@
 """A prompt's prefix keys: hashes over its leading units (messages of a chat, blocks of text
-or tokens), which the router (`deployments.prefix_router`) and each replica's prefix
+or tokens), which the router (`deployments.routing.prefix`) and each replica's prefix
 directory (`replicas.engine.kv.directory`) compute alike from the request, without a
 tokenizer. The router looks a request's keys up; a replica publishes the keys whose tokens
 its prefix cache holds.

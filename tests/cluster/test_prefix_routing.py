@@ -1,7 +1,7 @@
-"""Cache-aware routing over two replicas (`deployments.prefix_router`): with routing on,
+"""Cache-aware routing over two replicas (`deployments.routing.prefix`): with routing on,
 each of several multi-turn conversations stays on one replica and reuses its cached prefix
 from turn 2 on; with routing off (Ray's power-of-two choice) turns wander between replicas.
-Memory-aware routing (`deployments.headroom`, `orchard-headroom`: a small KV budget): a
+Memory-aware routing (`deployments.routing.headroom`, `orchard-headroom`: a small KV budget): a
 turn leaves the replica holding its prefix when that one has no KV room for it, and a
 request no replica has room for is shed with the overloaded error and Retry-After, through
 the openai SDK.

@@ -1,5 +1,5 @@
 """`previous_response_id` works whichever ingress replica answers: with two ingress
-replicas the Responses store is one Ray actor both reach (deployments/response_store.py),
+replicas the Responses store is one Ray actor both reach (deployments/responses/store.py),
 over a SQLite file, so the actor's death and restart loses nothing. With `store: redis` both
 replicas talk to a real redis-server (tests/redis_server.py), whose kill -9 and restart
 loses nothing either, nor does the death of an ingress replica."""

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from ingress.app import create_app
-from ingress.responses.sqlite_store import SqliteResponseStore
+from deployments.responses.sqlite import SqliteResponseStore
 from ingress.responses.store import MemoryResponseStore
 from replicas.contract import (
     Channel,

@@ -47,7 +47,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "store-actor": {"ingress": {"colocate": False, "num_replicas": 2}},
 }
 # layout -> how many of Ray's processes (by title) prove it is that layout: who serves HTTP,
-# and where the store lives (deployments/response_store.py names its actor's class).
+# and where the store lives (deployments/responses/store.py names its actor's class).
 PROCESSES = {
     "default": {"ServeReplica:orchard:Ingress": 0, "_StoreActor": 0},
     "two-hop": {"ServeReplica:orchard:Ingress": 1, "_StoreActor": 0,

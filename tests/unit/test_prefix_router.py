@@ -1,4 +1,4 @@
-"""The cache-aware router's choices (`deployments.prefix_router`), on fake replicas: which
+"""The cache-aware router's choices (`deployments.routing.prefix`), on fake replicas: which
 keys a request has, which replica a conversation's next turn prefers, the fall back to the
 least-loaded replica, the bounded key table, and what reaches Serve's ranks."""
 
@@ -11,8 +11,8 @@ from typing import Any
 from ray.serve.exceptions import BackPressureError
 
 from deployments.config import ModelSettings
-from deployments.headroom import Ledger, MemoryShed, ReplicaRoom, Room, prompt_tokens
-from deployments.prefix_router import HOLDERS, PREFIXES, Affinity, PrefixAffinityRouter
+from deployments.routing.headroom import Ledger, MemoryShed, ReplicaRoom, Room, prompt_tokens
+from deployments.routing.prefix import HOLDERS, PREFIXES, Affinity, PrefixAffinityRouter
 from replicas.contract import (
     ChatMessage,
     ChatPrompt,
@@ -290,7 +290,7 @@ def test_each_api_carries_the_clients_session_key_into_the_request() -> None:
     assert to_plan(responses, ModelCard("m")).generation.session_key == "k2"
 
 
-# ---- memory-aware routing (deployments.headroom) ---------------------------------------
+# ---- memory-aware routing (deployments.routing.headroom) ---------------------------------------
 
 
 def room(free: int, budget: int = 1000, waiting: int = 0, max_waiting: int = 4,

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from ingress.app import create_app
 from ingress.errors import CodedError
-from ingress.responses.redis_store import RedisResponseStore
+from deployments.responses.redis import RedisResponseStore
 from ingress.responses.store import StoredResponse, encode
 from replicas.contract import Channel, ErrorKind, Finished, FinishReason, TextDelta, Usage
 from tests.fakes import FakeClient
@@ -214,7 +214,7 @@ def test_the_config_names_a_server_for_redis_only() -> None:
     from pydantic import ValidationError
 
     from deployments.config import ResponsesSettings
-    from deployments.response_store import configured_store
+    from deployments.responses.store import configured_store
 
     with pytest.raises(ValidationError, match="responses.url"):
         ResponsesSettings(store="redis")

@@ -10,7 +10,7 @@ from typing import Callable
 
 import pytest
 
-from ingress.responses.sqlite_store import SqliteResponseStore
+from deployments.responses.sqlite import SqliteResponseStore
 from ingress.responses.store import MemoryResponseStore, ResponseStore, StoredResponse
 
 Make = Callable[..., ResponseStore]

@@ -1,7 +1,7 @@
 """Cache-aware routing: each request goes to the model replica most likely to hold its
 prompt prefix in its KV cache (`replicas.engine.kv.prefix_cache`), unless that replica is busier than
 the least-loaded one by more than `routing.max_imbalance` requests, or has no KV room for it
-(`deployments.headroom`: then, as without a preference, the replicas with the most room go
+(`deployments.routing.headroom`: then, as without a preference, the replicas with the most room go
 first); a request no replica has room for now is shed with the overloaded error.
 
 Orchard's own router rather than Ray's `ray.serve.llm.request_router.PrefixCacheAffinityRouter`,
@@ -34,7 +34,7 @@ from typing import Any, Collection, List, Mapping, Optional, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.headroom import Ledger, MemoryShed, Room, prompt_tokens
+from deployments.routing.headroom import Ledger, MemoryShed, Room, prompt_tokens
 from replicas.contract import GenerationRequest
 from replicas.routing_keys import RoutingKeys, digest, routing_keys
 

@@ -18,8 +18,8 @@ import ray
 from pathlib import Path
 
 from deployments.config import ResponsesSettings
-from ingress.responses.redis_store import RedisResponseStore
-from ingress.responses.sqlite_store import SqliteResponseStore
+from deployments.responses.redis import RedisResponseStore
+from deployments.responses.sqlite import SqliteResponseStore
 from ingress.responses.store import MemoryResponseStore, ResponseStore, StoredResponse
 from replicas.builtin.build import orchard_cache
 

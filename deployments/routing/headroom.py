@@ -2,7 +2,7 @@
 needs, which replicas can start it now, and their ranks by headroom.
 
 A replica reports through Serve's routing stats (`ModelDeployment.record_routing_stats`,
-polled every `routing.stats_period_s`); the request router (`deployments.prefix_router`)
+polled every `routing.stats_period_s`); the request router (`deployments.routing.prefix`)
 reads them on each `RunningReplica`. Until a report can count a request, the router counts
 what it sent each replica itself, so a burst does not all go to the one that looked
 emptiest.
