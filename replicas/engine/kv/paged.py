@@ -1,0 +1,338 @@
+"""Paged KV for mlx-lm's continuous batching: `BatchKVCache`'s interface over a block pool.
+
+mlx-lm's `BatchKVCache` holds a batch as one `[B, H, longest, D]` array per layer, every
+row left-padded to the longest, and copies all of it when a row joins (`extend`) or leaves
+(`filter`). `PagedBatchKVCache` keeps the same view of the batch (the same `left_padding`,
+`offset` and write index `_idx`, so the model's masks and RoPE positions are unchanged),
+but a row's positions live in blocks of the pool (`replicas.engine.kv.blocks`), listed in
+its block table; the padding exists only in the per-layer transient that
+`update_and_fetch` gathers for attention. A join appends block tables, a leave returns
+the leaving rows' blocks: no other row's KV moves.
+
+`PagedRowKVCache` is one sequence's plain `KVCache` that a batch merges into the paged
+form (mlx-lm's `_merge_caches` asks row 0's class), as `quantized.QuantizedRowKVCache`
+does for the quantized batch. Only plain attention layers page (`paged_layers` says which
+models qualify); a model with any other cache kind stays on mlx-lm's padded batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, make_prompt_cache
+
+from replicas.engine.kv.blocks import BlockPool, LayerBlocks
+
+
+class PagedRowKVCache(KVCache):
+    """One sequence's KV, mlx-lm's `KVCache`, that merges into a `PagedBatchKVCache` on
+    `pool`'s layer `layer`."""
+
+    def __init__(self, pool: BlockPool, layer: int) -> None:
+        super().__init__()
+        self.pool, self.layer = pool, layer
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedRowKVCache:
+        out = PagedRowKVCache(self.pool, self.layer)  # the pool is the replica's: shared
+        out.keys = copy.deepcopy(self.keys, memo)
+        out.values = copy.deepcopy(self.values, memo)
+        out.offset = self.offset
+        return out
+
+    def merge(self, caches: Sequence[Any]) -> PagedBatchKVCache:  # type: ignore[override]
+        # mlx-lm calls `caches[0][i].merge(...)` on the instance: the pool comes with it.
+        return PagedBatchKVCache.merge(caches, self.pool, self.layer)
+
+
+def paged_layers(cache: list[Any]) -> bool:
+    """Whether a model's fresh cache (`make_prompt_cache`) pages: every layer plain
+    attention (`KVCache`). Sliding windows, recurrent state, `CacheList`s and quantized
+    KV keep mlx-lm's padded batch for now."""
+    return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+def make_paged_prompt_cache(model: nn.Module, pool: BlockPool) -> list[Any]:
+    """`make_prompt_cache(model)` with every layer a `PagedRowKVCache` on `pool`."""
+    cache = make_prompt_cache(model)
+    if not paged_layers(cache):
+        kinds = sorted({type(c).__name__ for c in cache})
+        raise ValueError(f"paged KV: this model's cache layers ({', '.join(kinds)}) are not "
+                         "all plain attention; serve it with memory.paged_kv off or auto")
+    return [PagedRowKVCache(pool, i) for i in range(len(cache))]
+
+
+def as_paged_rows(cache: list[Any], pool: BlockPool) -> list[Any]:
+    """A row's cache (a prefix cache hit: mlx-lm's `KVCache`s) as rows the paged batch
+    merges, sharing the arrays (the merge copies what it reads into blocks)."""
+    out: list[Any] = []
+    for i, layer in enumerate(cache):
+        if type(layer) is not KVCache:
+            out.append(layer)
+            continue
+        row = PagedRowKVCache(pool, i)
+        row.keys, row.values, row.offset = layer.keys, layer.values, layer.offset
+        out.append(row)
+    return out
+
+
+class PagedBatchKVCache(_BaseCache):
+    """One layer's KV for a batch, rows in blocks of `pool`.
+
+    Row i is left-padded by `left_padding[i]` in the batch's view: view column c holds its
+    position c - left_padding[i] for c in [left_padding[i], _idx). Its positions live in
+    the slots its block table names; the slot past the last block is scratch, where the
+    view's padding reads from and a right-padded prefill's pad columns write to."""
+
+    def __init__(self, pool: BlockPool, layer: int, left_padding: Sequence[int]) -> None:
+        self.pool, self.layer = pool, layer
+        self._blocks: LayerBlocks = pool.layer(layer)
+        self._pads = [int(p) for p in left_padding]
+        self.tables: list[list[int]] = [[] for _ in self._pads]
+        self.offset = mx.array([-p for p in self._pads])
+        self._idx = 0
+        self._right: list[int] | None = None
+        self._gather: mx.array | None = None  # the view's slot ids, until the batch changes
+
+    # ---- the batch's shape ------------------------------------------------------------
+
+    @property
+    def left_padding(self) -> mx.array:
+        return mx.array(self._pads)
+
+    def lengths(self) -> list[int]:
+        return [max(0, self._idx - p) for p in self._pads]
+
+    @property
+    def _scratch(self) -> int:
+        return self.pool.num_blocks * self.pool.block_size
+
+    def _changed(self) -> None:
+        self._gather = None
+
+    def _fit(self, i: int, tokens: int) -> None:
+        """Row i's table holds exactly the blocks `tokens` positions need."""
+        need, table = self.pool.blocks_for(max(0, tokens)), self.tables[i]
+        if need > len(table):
+            table += self._blocks.allocate(need - len(table))
+        elif need < len(table):
+            self._blocks.release(table[need:])
+            del table[need:]
+
+    def _slots(self, i: int, positions: np.ndarray) -> np.ndarray:
+        bs = self.pool.block_size
+        table = np.asarray(self.tables[i], dtype=np.int64)
+        return table[positions // bs] * bs + positions % bs
+
+    # ---- what the model calls ---------------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        B, H, n, _ = keys.shape
+        prev, end = self._idx, self._idx + n
+        slots = np.full((B, n), self._scratch, dtype=np.int64)
+        for i, pad in enumerate(self._pads):
+            self._fit(i, max(len(self.tables[i]) * self.pool.block_size, end - pad))
+            first = max(prev, pad)
+            if first < end:
+                slots[i, first - prev:] = self._slots(i, np.arange(first, end) - pad)
+        store_k, store_v = self._blocks.storage(keys, values)
+        at = mx.array(slots.reshape(-1).astype(np.int32))
+        store_k[at] = keys.swapaxes(1, 2).reshape(B * n, H, keys.shape[3])
+        store_v[at] = values.swapaxes(1, 2).reshape(B * n, H, values.shape[3])
+        self._idx = end
+        self.offset = self.offset + n
+        self._changed()
+        view = self._view()
+        return (store_k[view].swapaxes(1, 2), store_v[view].swapaxes(1, 2))
+
+    def _view(self) -> mx.array:
+        """The slot each view column reads, `[B, _idx]` (padding reads the scratch slot)."""
+        if self._gather is None:
+            bs, B = self.pool.block_size, len(self._pads)
+            width = max((len(t) for t in self.tables), default=0)
+            tables = np.zeros((B, max(1, width)), dtype=np.int32)
+            for i, t in enumerate(self.tables):
+                tables[i, :len(t)] = t
+            pos = mx.arange(self._idx)[None, :] - mx.array(self._pads)[:, None]
+            block = mx.take_along_axis(mx.array(tables), mx.maximum(pos, 0) // bs, axis=1)
+            self._gather = mx.where(pos >= 0, block * bs + pos % bs, self._scratch)
+        return self._gather
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding,
+                                  **kwargs)
+
+    # ---- the prefill's padding ----------------------------------------------------------
+
+    def prepare(self, *, left_padding: Sequence[int] | None = None,
+                lengths: Sequence[int] | None = None,
+                right_padding: Sequence[int] | None = None) -> None:
+        if left_padding is not None:
+            if self._idx:
+                raise ValueError("Left padding can only be added to an empty cache")
+            self._pads = [p + int(q) for p, q in zip(self._pads, left_padding)]
+            self.offset = self.offset - mx.array(list(left_padding))
+            self._changed()
+        if right_padding is not None and max(right_padding) > 0:
+            self._right = [int(r) for r in right_padding]
+
+    def finalize(self) -> None:
+        """A right-padded prefill's pad columns become left padding (what `BatchKVCache`
+        rolls round): the row's length shrinks, its spare blocks go back."""
+        if self._right is None:
+            return
+        right, self._right = self._right, None
+        self._pads = [p + r for p, r in zip(self._pads, right)]
+        self.offset = self.offset - mx.array(right)
+        for i, length in enumerate(self.lengths()):
+            self._fit(i, length)
+        self._changed()
+
+    # ---- joins, leaves, speculation's rollback ------------------------------------------
+
+    def filter(self, batch_indices: Sequence[int]) -> None:
+        keep = [int(i) for i in batch_indices]
+        kept = set(keep)
+        for i, table in enumerate(self.tables):
+            if i not in kept:
+                self._blocks.release(table)
+        seen: set[int] = set()
+        for i in keep:  # a row kept twice holds its blocks twice
+            if i in seen:
+                self._blocks.share(self.tables[i])
+            seen.add(i)
+        self.tables = [list(self.tables[i]) for i in keep]
+        self._pads = [self._pads[i] for i in keep]
+        self.offset = self.offset[mx.array(keep)] if keep else mx.array([], dtype=mx.int32)
+        shift = min(self._pads, default=0)
+        if shift > 0:  # columns every row pads: gone from the view
+            self._pads = [p - shift for p in self._pads]
+            self._idx -= shift
+        self._changed()
+
+    def extend(self, other: Any) -> None:
+        """Append `other`'s rows: their block tables join, no KV moves (another kind of
+        batch cache is copied into blocks first)."""
+        if not isinstance(other, PagedBatchKVCache) or other.pool is not self.pool \
+                or other.layer != self.layer:
+            other = self._adopt(other)
+        top = max(self._idx, other._idx)
+        self._pads = [p + top - self._idx for p in self._pads] + \
+            [p + top - other._idx for p in other._pads]
+        self.tables += other.tables
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = top
+        other.tables, other._pads = [], []  # its blocks are this batch's now
+        other.offset = mx.array([], dtype=mx.int32)
+        self._changed()
+
+    def _adopt(self, other: Any) -> PagedBatchKVCache:
+        rows = int(other.offset.shape[0]) if isinstance(other.offset, mx.array) else 1
+        if isinstance(other, BatchKVCache) and other.keys is None:
+            out = PagedBatchKVCache(self.pool, self.layer, [int(p) for p in
+                                                          other.left_padding.tolist()])
+            return out
+        return PagedBatchKVCache.merge([other.extract(i) for i in range(rows)],
+                                       self.pool, self.layer)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        for i, length in enumerate(self.lengths()):
+            self._fit(i, length)
+        self._changed()
+        return n
+
+    # ---- rows in and out ----------------------------------------------------------------
+
+    def extract(self, idx: int) -> KVCache:
+        """Row `idx` as mlx-lm's one-sequence cache (a copy: the prefix cache keeps it)."""
+        cache = KVCache()
+        length = self.lengths()[idx]
+        if length == 0 or self._blocks.keys is None or self._blocks.values is None:
+            return cache
+        at = mx.array(self._slots(idx, np.arange(length)).astype(np.int32))
+        cache.keys = mx.contiguous(self._blocks.keys[at][None].swapaxes(1, 2))
+        cache.values = mx.contiguous(self._blocks.values[at][None].swapaxes(1, 2))
+        cache.offset = length
+        return cache
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any], pool: BlockPool | None = None,  # type: ignore[override]
+              layer: int | None = None) -> PagedBatchKVCache:
+        """One batch from per-row caches (`KVCache`s), each copied into its own blocks."""
+        if pool is None or layer is None:
+            first = caches[0]
+            pool, layer = first.pool, first.layer
+        assert pool is not None and layer is not None
+        lengths = [int(c.offset) if c.keys is not None else 0 for c in caches]
+        longest = max(lengths, default=0)
+        out = cls(pool, layer, [longest - n for n in lengths])
+        out._idx = longest
+        out.offset = mx.array(lengths)
+        for i, (n, c) in enumerate(zip(lengths, caches)):
+            if n == 0:
+                continue
+            out._fit(i, n)
+            k, v = c.keys[..., :n, :], c.values[..., :n, :]
+            store_k, store_v = out._blocks.storage(k, v)
+            at = mx.array(out._slots(i, np.arange(n)).astype(np.int32))
+            store_k[at] = k[0].swapaxes(0, 1)
+            store_v[at] = v[0].swapaxes(0, 1)
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedBatchKVCache:
+        """mlx-lm's `split` copies a prefilling batch and filters both: the copy holds the
+        same blocks once more (each filter returns what its side drops)."""
+        out = PagedBatchKVCache(self.pool, self.layer, self._pads)
+        out.tables = [list(t) for t in self.tables]
+        for t in out.tables:
+            self._blocks.share(t)
+        out.offset, out._idx = self.offset, self._idx
+        out._right = None if self._right is None else list(self._right)
+        return out
+
+    def release(self) -> None:
+        """Return every row's blocks (the batch is dropped)."""
+        tables, self.tables = self.tables, []
+        for t in tables:
+            self._blocks.release(t)
+
+    def __del__(self) -> None:
+        # mlx-lm drops a batch's caches without a word when its last row leaves
+        # (`prompt_cache.clear()`): their blocks go back here.
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - nothing may raise out of a finalizer
+            pass
+
+    # ---- what the engine reads ----------------------------------------------------------
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        # What `mx.eval([c.state ...])` must compute: the pool's arrays, the offsets.
+        arrays = [a for a in (self._blocks.keys, self._blocks.values) if a is not None]
+        return (*arrays, self.offset)
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self._idx == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks the rows hold."""
+        if self._blocks.keys is None or self._blocks.values is None:
+            return 0
+        per_slot = (self._blocks.keys.nbytes + self._blocks.values.nbytes) // \
+            self._blocks.keys.shape[0]
+        return sum(len(t) for t in self.tables) * self.pool.block_size * per_slot

@@ -1,0 +1,175 @@
+"""The block pool and the paged batch cache (`replicas.engine.kv.blocks`, `.paged`), against
+mlx-lm's own `BatchKVCache` on random arrays: every operation the batch calls leaves the
+two with the same view on the positions the mask lets attention see."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from replicas.engine.kv.blocks import BlockPool, PoolExhausted
+from replicas.engine.kv.paged import PagedBatchKVCache, PagedRowKVCache
+
+H, D = 2, 8
+
+
+def test_pool_allocates_shares_and_frees() -> None:
+    pool = BlockPool(4, block_size=16)
+    layer = pool.layer(0)
+    a = layer.allocate(3)
+    assert a == [0, 1, 2] and layer.free == 1
+    with pytest.raises(PoolExhausted):
+        layer.allocate(2)
+    layer.share(a[:1])
+    assert layer.refs(0) == 2 and pool.stats().shared == 1
+    layer.release(a)
+    assert layer.free == 3 and layer.refs(0) == 1  # block 0 still held by its second owner
+    layer.release([0])
+    assert layer.free == 4 and pool.stats().used == 0
+    with pytest.raises(AssertionError):
+        layer.release([0])
+
+
+def test_pool_sized_from_bytes() -> None:
+    pool = BlockPool.sized(10 * 1024, bytes_per_token=64, block_size=16)
+    assert pool.num_blocks == 10
+    assert BlockPool.sized(10 * 1024, 64, 16, most_tokens=40).num_blocks == 3
+
+
+def _row(n: int, seed: int) -> KVCache:
+    c = KVCache()
+    if n:
+        k = mx.random.normal((1, H, n, D), key=mx.random.key(seed))
+        v = mx.random.normal((1, H, n, D), key=mx.random.key(seed + 1000))
+        c.update_and_fetch(k, v)
+    return c
+
+
+def _pair(lengths: list[int], pool: BlockPool, seed: int = 0
+          ) -> tuple[BatchKVCache, PagedBatchKVCache]:
+    rows = [_row(n, seed + i) for i, n in enumerate(lengths)]
+    return BatchKVCache.merge(rows), PagedRowKVCache(pool, 0).merge(rows)
+
+
+def _same(ref: BatchKVCache, paged: PagedBatchKVCache, got: tuple[mx.array, mx.array] | None
+          = None, want: tuple[mx.array, mx.array] | None = None) -> None:
+    """Same shape of batch, and the same KV wherever a row is not padding."""
+    assert paged._idx == ref._idx
+    assert paged.left_padding.tolist() == ref.left_padding.tolist()
+    assert paged.offset.tolist() == ref.offset.tolist()
+    if got is None or want is None:
+        if ref.keys is None:
+            return
+        want = ref.keys[..., :ref._idx, :], ref.values[..., :ref._idx, :]
+        got = paged._view_arrays()
+    pads = ref.left_padding.tolist()
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        for i, p in enumerate(pads):
+            assert np.array_equal(np.array(g[i, :, p:]), np.array(w[i, :, p:]))
+
+
+def _step(ref: BatchKVCache, paged: PagedBatchKVCache, n: int, seed: int) -> None:
+    B = ref.offset.shape[0]
+    k = mx.random.normal((B, H, n, D), key=mx.random.key(seed))
+    v = mx.random.normal((B, H, n, D), key=mx.random.key(seed + 1))
+    assert np.array_equal(np.array(ref.make_mask(n)), np.array(paged.make_mask(n)))
+    _same(ref, paged, paged.update_and_fetch(k, v), ref.update_and_fetch(k, v))
+    _same(ref, paged)
+
+
+@pytest.fixture
+def pool() -> BlockPool:
+    return BlockPool(64, block_size=4)
+
+
+def _view(self: PagedBatchKVCache) -> tuple[mx.array, mx.array]:
+    assert self._blocks.keys is not None and self._blocks.values is not None
+    at = self._view()
+    return self._blocks.keys[at].swapaxes(1, 2), self._blocks.values[at].swapaxes(1, 2)
+
+
+PagedBatchKVCache._view_arrays = _view  # type: ignore[attr-defined]
+
+
+def test_update_and_fetch_matches(pool: BlockPool) -> None:
+    ref, paged = _pair([5, 0, 11], pool)
+    _same(ref, paged)
+    for s in range(6):
+        _step(ref, paged, 1 if s % 2 else 3, 10 + s)
+    lengths = paged.lengths()
+    assert [len(t) for t in paged.tables] == [pool.blocks_for(n) for n in lengths]
+    assert pool.stats().used == sum(pool.blocks_for(n) for n in lengths)
+
+
+def test_right_padded_prefill_matches(pool: BlockPool) -> None:
+    ref, paged = _pair([0, 0, 0], pool)
+    for c in (ref, paged):
+        c.prepare(lengths=[7, 3, 5], right_padding=[0, 4, 2])
+    _step(ref, paged, 7, 1)
+    ref.finalize()
+    paged.finalize()
+    _same(ref, paged)
+    assert [len(t) for t in paged.tables] == [2, 1, 2]  # the pad columns' blocks went back
+    _step(ref, paged, 1, 2)
+
+
+def test_filter_extend_extract_trim_match(pool: BlockPool) -> None:
+    ref, paged = _pair([9, 2, 6], pool)
+    _step(ref, paged, 1, 1)
+    held = pool.stats().used
+    ref.filter([1, 2])
+    paged.filter([1, 2])
+    _same(ref, paged)
+    assert pool.stats().used == held - pool.blocks_for(10)  # the long row's blocks came back
+
+    ref2, paged2 = _pair([13, 4], pool, seed=50)
+    before = paged.tables[0][:]
+    ref.extend(ref2)
+    paged.extend(paged2)
+    _same(ref, paged)
+    assert paged.tables[0] == before and paged2.tables == []  # nothing moved
+    _step(ref, paged, 1, 3)
+
+    for i in range(4):
+        r, p = ref.extract(i), paged.extract(i)
+        assert r.offset == p.offset
+        assert np.array_equal(np.array(r.keys), np.array(p.keys))
+        assert np.array_equal(np.array(r.values), np.array(p.values))
+
+    assert ref.trim(2) == paged.trim(2)
+    _same(ref, paged)
+    _step(ref, paged, 1, 4)
+
+
+def test_extend_adopts_a_padded_batch(pool: BlockPool) -> None:
+    ref, paged = _pair([3, 8], pool)
+    other_ref = BatchKVCache.merge([_row(5, 70)])
+    other = BatchKVCache.merge([_row(5, 70)])
+    ref.extend(other_ref)
+    paged.extend(other)
+    _same(ref, paged)
+
+
+def test_blocks_come_back(pool: BlockPool) -> None:
+    _, paged = _pair([9, 20], pool)
+    assert pool.stats().used == pool.blocks_for(9) + pool.blocks_for(20)
+    twin = copy.deepcopy(paged)  # mlx-lm's `split`
+    paged.filter([0])
+    twin.filter([1])
+    assert pool.stats().used == pool.blocks_for(9) + pool.blocks_for(20)
+    del paged
+    assert pool.stats().used == pool.blocks_for(20)
+    twin.filter([])
+    assert pool.stats().used == 0
+
+
+def test_exhaustion_raises() -> None:
+    pool = BlockPool(3, block_size=4)
+    _, paged = _pair([8], pool)
+    with pytest.raises(PoolExhausted):
+        paged.update_and_fetch(mx.zeros((1, H, 5, D)), mx.zeros((1, H, 5, D)))
