@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import logging
 import uuid
 from pathlib import Path
@@ -38,6 +39,7 @@ from replicas.engine.kv.directory import DIRECTORY_FILE, PrefixDirectory
 from replicas.engine.stats import EngineStats
 from replicas.errors import ReplicaError
 from replicas.engine.model.loading import LoadedModel, load_model
+from replicas.versions import MODEL_STACK, check as check_versions
 from replicas.engine.sharded.lockstep import LockstepBatch
 from replicas.engine.kv.quantized import cache_maker
 from replicas.engine.kv.budget import RankMemory, plan_memory
@@ -77,6 +79,9 @@ class ModelReplica:
         the batch is empty); the deployment passes Ray's call to them. `on_pull`: told
         of every prefix pull this replica tried (the deployment's metrics). `ranks`: a
         sharded replica's other ranks, which move their parts of pulled KV themselves."""
+        # A native crash (MLX, Metal) then dumps every thread's Python stack into the
+        # replica's log; the engine thread is named for the OS, so crash reports name it.
+        faulthandler.enable(all_threads=True)
         self.options = options
         self._wake_shards = wake_shards or (lambda: None)
         self._on_pull = on_pull or (lambda result: None)
@@ -102,6 +107,7 @@ class ModelReplica:
     def _open(self) -> tuple[LoadedModel, Batch, tuple[RankMemory, ...]]:
         """The model, its batch and each rank's memory, on the engine thread: whole, or
         rank 0's shard."""
+        check_versions(MODEL_STACK)  # before any private hook of mlx-lm or mlx-vlm runs
         plan = self.options.shard
         budget = self.options.engine.kv_budget_bytes
         if plan is None:

@@ -11,6 +11,7 @@ its own; MLX's ring (TCP) or JACCL (RDMA over Thunderbolt) backend does the talk
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
@@ -190,6 +191,7 @@ def follow(source: str, resolved: Path | str, plan: ShardPlan, config: EngineCon
            wait_for_work: Callable[[], None], parts: KvParts | None = None) -> int:
     """Ranks 1..N-1: load the shard, then replay rank 0's batch until it stops. Returns
     the steps run. `parts`: this rank's parts of KV moving between replicas."""
+    faulthandler.enable(all_threads=True)  # a native crash names this rank's threads' stacks
     _, batch, group, _ = open_shard(source, resolved, plan, config)
     follower = Follower(batch, group, wait_for_work, parts)
     follower.run()
