@@ -34,6 +34,7 @@ from replicas.contract import (
     GenerationRequest,
     OutputEvent,
     TokenIds,
+    TokenLogprob,
     TokenizerInfo,
     is_terminal,
 )
@@ -195,7 +196,8 @@ class RayModelClient:
                 self._on_resume(request.model)
             await asyncio.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE_S)
-            attempt = dataclasses.replace(attempt, resume=sent.resume())
+            resume = sent.resume()
+            attempt = dataclasses.replace(attempt, resume=resume, resume_logprobs=sent.held)
 
     async def _attempt(self, request: GenerationRequest, sent: "_Sent", wait_s: float | None,
                        *, resumed: bool) -> AsyncGenerator["list[OutputEvent] | _Lost", None]:
@@ -316,6 +318,9 @@ class _Sent:
 
     def __init__(self) -> None:
         self.ids: list[int] = []
+        # The logprob entries the replica still held after the last batch (their text not
+        # sent yet): the next replica sends them with its first text.
+        self.held: tuple[TokenLogprob, ...] = ()
         self.answered = False
 
     def take(self, batch: list[OutputEvent]) -> list[OutputEvent]:
@@ -323,7 +328,9 @@ class _Sent:
         whole, so its ids and its events are received together."""
         events: list[OutputEvent] = [e for e in batch if not isinstance(e, TokenIds)]
         if len(events) < len(batch):
-            self.ids.extend(i for e in batch if isinstance(e, TokenIds) for i in e.ids)
+            marks = [e for e in batch if isinstance(e, TokenIds)]
+            self.ids.extend(i for e in marks for i in e.ids)
+            self.held = marks[-1].held
         return events
 
     def resume(self) -> tuple[int, ...] | None:
@@ -331,6 +338,7 @@ class _Sent:
         sent so far are forgotten, since the next replica sends them again."""
         if not self.answered:
             self.ids.clear()
+            self.held = ()
             return None
         return tuple(self.ids)
 

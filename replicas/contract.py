@@ -35,6 +35,7 @@ class ErrorKind(str, Enum):
     CONTEXT_LENGTH = "context_length"
     OVERLOADED = "overloaded"
     UNAUTHORIZED = "unauthorized"
+    RATE_LIMITED = "rate_limited"  # past a tenant's limit at the edge: 429
     TIMEOUT = "timeout"
     INTERNAL = "internal"
 
@@ -171,6 +172,18 @@ class ToolChoice:
 
 
 @dataclass(frozen=True)
+class Tenancy:
+    """Whom a request is for, as the edge resolved its API key (`ingress/tenancy/`). The
+    replica admits to the batch by weighted fair queuing over tenants by `share`, and by
+    `priority` within a tenant (lower first, vLLM's convention); preemption takes the highest
+    `priority` value, youngest, first."""
+
+    tenant: str = "default"
+    priority: int = 0
+    share: float = 1.0
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     model: str
@@ -195,6 +208,10 @@ class GenerationRequest:
     # the prompt, runs them through the pipeline without sending their events again, and
     # continues; None: a new request.
     resume: tuple[int, ...] | None = None
+    # The logprob entries the failed replica still held at the cut (`TokenIds.held`): they
+    # ride out with the resumed stream's first text, as they would have.
+    resume_logprobs: tuple["TokenLogprob", ...] = ()
+    tenancy: Tenancy = Tenancy()
 
 
 @dataclass(frozen=True)
@@ -316,6 +333,9 @@ class TokenIds:
     `GenerationRequest.report_tokens`; model clients take it out, adapters never see it)."""
 
     ids: tuple[int, ...]
+    # The logprob entries still held back after these tokens (their text is not sent yet,
+    # e.g. a possible stop's prefix): a resume hands them to the next replica.
+    held: tuple[TokenLogprob, ...] = ()
 
 
 OutputEvent = Union[TextDelta, ToolCallStart, ToolCallDelta, ToolCallEnd, Finished, Failed,
@@ -334,8 +354,9 @@ def merge_deltas(events: list[OutputEvent]) -> list[OutputEvent]:
     as one: a client receives a batch whole, so its ids and its events arrive together."""
     merged: list[OutputEvent] = []
     ids = tuple(i for e in events if isinstance(e, TokenIds) for i in e.ids)
-    if ids:
-        merged.append(TokenIds(ids))
+    if ids:  # what is held after the batch is what its last token left held
+        held = next(e.held for e in reversed(events) if isinstance(e, TokenIds))
+        merged.append(TokenIds(ids, held))
         events = [e for e in events if not isinstance(e, TokenIds)]
     for event in events:
         last = merged[-1] if merged else None

@@ -44,6 +44,15 @@ class LogprobTrail:
         self._pieces = pieces
         self._pending: list[TokenLogprob] = []
 
+    @property
+    def held(self) -> tuple[TokenLogprob, ...]:
+        """The entries waiting for their text (`TokenIds.held`: a resume carries them)."""
+        return tuple(self._pending)
+
+    def restore(self, held: Sequence[TokenLogprob]) -> None:
+        """A resumed request: the entries the failed replica held at the cut wait here."""
+        self._pending = list(held)
+
     def piece(self, token_id: int) -> str:
         return self._pieces(token_id)
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from replicas.contract import ErrorKind, Failed, FinishReason, OutputEvent, TokenIds
+from replicas.contract import (
+    ErrorKind,
+    Failed,
+    FinishReason,
+    OutputEvent,
+    TokenIds,
+    TokenLogprob,
+)
 from replicas.engine.delivery import EventSink
 from replicas.engine.sampling.logprobs import Picked
 from replicas.engine.request import Generated
@@ -39,16 +46,19 @@ class OutputProcessor:
         self._report = report_tokens
         self._read = 0  # generated tokens read, replayed ones included
 
-    def replay(self, token_ids: Sequence[int]) -> None:
+    def replay(self, token_ids: Sequence[int], held: Sequence[TokenLogprob] = ()) -> None:
         """A resumed request: what it generated before goes through every stateful stage
         (budget, grammar, channels, stops, tool calls) as it did then, and the events it
-        makes are dropped: the client has them. Its echo was sent then too."""
+        makes are dropped: the client has them. Its echo was sent then too. `held`: the
+        logprob entries still waiting for their text at the cut, which ride out next."""
         self._echo = None
         for token in token_ids:
             if self.controller is not None:
                 self.controller.replay(token)
             self.decoder.feed(token)
             self._read += 1
+        if self._trail is not None:
+            self._trail.restore(held)
 
     def started(self, prompt_logprobs: Sequence[Picked] | None) -> list[OutputEvent]:
         """Completions' echo: the prompt's text first, with its tokens' logprobs if asked."""
@@ -61,7 +71,8 @@ class OutputProcessor:
         if self._trail is not None:
             events = self._trail.on_token(events, step)
         if self._report:  # `merge_deltas` gathers a batch's ids at its front
-            events = [TokenIds((step.token,)), *events]
+            held = self._trail.held if self._trail is not None else ()
+            events = [TokenIds((step.token,), held), *events]
         return events, done
 
     def _events(self, step: Generated) -> tuple[list[OutputEvent], bool]:

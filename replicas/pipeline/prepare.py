@@ -181,7 +181,7 @@ class InputProcessor:
             stop_token_ids=stop_ids, echo=echo, report_tokens=request.report_tokens,
             logprobs=None if top is None else LogprobTrail(top, self._pieces))
         if request.resume is not None:
-            output.replay(resume)
+            output.replay(resume, request.resume_logprobs)
         warnings = ((clamp_warning,) if clamp_warning else ()) + tools.warnings
         return Prepared(engine_request, output, warnings)
 

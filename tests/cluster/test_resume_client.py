@@ -23,6 +23,7 @@ from replicas.contract import (
     TextDelta,
     TextPrompt,
     TokenIds,
+    TokenLogprob,
     Usage,
 )
 from tests.fakes import ScriptedCall
@@ -142,3 +143,15 @@ def test_a_restart_from_scratch_forgets_the_ids_it_had_sent() -> None:
     events, _ = run(handle)
     assert events == [text("ab"), END]
     assert [r.resume for r in handle.sent] == [None, None, (9, 5)]
+
+
+def test_the_logprob_entries_held_at_the_cut_go_to_the_next_replica() -> None:
+    """A stop's possible prefix holds the last token's text, and its logprob entry, when the
+    replica dies: the next replica is handed that entry, to send with its first text."""
+    held = (TokenLogprob("\n", 198, -0.5),)
+    handle = Handle([[TokenIds((5,)), text("a")], [TokenIds((198,), held)], RayActorError()],
+                    [[TokenIds((6,)), text("\nb"), END]])
+    events, _ = run(handle)
+    assert events == [text("a\nb"), END]
+    assert handle.sent[1].resume == (5, 198) and handle.sent[1].resume_logprobs == held
+    assert handle.sent[0].resume_logprobs == ()
