@@ -197,6 +197,7 @@ class GenerationRequest:
     # The client's session (OpenAI `prompt_cache_key`, Anthropic `metadata.user_id`): the
     # router sends its requests to one replica, whose prefix cache holds the conversation.
     session_key: str | None = None
+    tenancy: Tenancy = Tenancy()  # the API key's tenant, and the priority the batch sees
     # Completions' `echo`: the prompt comes back as the answer's first text, with its own
     # tokens' logprobs when `sampling.logprobs` is set (one prefill scores them).
     echo: bool = False
@@ -211,7 +212,6 @@ class GenerationRequest:
     # The logprob entries the failed replica still held at the cut (`TokenIds.held`): they
     # ride out with the resumed stream's first text, as they would have.
     resume_logprobs: tuple["TokenLogprob", ...] = ()
-    tenancy: Tenancy = Tenancy()
 
 
 @dataclass(frozen=True)
