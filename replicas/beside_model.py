@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from replicas.engine.kv.disk import model_fingerprint
+from replicas.engine.kv.fingerprint import model_fingerprint
 from replicas.engine.spec.draft_model import check_draft_model
 from replicas.engine.model.loading import LoadedModel, load_model
 from replicas.engine.model.mtp import Mtp, load_mtp

@@ -5,7 +5,8 @@ memory tier evicted is loaded instead of prefilled again.
 Each entry is two files under `<directory>/<model fingerprint>/`: the KV in mlx-lm's prompt
 cache format (`mlx_lm.models.cache.load_prompt_cache` reads it), and a JSON sidecar with the
 tokens it holds, its size and its SHA-256. A file is used only when its sidecar parses, names
-this model's fingerprint (config, tokenizer, dtype) and the sum matches; anything else is
+this model's fingerprint (`replicas.engine.kv.fingerprint`: config, tokenizer, weights,
+dtype) and the sum matches; anything else is
 dropped with a warning, never loaded. The directory is bounded by bytes, least recently used
 first (a hit touches the file, so the order survives restarts).
 
@@ -41,26 +42,6 @@ from replicas.os_thread import name_os_thread
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # the sidecar's layout; another value is a foreign file
-_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
-
-
-def model_fingerprint(directory: Path, model: Any, kv_bits: int | None = None,
-                      kv_group_size: int = 0, *sharding: object) -> str:
-    """What makes KV reusable: the model's config and tokenizer files, its dtype, the
-    KV's quantization (a quantized layer cannot join an unquantized batch), and on a
-    sharded replica how it is split (a rank holds its part of each layer)."""
-    digest = hashlib.sha256(f"orchard-kv {FORMAT}".encode())
-    if kv_bits is not None:
-        digest.update(f"kv {kv_bits} bits, group {kv_group_size}".encode())
-    if sharding:
-        digest.update(f"sharded {sharding!r}".encode())
-    for name in _FILES:
-        path = directory / name
-        if path.is_file():
-            digest.update(name.encode() + path.read_bytes())
-    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
-    digest.update(str(next(iter(weights.values())).dtype if weights else "").encode())
-    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

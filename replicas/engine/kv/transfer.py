@@ -44,7 +44,7 @@ class PrefixKV:
 
     tokens: tuple[int, ...]
     payload: Payload  # safetensors bytes (rank 0's part on a sharded replica)
-    fingerprint: str  # the model's (`disk_cache.model_fingerprint`): KV fits that model only
+    fingerprint: str  # the model's (`kv.fingerprint.model_fingerprint`): KV fits that model only
     # A sharded holder's: the id its other ranks keep their parts under, and the
     # transport's handles to those parts, by rank (`replicas.engine.sharded.kv_parts`).
     export_id: str = ""
