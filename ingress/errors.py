@@ -8,19 +8,21 @@ knows none of them, so anything may import it.
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ingress.wire_json import JSONBody
 from replicas.contract import ErrorKind
-from replicas.errors import ReplicaError
+from replicas.errors import RateLimitedError, ReplicaError
 
 # The common status codes; a shape overrides some (Anthropic: 529 for overload).
 STATUS = {
     ErrorKind.INVALID_REQUEST: 400,
     ErrorKind.CONTEXT_LENGTH: 400,
     ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.RATE_LIMITED: 429,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.OVERLOADED: 503,
     ErrorKind.TIMEOUT: 504,
@@ -31,6 +33,7 @@ _OPENAI_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
     ErrorKind.CONTEXT_LENGTH: "invalid_request_error",
     ErrorKind.UNAUTHORIZED: "authentication_error",
+    ErrorKind.RATE_LIMITED: "rate_limit_exceeded",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.OVERLOADED: "overloaded_error",
     ErrorKind.TIMEOUT: "timeout_error",
@@ -41,6 +44,7 @@ _ANTHROPIC_TYPE = {
     ErrorKind.INVALID_REQUEST: "invalid_request_error",
     ErrorKind.CONTEXT_LENGTH: "invalid_request_error",
     ErrorKind.UNAUTHORIZED: "authentication_error",
+    ErrorKind.RATE_LIMITED: "rate_limit_error",
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.OVERLOADED: "overloaded_error",
     ErrorKind.TIMEOUT: "timeout_error",
@@ -48,6 +52,8 @@ _ANTHROPIC_TYPE = {
 }
 
 RETRY_AFTER_SECONDS = 1
+_OPENAI_CODE = {ErrorKind.CONTEXT_LENGTH: "context_length_exceeded",
+                ErrorKind.RATE_LIMITED: "rate_limit_exceeded"}
 
 # (kind, message, param, code) -> body. `code` refines the kind where an edge needs a more
 # precise name than the taxonomy has (e.g. 413 `request_too_large`).
@@ -57,7 +63,7 @@ BodyFn = Callable[[ErrorKind, str, "str | None", "str | None"], dict[str, Any]]
 def _openai_body(kind: ErrorKind, message: str, param: str | None,
                  code: str | None) -> dict[str, Any]:
     if code is None:
-        code = "context_length_exceeded" if kind is ErrorKind.CONTEXT_LENGTH else kind.value
+        code = _OPENAI_CODE.get(kind, kind.value)
     return {"error": {"message": message, "type": _OPENAI_TYPE[kind], "param": param,
                       "code": code}}
 
@@ -97,8 +103,12 @@ class ErrorRenderer(typing.Protocol):
 
 def error_response(kind: ErrorKind, message: str, protocol: ErrorRenderer, *,
                    param: str | None = None, code: str | None = None,
-                   status: int | None = None) -> JSONBody:
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if kind is ErrorKind.OVERLOADED else None
+                   status: int | None = None, retry_after_s: float | None = None) -> JSONBody:
+    headers = None
+    if kind in (ErrorKind.OVERLOADED, ErrorKind.RATE_LIMITED):
+        # Whole seconds, rounded up: a client that waits less is refused again.
+        wait = RETRY_AFTER_SECONDS if retry_after_s is None else max(1, math.ceil(retry_after_s))
+        headers = {"Retry-After": str(wait)}
     return JSONBody(
         protocol.error_body(kind, message, param, code=code),
         status_code=status or protocol.status(kind),
@@ -119,7 +129,9 @@ class CodedError(ReplicaError):
 
 def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONBody:
     code = exc.code if isinstance(exc, CodedError) else None
-    return error_response(exc.kind, exc.message, protocol, param=exc.param, code=code)
+    retry = exc.retry_after_s if isinstance(exc, RateLimitedError) else None
+    return error_response(exc.kind, exc.message, protocol, param=exc.param, code=code,
+                          retry_after_s=retry)
 
 
 # Edge refusals with no status of their own in the taxonomy: status -> (kind, code).

@@ -40,6 +40,17 @@ class UnauthorizedError(ReplicaError):
     kind = ErrorKind.UNAUTHORIZED
 
 
+class RateLimitedError(ReplicaError):
+    """Past a tenant's limit at the edge (`ingress/tenancy/`): a 429 with `Retry-After`."""
+
+    kind = ErrorKind.RATE_LIMITED
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0,
+                 param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
 class DeadlineError(ReplicaError):
     """A deadline passed (the request's own, or the wait for a replica)."""
 
@@ -51,7 +62,8 @@ class InternalError(ReplicaError):
 
 
 _BY_KIND = {cls.kind: cls for cls in (InvalidRequestError, NotFoundError, ContextLengthError,
-                                      OverloadedError, UnauthorizedError, DeadlineError,
+                                      OverloadedError, UnauthorizedError, RateLimitedError,
+                                      DeadlineError,
                                       InternalError)}
 
 

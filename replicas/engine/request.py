@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol, Sequence
 
-from replicas.contract import OutputEvent, SamplingParams
+from replicas.contract import OutputEvent, SamplingParams, Tenancy
 from replicas.engine.delivery import EventSink
 from replicas.engine.sampling.logprobs import Picked
 from replicas.engine.sampling.samplers import LogitsProcessor
@@ -48,6 +48,8 @@ class EngineRequest:
     # seeded sampler continues its random stream after them.
     sampled_before: int = 0
     embeddings: PromptEmbeddings | None = None
+    # Its tenant's share and its priority: the order it joins the batch in (`fair_share`).
+    tenancy: Tenancy = Tenancy()
 
 
 # mlx-lm's word for why a row ended: "stop" is an EOS or stop token id (not text).

@@ -14,11 +14,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
-from replicas.contract import ErrorKind, Failed
+from replicas.contract import ErrorKind, Failed, Tenancy
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
+from replicas.engine.fair_share import FairShare, tenanted, victim
 from replicas.engine.kv.budget import Bound, KvBudget
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
 from replicas.engine.batch.local import Prefill, Row
@@ -98,27 +99,48 @@ class Waiting:
         spec = config.speculative
         self._growth = _STEP_GROWTH + (spec.num_speculative_tokens if spec else 0)
         self.queue: deque[Queued] = deque()
+        self._share = FairShare()
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def admit(self, submits: Iterable[Submitted], cancelled: Callable[[str], bool],
-              bound: Bound) -> list[Queued]:
+              bound: Bound, in_batch: Sequence[Tenancy] = ()) -> list[Queued]:
         """Those that join the batch now, in order: the preempted first, then the rest while
         each fits. A cancelled one is dropped; past the waiting bound or the waiting time,
-        new ones get the overloaded error (a preempted one has streamed: it keeps its place)."""
+        new ones get the overloaded error (a preempted one has streamed: it keeps its place).
+        Requests with a tenancy (`in_batch`: the rows' now) wait here for a free row and
+        join in fair-share order (`fair_share`), not in mlx-lm's first-come queue."""
         now = time.monotonic()
         pending = [q for q in (*self.queue, *(Queued(s, now) for s in submits))
                    if not cancelled(q.request_id)]
         pending = self._expire(pending, now)
-        admitted, self.queue, refused = self.kv.take(
+        later: list[Queued] = []
+        if tenanted(q.sub.request.tenancy for q in pending):
+            pending, later = self._fair(pending, in_batch)
+        admitted, queue, refused = self.kv.take(
             pending, lambda q: q.request_id,
             lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole,
                             self._growth),
             bound, keep=lambda q: q.resumed is not None)
+        self.queue = deque([*queue, *later])
+        while later and len(self.queue) > self.kv.max_waiting and self.queue[-1].resumed is None:
+            refused.append(self.queue.pop())
+            self.kv.refused += 1
+        self._share.admitted(q.sub.request.tenancy for q in admitted)
         deliver([(q.sub.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
                  for q in refused])
         return admitted
+
+    def _fair(self, pending: list[Queued],
+              in_batch: Sequence[Tenancy]) -> tuple[list[Queued], list[Queued]]:
+        """(those that may join now, in order; those that wait for a row)."""
+        resumed = [q for q in pending if q.resumed is not None]  # they have streamed: first
+        fresh = self._share.order([q for q in pending if q.resumed is None],
+                                  lambda q: q.sub.request.tenancy, in_batch)
+        ordered = resumed + fresh
+        free = max(0, self._config.max_batch_size - len(in_batch))
+        return ordered[:free], ordered[free:]
 
     def _expire(self, pending: list[Queued], now: float) -> list[Queued]:
         limit = self._config.max_memory_wait_s
@@ -134,8 +156,8 @@ class Waiting:
     def grow(self, active: dict[int, Active], bound: Bound,
              preempt: Callable[[Active], None]) -> None:
         """Before a step: every row's reservation covers the KV the step adds; where it
-        cannot, `preempt` the youngest row (the engine takes it out of the batch) and
-        queue it first, until it can."""
+        cannot, `preempt` the lowest-priority, youngest row (`fair_share.victim`; the engine
+        takes it out of the batch) and queue it first, until it can."""
         if self._whole:
             return
         for row in sorted(active.values(), key=lambda a: a.order):
@@ -143,7 +165,8 @@ class Waiting:
                          False, self._growth)
             while row.uid in active and need > self.kv.reserved(row.request_id) and \
                     not self.kv.reserve(row.request_id, need, bound):
-                youngest = max(active.values(), key=lambda a: a.order)
+                youngest = victim(active.values(), lambda a: a.sub.request.tenancy,
+                                  lambda a: a.order)
                 preempt(youngest)
                 self.kv.preempted += 1
                 log.info("request %s preempted after %d tokens (KV memory): it resumes by "

@@ -175,6 +175,7 @@ class InputProcessor:
             logprobs=top,
             score_prompt=echo is not None and top is not None and request.resume is None,
             embeddings=rendered.embeddings,
+            tenancy=request.tenancy,
         )
         output = OutputProcessor(
             sink, decoder, controller, prompt_ids=rendered.token_ids,

@@ -1,0 +1,76 @@
+"""Whose request joins the batch next, and whose row leaves it first (engine thread only).
+
+Tenants share the batch's rows by weight (`Tenancy.share`): when a row frees, the next one
+goes to the waiting tenant whose rows in the batch, per unit of share, are fewest, so two
+tenants with shares 3:1 that both keep the replica busy hold its rows 3:1 (and, each row
+decoding a token a step, get its tokens 3:1), while a tenant alone gets every row. That is
+weighted fair queuing with the batch row as the resource; ties go to the tenant served least
+so far per unit of share, then to the oldest request. Within a tenant the lowest `priority`
+value goes first (vLLM's convention), then the oldest. Preemption is the reverse: the row
+with the highest priority value, and of those the youngest, leaves first.
+
+With no tenancy on any request (no tenants configured) the order is arrival order, as before.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Iterable, Sequence, TypeVar
+
+from replicas.contract import Tenancy
+
+Item = TypeVar("Item")
+
+NO_TENANCY = Tenancy()
+
+
+def tenanted(tenancies: Iterable[Tenancy]) -> bool:
+    """Whether fair share is in play: some request carries a tenant from the edge."""
+    return any(t != NO_TENANCY for t in tenancies)
+
+
+class FairShare:
+    """The order over tenants; remembers how many rows each tenant was given (per share),
+    which breaks ties toward the one served least."""
+
+    def __init__(self) -> None:
+        self._given: Counter[str] = Counter()
+
+    def order(self, waiting: Sequence[Item], tenancy: Callable[[Item], Tenancy],
+              in_batch: Iterable[Tenancy]) -> list[Item]:
+        """`waiting` (in arrival order) in the order they should join the batch, given the
+        rows in it now: each pick counts as a row of its tenant for the picks after it."""
+        rows: Counter[str] = Counter(t.tenant for t in in_batch)
+        # By identity: two queued requests may compare equal as dataclasses.
+        arrival = {id(item): index for index, item in enumerate(waiting)}
+        queues: dict[str, list[Item]] = {}
+        shares: dict[str, float] = {}
+        for item in waiting:
+            t = tenancy(item)
+            queues.setdefault(t.tenant, []).append(item)
+            shares[t.tenant] = max(t.share, 1e-9)
+        for name, queue in queues.items():  # stable: the oldest first within a priority
+            queue.sort(key=lambda item: tenancy(item).priority)
+        ordered: list[Item] = []
+        heads = {name: 0 for name in queues}
+        while heads:
+            name = min(heads, key=lambda n: (rows[n] / shares[n], self._given[n] / shares[n],
+                                             arrival[id(queues[n][heads[n]])]))
+            ordered.append(queues[name][heads[name]])
+            rows[name] += 1
+            heads[name] += 1
+            if heads[name] == len(queues[name]):
+                del heads[name]
+        return ordered
+
+    def admitted(self, tenancies: Iterable[Tenancy]) -> None:
+        """Count rows given, for the tie-break."""
+        for t in tenancies:
+            self._given[t.tenant] += 1
+
+
+def victim(rows: Iterable[Item], tenancy: Callable[[Item], Tenancy],
+           order: Callable[[Item], int]) -> Item:
+    """The row to preempt: the lowest priority (highest value), and of those the youngest
+    (highest join `order`)."""
+    return max(rows, key=lambda row: (tenancy(row).priority, order(row)))

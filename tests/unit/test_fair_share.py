@@ -1,0 +1,108 @@
+"""Weighted fair queuing over tenants in the replica's waiting queue (`fair_share`), and the
+preemption victim: the lowest priority, youngest row."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from replicas.contract import SamplingParams, Tenancy
+from replicas.engine.config import EngineConfig
+from replicas.engine.fair_share import FairShare, tenanted, victim
+from replicas.engine.kv.budget import KvBudget
+from replicas.engine.kv.layout import KvLayout
+from replicas.engine.request import EngineRequest, Submitted
+from replicas.engine.scheduling import Waiting
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    tenancy: Tenancy
+
+
+def _items(tenant: str, count: int, share: float = 1.0, priority: int = 0) -> list[Item]:
+    return [Item(f"{tenant}{i}", Tenancy(tenant, priority, share)) for i in range(count)]
+
+
+def test_shares_three_to_one_split_rows_three_to_one() -> None:
+    heavy, light = _items("a", 40, share=3), _items("b", 40, share=1)
+    order = FairShare().order([*heavy, *light], lambda i: i.tenancy, ())
+    first = Counter(i.tenancy.tenant for i in order[:32])
+    assert first == {"a": 24, "b": 8}
+    assert len(order) == 80  # every waiting one, once
+    assert {id(i) for i in order} == {id(i) for i in [*heavy, *light]}
+
+
+def test_rows_in_the_batch_count() -> None:
+    # `a` already holds 3 rows: with equal shares the next 3 go to `b`.
+    waiting = [*_items("a", 4), *_items("b", 4)]
+    order = FairShare().order(waiting, lambda i: i.tenancy, [Tenancy("a")] * 3)
+    assert [i.tenancy.tenant for i in order[:4]] == ["b", "b", "b", "a"]
+
+
+def test_a_lone_tenant_keeps_arrival_order() -> None:
+    waiting = _items("a", 5, share=0.5)
+    assert FairShare().order(waiting, lambda i: i.tenancy, ()) == waiting
+
+
+def test_priority_within_a_tenant_then_arrival() -> None:
+    low, high = _items("a", 2, priority=5), _items("a", 2, priority=0)
+    order = FairShare().order([*low, *high], lambda i: i.tenancy, ())
+    assert order == [*high, *low]
+
+
+def test_ties_go_to_the_tenant_served_least() -> None:
+    share = FairShare()
+    share.admitted([Tenancy("a")] * 5)
+    order = share.order([*_items("a", 1), *_items("b", 1)], lambda i: i.tenancy, ())
+    assert order[0].tenancy.tenant == "b"
+
+
+def test_victim_is_lowest_priority_then_youngest() -> None:
+    rows = [(Tenancy("a", 0), 1), (Tenancy("b", 9), 2), (Tenancy("b", 9), 3),
+            (Tenancy("a", 0), 4)]
+    assert victim(rows, lambda r: r[0], lambda r: r[1]) == (Tenancy("b", 9), 3)
+    plain = [(Tenancy(), 1), (Tenancy(), 7), (Tenancy(), 3)]
+    assert victim(plain, lambda r: r[0], lambda r: r[1])[1] == 7  # the youngest, as before
+
+
+def test_tenanted_only_with_a_tenant() -> None:
+    assert not tenanted([Tenancy(), Tenancy()])
+    assert tenanted([Tenancy(), Tenancy("ci")])
+
+
+class _Output:
+    sink = None
+
+
+def _submitted(rid: str, tenancy: Tenancy) -> Submitted:
+    request = EngineRequest(rid, (1, 2, 3), 8, SamplingParams(), frozenset(), tenancy=tenancy)
+    return Submitted(request, _Output())  # type: ignore[arg-type]
+
+
+def _waiting(max_batch_size: int) -> Waiting:
+    kv = KvBudget(budget_bytes=1 << 30, layout=KvLayout(per_token=10), max_waiting=64)
+    return Waiting(kv, EngineConfig(max_batch_size=max_batch_size))
+
+
+def test_waiting_admits_tenants_by_share_up_to_the_free_rows() -> None:
+    waiting = _waiting(max_batch_size=4)
+    heavy = [_submitted(f"h{i}", Tenancy("heavy", 0, 3)) for i in range(8)]
+    light = [_submitted(f"l{i}", Tenancy("light", 0, 1)) for i in range(8)]
+    admitted = waiting.admit([*heavy, *light], lambda _: False, lambda _: None)
+    tenants = Counter(q.sub.request.tenancy.tenant for q in admitted)
+    assert tenants == {"heavy": 3, "light": 1}
+    assert len(waiting) == 12  # the rest wait for a row, in Orchard's queue
+    # A light row leaves: its place goes to light again (3:1 held), not to the older heavy.
+    in_batch = [Tenancy("heavy", 0, 3)] * 3
+    again = waiting.admit([], lambda _: False, lambda _: None, in_batch)
+    assert [q.sub.request.tenancy.tenant for q in again] == ["light"]
+
+
+def test_without_tenancy_nothing_waits_for_a_row() -> None:
+    waiting = _waiting(max_batch_size=2)
+    admitted = waiting.admit([_submitted(f"r{i}", Tenancy()) for i in range(6)],
+                             lambda _: False, lambda _: None)
+    assert [q.request_id for q in admitted] == [f"r{i}" for i in range(6)]
+    assert len(waiting) == 0
