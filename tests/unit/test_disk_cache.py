@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,27 @@ def test_recurrent_state_is_kept_whole_and_served_only_whole(tmp_path: Path) -> 
     assert hit is not None and hit.length == 6
     loaded = tier.load(hit)
     assert loaded is not None and mx.array_equal(loaded[0][0], state[0]).item()
+
+
+def test_spills_wait_in_a_queue_bounded_by_bytes(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An evicted entry's KV lives until its write ends: while the writer is busy, spills
+    past the queue's bound are dropped, not kept (issue 59); a caller that waits
+    (shutdown) gets room as writes end."""
+    entry = sum(c.nbytes for c in kv(10))
+    tier = DiskTier(tmp_path, 1 << 30, "model-a", queue_bytes=2 * entry)
+    slow = threading.Event()
+    write = tier._write
+    monkeypatch.setattr(tier, "_write", lambda *a: (slow.wait(10), write(*a)))
+    assert tier.put(list(range(10)), kv(10))  # the writer holds it
+    assert tier.put(list(range(10, 20)), kv(10))
+    assert not tier.put(list(range(20, 30)), kv(10))  # the queue is full: dropped at once
+    assert tier.queued_bytes == 2 * entry and tier.skipped == 1
+    threading.Timer(0.2, slow.set).start()
+    assert tier.put(list(range(30, 40)), kv(10), wait_s=10.0)  # waits for a write to end
+    assert tier.flush() and tier.queued_bytes == 0
+    assert len(tier) == 3 and tier.lookup(list(range(20, 31))) is None
+    big = DiskTier(tmp_path / "big", 1 << 30, "model-a", queue_bytes=entry // 2)
+    assert not big.put(list(range(10)), kv(10))  # a spill larger than the queue: never
+    assert big.put(list(range(10)), kv(10), wait_s=1.0) and big.flush()  # shutdown: alone
+    assert len(big) == 1

@@ -11,7 +11,7 @@ dropped with a warning, never loaded. The directory is bounded by bytes, least r
 first (a hit touches the file, so the order survives restarts).
 
 Writes go through one writer thread: writing a long prefix's gigabytes must not stall the
-batch. The engine thread hands it arrays it has already evaluated (`snapshot`), so the
+batch. What waits for it is bounded by bytes (`QUEUE_BYTES`): a spill past that is dropped. The engine thread hands it arrays it has already evaluated (`snapshot`), so the
 writer only copies bytes (MLX evaluation stays on the engine thread). mlx-lm's own
 `save_prompt_cache` is not called for that reason: it builds the state's slices lazily,
 which the writer would then evaluate on its own thread.
@@ -96,9 +96,15 @@ class DiskHit:
     length: int  # the prompt tokens it serves
 
 
+# What spills may wait to be written: an evicted entry's KV stays in memory until its write
+# ends, after admission gave its room to the batch, so the queue is bounded and a spill
+# that would pass the bound is dropped (it costs a prefill later, never memory now).
+QUEUE_BYTES = 1 << 30
+
+
 class DiskTier:
     def __init__(self, root: Path, max_bytes: int, fingerprint: str,
-                 held: HeldBlocks | None = None) -> None:
+                 held: HeldBlocks | None = None, queue_bytes: int = QUEUE_BYTES) -> None:
         self.directory = Path(root) / fingerprint
         # The prefix directory's view of what this tier holds (`replicas.engine.kv.directory`).
         self.held = held or HeldBlocks()
@@ -112,8 +118,14 @@ class DiskTier:
         self.hits = 0
         self.writes = 0
         self.dropped = 0
-        # Entries to write, or an event the writer sets once everything before it is written.
-        self._queue: queue.Queue[tuple[tuple[int, ...], Snapshot] | threading.Event] = \
+        self.queue_bytes = queue_bytes
+        self.skipped = 0  # spills dropped because the queue was full
+        # The KV bytes waiting in the queue; `_space` wakes a `put` that waits for room.
+        self._queued = 0
+        self._space = threading.Condition()
+        # Entries to write (with their bytes), or an event the writer sets once everything
+        # before it is written.
+        self._queue: queue.Queue[tuple[tuple[int, ...], Snapshot, int] | threading.Event] = \
             queue.Queue()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="orchard-kv-disk",
@@ -129,14 +141,34 @@ class DiskTier:
 
     # ---- the engine thread --------------------------------------------------------------
 
-    def put(self, tokens: Sequence[int], cache: Sequence[Any]) -> None:
-        """Keep `cache`, the KV of exactly `tokens`; written in the background."""
+    @property
+    def queued_bytes(self) -> int:
+        """The KV bytes waiting to be written (at most `queue_bytes`)."""
+        return self._queued
+
+    def put(self, tokens: Sequence[int], cache: Sequence[Any], wait_s: float = 0.0) -> bool:
+        """Keep `cache`, the KV of exactly `tokens`; written in the background. Where the
+        queue has no room for it within `wait_s` (0: a spill, which must not stall the
+        batch), it is dropped: False. An entry larger than the whole queue goes alone, and
+        only for a caller that waits (shutdown)."""
         key = tuple(tokens)
         with self._lock:
             if key in self._entries:
                 self._touch(key)
-                return
-        self._queue.put((key, snapshot(cache)))
+                return True
+        nbytes = sum(int(c.nbytes) for c in cache)
+        with self._space:
+            if not self._space.wait_for(lambda: self._fits(nbytes, wait_s > 0), wait_s):
+                self.skipped += 1
+                log.debug("disk KV cache: queue full (%d of %d bytes), a %d-byte spill dropped",
+                          self._queued, self.queue_bytes, nbytes)
+                return False
+            self._queued += nbytes
+        self._queue.put((key, snapshot(cache), nbytes))
+        return True
+
+    def _fits(self, nbytes: int, alone: bool) -> bool:
+        return self._queued + nbytes <= self.queue_bytes or (alone and self._queued == 0)
 
     def lookup(self, tokens: Sequence[int]) -> DiskHit | None:
         """The entry serving the longest prefix of `tokens` (at least one token is left out,
@@ -186,10 +218,15 @@ class DiskTier:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            key, snap, nbytes = item
             try:
-                self._write(*item)
+                self._write(key, snap)
             except Exception:  # noqa: BLE001 - a full disk costs the entry, not the replica
                 log.exception("disk KV cache: writing an entry failed")
+            del snap, item  # its arrays go before the room they held is given back
+            with self._space:
+                self._queued -= nbytes
+                self._space.notify_all()
 
     def _write(self, key: tuple[int, ...], snap: Snapshot) -> None:
         stem = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]

@@ -29,6 +29,7 @@ from replicas.engine.kv.quantized import QuantizedRowKVCache
 log = logging.getLogger(__name__)
 
 _SUMMARY_EVERY = 100  # lookups between INFO summaries
+_CLOSE_WAIT_S = 60.0  # at shutdown, the longest wait for room in the disk tier's queue
 DISK_MIN_TOKENS = 32  # the fewest prompt tokens a disk hit must save over memory's
 
 
@@ -203,8 +204,8 @@ class PromptCache:
         returns; nothing without a disk tier."""
         if self._disk is None:
             return
-        for key, entry in self._lru.items():
-            self._disk.put(key, entry.cache)
+        for key, entry in self._lru.items():  # no batch waits for this memory: queue all
+            self._disk.put(key, entry.cache, wait_s=_CLOSE_WAIT_S)
         if not self._disk.flush():
             log.warning("disk KV cache: writes still pending at shutdown")
 
