@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence, TypeVar
 
 from replicas.contract import ErrorKind, Failed, OutputEvent
-from replicas.engine import failpoints
+from replicas.engine import failpoints, mlx_thread
 from replicas.engine.batch.local import Batch, Done
 from replicas.engine.calls import Call, Cancel, Command, Commands, take_commands
 from replicas.engine.config import EngineConfig
@@ -49,6 +49,7 @@ from replicas.engine.stats import EngineStats, memory_figures
 from replicas.errors import ReplicaError
 from replicas.os_thread import name_os_thread
 
+_THREAD_NAME = "orchard-engine"
 log = logging.getLogger(__name__)
 
 
@@ -109,12 +110,12 @@ class Engine:
         self._batch: Batch | None = None
         # Admitted by Serve, waiting for KV memory (`replicas.engine.scheduling`).
         self._waiting: Waiting | None = None
-        self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
+        self._thread: mlx_thread.Job | None = None  # the engine thread, once started
 
     # ---- asyncio side -------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = mlx_thread.start(_THREAD_NAME, self._run)
 
     def wait_ready(self, timeout: float | None = None) -> LoadedModel:
         if not self._ready.wait(timeout):
@@ -145,7 +146,8 @@ class Engine:
     def shutdown(self) -> None:
         self._stopping = True
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -187,7 +189,7 @@ class Engine:
     # ---- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        name_os_thread(self._thread.name)  # the threads MLX starts from here inherit it
+        name_os_thread(_THREAD_NAME)  # the threads MLX starts from here inherit it
         try:
             self._loaded, self._batch, ranks = self._opener()
             kv = KvBudget(tightest(ranks, self._loaded.context_length), ranks[0].layout,
