@@ -26,7 +26,7 @@ import httpx
 import yaml
 
 from deployments.serve_options import serving_on
-from load.process_cpu import process_tree
+from load.harness.process_cpu import process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300

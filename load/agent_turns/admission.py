@@ -1,8 +1,8 @@
-"""`bench_agent_turns.py --admission` and `--sessions-8k`: KV memory admission (issue 25) on
-one in-process replica (no Ray, no HTTP, nothing on the network). `--preemption`
-(`load/agent_turns_preemption.py`) builds on the helpers here.
+"""`python -m load.agent_turns.bench --admission` and `--sessions-8k`: KV memory admission
+(issue 25) on one in-process replica (no Ray, no HTTP, nothing on the network), with the
+harness's replica helpers (`load.harness.replica`), as `--preemption` does.
 
-`--admission`: the agent-turn workload (`load/agent_turns.py`) with `--memory-budget`
+`--admission`: the agent-turn workload (`load.agent_turns.workload`) with `--memory-budget`
 bytes of KV and then with the default budget (75% of the machine less the weights, which
 these runs never reach: admission never holds a request back, so it is "off"). Prints
 turns per second, median TTFT and how many turns waited for memory.
@@ -20,54 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import time
 from collections import Counter
-from dataclasses import replace
-from typing import Any, Awaitable, TypeVar
 
-from load.agent_turns import conversations
-from replicas.engine.config import EngineConfig
-from replicas.contract import Failed, Finished, GenerationRequest, SamplingParams, TokenPrompt
-from replicas.replica import ModelReplica, ReplicaOptions
-
-MIB = 2**20
-T = TypeVar("T")
-
-
-def _replica(args: argparse.Namespace, budget: int | None, **engine: Any) -> ModelReplica:
-    """A started replica of `args.source` with `budget` KV bytes (None: the default budget);
-    `engine` overrides other `EngineConfig` fields (`kv_reservation`, `prompt_cache_bytes`)."""
-    config = replace(EngineConfig(kv_budget_bytes=budget, max_memory_waiting=args.max_waiting,
-                                  prompt_cache_bytes=args.cache_bytes), **engine)
-    rep = ModelReplica(ReplicaOptions(model_id="bench", source=args.source, engine=config))
-    rep.start()
-    return rep
-
-
-async def _watch(rep: ModelReplica, peaks: Counter[str], stop: asyncio.Event) -> None:
-    """Peak running requests, waiting-for-memory requests and projected KV, every 5 ms;
-    also the sum of running requests over the samples ("active_sum", "samples"), for a mean."""
-    while not stop.is_set():
-        stats = rep.stats()
-        peaks["active"] = max(peaks["active"], stats.active)
-        peaks["active_sum"] += stats.active
-        peaks["samples"] += 1
-        if stats.memory is not None:
-            peaks["waiting"] = max(peaks["waiting"], stats.memory.waiting)
-            peaks["projected"] = max(peaks["projected"], stats.memory.projected_bytes)
-        await asyncio.sleep(0.005)
-
-
-async def _watched(rep: ModelReplica, work: Awaitable[T], peaks: Counter[str]) -> T:
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(_watch(rep, peaks, stop))
-    try:
-        return await work
-    finally:
-        stop.set()
-        await watcher
+from load.agent_turns.workload import conversations
+from load.harness.replica import MIB, budget_replica, random_session, watched
+from replicas.contract import Failed, Finished, GenerationRequest
+from replicas.replica import ModelReplica
 
 
 def admission(args: argparse.Namespace) -> int:
@@ -75,7 +35,7 @@ def admission(args: argparse.Namespace) -> int:
         raise SystemExit("--admission needs --memory-budget BYTES")
     for label, budget in ((f"on, {args.memory_budget / MIB:.1f} MiB", args.memory_budget),
                           ("off, default budget", None)):
-        rep = _replica(args, budget)
+        rep = budget_replica(args, budget)
         try:
             asyncio.run(conversations(rep, argparse.Namespace(**{**vars(args), "turns": 1}),
                                       f"warmup-{label}"))
@@ -83,7 +43,7 @@ def admission(args: argparse.Namespace) -> int:
             peaks: Counter[str] = Counter()
             for i in range(args.runs):
                 started = time.perf_counter()
-                run = asyncio.run(_watched(rep, conversations(rep, args, f"{label}-{i}"), peaks))
+                run = asyncio.run(watched(rep, conversations(rep, args, f"{label}-{i}"), peaks))
                 walls.append(time.perf_counter() - started)
                 done = [turn for per_turn in run.turns for turn in per_turn]
                 turns += len(done)
@@ -102,15 +62,6 @@ def admission(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session(i: int, level: int, args: argparse.Namespace) -> GenerationRequest:
-    rng = random.Random(f"{level}-{i}")
-    # Ids below the built-in models' 743 special tokens (vocab 752): plain text tokens.
-    ids = tuple(rng.randrange(10, 740) for _ in range(args.session_tokens))
-    return GenerationRequest(
-        request_id=f"s{level}-{i}", model="bench", prompt=TokenPrompt(ids),
-        sampling=SamplingParams(temperature=0.0, max_tokens=args.session_output))
-
-
 async def _level(rep: ModelReplica, n: int, args: argparse.Namespace,
                  timeout_s: float) -> tuple[Counter[str], Counter[str]]:
     async def one(request: GenerationRequest) -> str:
@@ -122,16 +73,16 @@ async def _level(rep: ModelReplica, n: int, args: argparse.Namespace,
         return f"failed:{end.kind.value}" if isinstance(end, Failed) else "no end"
 
     peaks: Counter[str] = Counter()
-    work = asyncio.gather(*(one(_session(i, n, args)) for i in range(n)))
+    work = asyncio.gather(*(one(random_session(i, n, args)) for i in range(n)))
     try:
-        ends = await asyncio.wait_for(_watched(rep, work, peaks), timeout_s)
+        ends = await asyncio.wait_for(watched(rep, work, peaks), timeout_s)
     except asyncio.TimeoutError:
         return Counter({"timed out": n}), peaks
     return Counter(ends), peaks
 
 
 def sessions(args: argparse.Namespace) -> int:
-    rep = _replica(args, args.memory_budget)
+    rep = budget_replica(args, args.memory_budget)
     deadline = time.monotonic() + args.time_limit_s
     held, first_failure = 0, None
     try:

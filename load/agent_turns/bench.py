@@ -1,6 +1,6 @@
 """Agent turns with the replica's prefix cache on and off, in-process on `builtin:bench`.
 
-    python load/bench_agent_turns.py [--conversations 4] [--turns 4] [--system-words 500]
+    python -m load.agent_turns.bench [--conversations 4] [--turns 4] [--system-words 500]
                                      [--turn-words 50] [--max-tokens 8] [--runs 3]
                                      [--source builtin:bench] [--suite [--no-mlx]]
                                      [--memory [--memory-turns 200] [--margin-mib 384]]
@@ -20,18 +20,18 @@ bfloat16 is slow on a CPU-only Linux box; `--source builtin:tiny` there.) The bu
 tokenizer spends about six tokens on each of these words.
 
 `--suite` runs the same conversations over HTTP against several servers in one run
-(`load/agent_turns_http.py`): Orchard with the cache off and on, 2 replicas with cache-aware
+(`load/agent_turns/over_http.py`): Orchard with the cache off and on, 2 replicas with cache-aware
 routing on and off, and `mlx_lm.server`. `--memory` runs many turns on one replica with a
-small `--cache-bytes` and checks its resident memory (`load/agent_turns_memory.py`).
+small `--cache-bytes` and checks its resident memory (`load/agent_turns/memory.py`).
 `--admission` compares agent-turn throughput with KV admission at `--memory-budget` and
 at the default budget; `--sessions-8k` ramps concurrent 8k-token sessions on one replica
-until the first failure (`load/agent_turns_admission.py`, issue 25). `--preemption` runs
+until the first failure (`load/agent_turns/admission.py`, issue 25). `--preemption` runs
 `--sessions` concurrent agent sessions (8192-token prompts, Claude Code's 32000
 `max_tokens`, each read for 64-512 tokens and then closed) on one replica with a fixed
 `--memory-budget`, reserving prompt + max_tokens up front ("whole") against growing and
 preempting ("grow"): sessions held, throughput, preemptions per minute, TTFT
-(`load/agent_turns_preemption.py`, issue 33). `--tiers` times one turn whose `--tokens`
-history is in memory, on disk, on another replica, or nowhere (`load/bench_kv_tiers.py`,
+(`load/agent_turns/preemption.py`, issue 33). `--tiers` times one turn whose `--tokens`
+history is in memory, on disk, on another replica, or nowhere (`load/agent_turns/kv_tiers.py`,
 issue 35).
 """
 
@@ -42,16 +42,14 @@ import asyncio
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
-
-from load.agent_turns import Run, conversations, median_ttft, spread
+from load.agent_turns.workload import TurnLog, conversations, median_ttft
+from load.harness.stats import spread
 from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
 
-def bench(cache_bytes: int, args: argparse.Namespace) -> list[Run]:
+def bench(cache_bytes: int, args: argparse.Namespace) -> list[TurnLog]:
     rep = ModelReplica(ReplicaOptions(model_id="bench", source=args.source,
                                       engine=EngineConfig(prompt_cache_bytes=cache_bytes)))
     rep.start()
@@ -81,16 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model (default: builtin:bench; builtin:tiny for --preemption)")
     parser.add_argument("--cache-bytes", type=int, default=EngineConfig().prompt_cache_bytes)
     parser.add_argument("--suite", action="store_true", help="over HTTP: Orchard cache off/on, "
-                        "1 and 2 replicas, routing on/off, and mlx_lm.server (agent_turns_http)")
+                        "1 and 2 replicas, routing on/off, and mlx_lm.server (over_http)")
     parser.add_argument("--no-mlx", action="store_true", help="--suite without mlx_lm.server")
     parser.add_argument("--memory", action="store_true", help="many turns on one replica, "
-                        "checking its resident memory (agent_turns_memory)")
+                        "checking its resident memory (memory)")
     parser.add_argument("--memory-turns", type=int, default=200)
     parser.add_argument("--margin-mib", type=int, default=384)
     parser.add_argument("--admission", action="store_true", help="agent-turn throughput with "
                         "KV admission at --memory-budget and at the default budget")
     parser.add_argument("--sessions-8k", action="store_true", help="double concurrent "
-                        "long sessions on one replica until one fails (agent_turns_admission)")
+                        "long sessions on one replica until one fails (admission)")
     parser.add_argument("--memory-budget", type=int, default=None,
                         help="KV bytes (memory.budget_bytes); unset: the default budget")
     parser.add_argument("--max-waiting", type=int, default=EngineConfig().max_memory_waiting,
@@ -104,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--preemption)")
     parser.add_argument("--preemption", action="store_true", help="concurrent agent sessions "
                         "under a fixed --memory-budget (default 128 MiB), kv_reservation whole "
-                        "vs grow (agent_turns_preemption)")
+                        "vs grow (preemption)")
     parser.add_argument("--sessions", type=int, default=32,
                         help="--preemption: sessions started at once")
     parser.add_argument("--session-max-tokens", type=int, default=32000,
@@ -128,24 +126,24 @@ def main() -> None:
     if args.time_limit_s is None:
         args.time_limit_s = 900.0 if args.preemption else 300.0
     if args.tiers:
-        from load.bench_kv_tiers import run_tiers
+        from load.agent_turns.kv_tiers import run_tiers
 
         run_tiers(args.source, args.tokens, args.runs)
         return
     if args.preemption:
-        from load.agent_turns_preemption import preemption
+        from load.agent_turns.preemption import preemption
 
         sys.exit(preemption(args))
     if args.memory:
-        from load.agent_turns_memory import memory
+        from load.agent_turns.memory import memory
 
         sys.exit(memory(args))
     if args.admission or args.sessions_8k:
-        from load.agent_turns_admission import admission, sessions
+        from load.agent_turns.admission import admission, sessions
 
         sys.exit(admission(args) if args.admission else sessions(args))
     if args.suite:
-        from load.agent_turns_http import suite
+        from load.agent_turns.over_http import suite
 
         suite(args)
         return
@@ -162,8 +160,8 @@ def main() -> None:
         ratios = [a / b for a, b in zip(ons, offs)]
         prompt = statistics.median(turn.prompt_tokens for r in on for turn in r.turns[t])
         cached = statistics.median(turn.cached_tokens for r in on for turn in r.turns[t])
-        print(f"{t + 1:>4} {prompt:>10.0f} {cached:>10.0f} {spread(offs, '.0f'):>16} "
-              f"{spread(ons, '.0f'):>16} {spread(ratios, '.2f'):>16}")
+        print(f"{t + 1:>4} {prompt:>10.0f} {cached:>10.0f} {spread(offs).text('.0f'):>16} "
+              f"{spread(ons).text('.0f'):>16} {spread(ratios).text('.2f'):>16}")
     turns = [turn for r in on for turns in r.turns for turn in turns]
     prompt_total = sum(t.prompt_tokens for t in turns)
     cached_total = sum(t.cached_tokens for t in turns)

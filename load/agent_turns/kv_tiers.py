@@ -1,7 +1,7 @@
 """TTFT of a turn whose history is in the prefix cache's memory tier, on its disk tier (a
 restarted replica), on another replica (pulled over Ray's object store), or nowhere.
 
-    python load/bench_kv_tiers.py [--source builtin:tiny] [--tokens 8192 30000] [--runs 3]
+    python -m load.agent_turns.kv_tiers [--source builtin:tiny] [--tokens 8192 30000] [--runs 3]
 
 Each run salts a history of about `--tokens` tokens (so no run reuses another's KV) and
 sends it as a chat with `max_tokens` 1 to a `ModelReplica` (no HTTP) whose disk tier is a
@@ -9,7 +9,7 @@ fresh directory: first cold (nowhere: the whole prompt is prefilled), then again
 then to a second replica started on the same directory after the first shut down and wrote
 its cache there (disk). For the remote tier two replicas run in Ray actors of their own
 (two processes, a private local Ray on 127.0.0.1): one serves the history, the other is
-sent the turn and pulls the KV from the first (`load/kv_remote.py`). TTFT is from the
+sent the turn and pulls the KV from the first (`load/harness/remote.py`). TTFT is from the
 request to its first event, the pull included. Prints each tier's median TTFT with its
 range, the cached tokens each tier served, the ratio of cold to each tier (the median of
 the runs' ratios), and the pull's bytes and rate (bytes over the remote turn's TTFT).
@@ -21,27 +21,18 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+import ray
 
-import ray  # noqa: E402
+from load.harness.prompts import history
+from load.harness.remote import remote_turn, timed_turn
+from load.harness.stats import spread
+from replicas.engine.config import EngineConfig
+from replicas.replica import ModelReplica, ReplicaOptions
 
-from load.kv_remote import remote_turn, timed_turn  # noqa: E402
-from replicas.engine.config import EngineConfig  # noqa: E402
-from replicas.replica import ModelReplica, ReplicaOptions  # noqa: E402
-
-WORDS = ("the river runs past the old mill where children play in summer and the "
-         "lighthouse keeper writes letters about storms ships and the quiet sea").split()
 TIERS = ("nowhere", "memory", "disk", "remote")
-
-
-def history(tokens: int, rng: random.Random) -> str:
-    # The built-in tokenizer spends about 2.7 tokens on each of these words with a space.
-    words = tokens * 10 // 27
-    return f"Session {rng.random()}. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def replica(source: str, directory: Path) -> ModelReplica:
@@ -71,11 +62,11 @@ def main() -> None:
 
 
 def run_tiers(source: str, lengths: list[int], runs: int) -> None:
-    """Every tier's row for each history length (also `bench_agent_turns.py --tiers`)."""
+    """Every tier's row for each history length (also `load/agent_turns/bench.py --tiers`)."""
     if runs < 3:
         raise SystemExit("--runs must be at least 3: a median of fewer is one run")
     rng = random.Random(1234)
-    root = str(Path(__file__).resolve().parents[1])  # the actors import this repository
+    root = str(Path(__file__).resolve().parents[2])  # the actors import this repository
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": root}})
     print(f"model {source}, {runs} runs per history length, max_tokens 1; TTFT "
@@ -120,15 +111,11 @@ def tiers(source: str, tokens: int, runs: int, rng: random.Random) -> None:
         pulled.append(nbytes)
         prompts.append(prompt)
 
-    def spread(values: list[float]) -> str:
-        ms = [v * 1000 for v in values]
-        return f"{statistics.median(ms):.0f} ({min(ms):.0f}-{max(ms):.0f})"
-
     ratios = [statistics.median(n / v for n, v in zip(ttft["nowhere"], ttft[t]))
               for t in TIERS[1:]]
     rate = statistics.median(b / s for b, s in zip(pulled, ttft["remote"])) / 1e6
     print(f"{statistics.median(prompts):>7.0f}"
-          + "".join(f"{spread(ttft[t]):>24}" for t in TIERS)
+          + "".join(f"{spread(ttft[t]).text('.0f', 1000):>24}" for t in TIERS)
           + f"{'/'.join(f'{statistics.median(cached[t]):.0f}' for t in TIERS[1:]):>24}"
           + "".join(f"{r:>16.1f}" for r in ratios)
           + f"{statistics.median(pulled) / 2**20:>12.1f}{rate:>8.0f}")

@@ -1,4 +1,4 @@
-"""`bench_agent_turns.py --memory`: a bounded run of many agent turns on one in-process
+"""`load/agent_turns/bench.py --memory`: a bounded run of many agent turns on one in-process
 replica, checking that its memory stays within the model, the prompt cache's bound
 (`--cache-bytes`) and a stated margin.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from load.agent_turns import one_turn, text
+from load.agent_turns.workload import one_turn, text
 from replicas.contract import ChatMessage
 from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
@@ -107,4 +107,4 @@ def memory(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit("run it as: python load/bench_agent_turns.py --memory")
+    sys.exit("run it as: python -m load.agent_turns.bench --memory")

@@ -1,4 +1,4 @@
-"""`bench_agent_turns.py --suite`: the agent-turns workload over HTTP, in one run, against
+"""`load/agent_turns/bench.py --suite`: the agent-turns workload over HTTP, in one run, against
 Orchard (`serve run`) with the prefix cache off and on, with 1 and 2 replicas and routing
 on and off, and against `mlx_lm.server` on the same model and conversations.
 
@@ -22,11 +22,12 @@ from pathlib import Path
 
 import httpx
 
-from load.agent_turns import Run, Turn, median_ttft, spread, text
-from load.bench_vs_mlx_server import (
+from load.agent_turns.workload import Turn, TurnLog, median_ttft, text
+from load.harness.servers import (
     HOST,
     MAX_BATCH,
     ORCHARD_PORT,
+    OUT,
     PREFILL_BATCH,
     Target,
     eos_bias,
@@ -34,9 +35,9 @@ from load.bench_vs_mlx_server import (
     mlx_server,
     running,
 )
-from load.serve_settings import serve_settings
+from load.harness.serve_settings import serve_settings
+from load.harness.stats import spread
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
 
 
@@ -107,12 +108,12 @@ async def http_turn(client: httpx.AsyncClient, target: Target, messages: list[di
 
 
 async def conversations(target: Target, args: argparse.Namespace, salt: str,
-                        bias: dict[str, float]) -> Run:
+                        bias: dict[str, float]) -> TurnLog:
     """The in-process bench's workload, over HTTP: the same text for the same salt."""
     rng = random.Random(salt)
     system = f"[{salt}] You are a coding agent. " + text(rng, args.system_words)
     history = [[{"role": "system", "content": system}] for _ in range(args.conversations)]
-    run = Run()
+    run = TurnLog()
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         for _ in range(args.turns):
             for conv in history:
@@ -126,7 +127,7 @@ async def conversations(target: Target, args: argparse.Namespace, salt: str,
 
 
 def bench_target(target: Target, command: list[str], args: argparse.Namespace,
-                 bias: dict[str, float], log: Path) -> list[Run]:
+                 bias: dict[str, float], log: Path) -> list[TurnLog]:
     with running(target, command, log):
         warm = argparse.Namespace(**{**vars(args), "turns": 1})
         asyncio.run(conversations(target, warm, "warmup", bias))
@@ -137,7 +138,7 @@ def bench_target(target: Target, command: list[str], args: argparse.Namespace,
         return runs
 
 
-def reuse(runs: list[Run]) -> tuple[float, float]:
+def reuse(runs: list[TurnLog]) -> tuple[float, float]:
     """Hit rate from turn 2 on, and the share of reusable prompt tokens (each turn's
     previous prompt in the same conversation) that came from the cache."""
     hits = total = cached = reusable = 0
@@ -151,7 +152,7 @@ def reuse(runs: list[Run]) -> tuple[float, float]:
     return hits / max(total, 1), cached / max(reusable, 1)
 
 
-def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
+def report(results: dict[str, list[TurnLog]], args: argparse.Namespace) -> None:
     labels = list(results)
     print(f"\n{args.source}: {args.conversations} conversations x {args.turns} turns, "
           f"{args.runs} runs; TTFT ms: median over conversations, then over runs (min-max)")
@@ -163,7 +164,7 @@ def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
         for label in labels:
             ttfts = [median_ttft(r, t) * 1000 for r in results[label]]
             cached = statistics.median(x.cached_tokens for r in results[label] for x in r.turns[t])
-            cells.append(f"{spread(ttfts, '.0f')} [{cached:.0f}]")
+            cells.append(f"{spread(ttfts).text('.0f')} [{cached:.0f}]")
         print(f"| {t + 1} | {prompt:.0f} | " + " | ".join(cells) + " |")
     print("(in brackets: median cached prompt tokens)\n")
     print("| target | hit rate (turn 2+) | reusable tokens from cache | TTFT turn 3+ / "
@@ -175,7 +176,7 @@ def report(results: dict[str, list[Run]], args: argparse.Namespace) -> None:
               f" | {_ratio(results, label, MLX, args)} |")
 
 
-def _ratio(results: dict[str, list[Run]], label: str, base: str,
+def _ratio(results: dict[str, list[TurnLog]], label: str, base: str,
            args: argparse.Namespace) -> str:
     """Median over turns 3+ of the per-run ratio of median TTFTs (min-max over runs)."""
     if base not in results or args.turns < 3:
@@ -183,16 +184,16 @@ def _ratio(results: dict[str, list[Run]], label: str, base: str,
     ratios = [statistics.median(median_ttft(a, t) / median_ttft(b, t)
                                 for t in range(2, args.turns))
               for a, b in zip(results[label], results[base])]
-    return spread(ratios, ".2f")
+    return spread(ratios).text(".2f")
 
 
 def suite(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     model_path = local_path(args.source)
     bias = eos_bias(model_path)
-    out = ROOT / "load" / "out"
+    out = OUT
     out.mkdir(exist_ok=True)
-    results: dict[str, list[Run]] = {}
+    results: dict[str, list[TurnLog]] = {}
     with tempfile.TemporaryDirectory(prefix="agent-turns-") as tmp:
         for setup in ORCHARD_SETUPS:
             target, command = orchard_command(setup, args.source, Path(tmp))

@@ -1,4 +1,4 @@
-"""`bench_agent_turns.py --preemption`: KV reservation against preemption (issue 33) for
+"""`load/agent_turns/bench.py --preemption`: KV reservation against preemption (issue 33) for
 concurrent agent sessions on one in-process replica at a time (no Ray, no HTTP, nothing
 on the network).
 
@@ -60,8 +60,8 @@ from collections import Counter
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
-from load.agent_turns import spread
-from load.agent_turns_admission import MIB, _replica, _session, _watched
+from load.harness.replica import MIB, budget_replica, random_session, watched
+from load.harness.stats import spread
 from replicas.contract import Failed, Finished, GenerationRequest, TokenIds
 from replicas.engine.kv.budget import round_up
 from replicas.replica import ModelReplica
@@ -123,9 +123,9 @@ def turn_length(i: int, run: int, args: argparse.Namespace) -> int:
 
 
 def _request(rep: ModelReplica, i: int, run: int, args: argparse.Namespace) -> GenerationRequest:
-    """`_session`'s prompt with the agent's max_tokens, the end tokens banned and token ids
+    """`random_session`'s prompt with the agent's max_tokens, the end tokens banned and token ids
     reported (the client counts tokens by them)."""
-    base = _session(i, run, args)
+    base = random_session(i, run, args)
     ban = {token: -100.0 for token in rep.model.eos_token_ids}
     return replace(base, report_tokens=True,
                    sampling=replace(base.sampling, max_tokens=args.session_max_tokens,
@@ -182,7 +182,7 @@ def _run(rep: ModelReplica, mode: str, run: int, args: argparse.Namespace,
     before = rep.stats().memory
     peaks: Counter[str] = Counter()
     started = time.perf_counter()
-    sessions = asyncio.run(_watched(rep, _sessions(rep, run, args, args.sessions, timeout_s),
+    sessions = asyncio.run(watched(rep, _sessions(rep, run, args, args.sessions, timeout_s),
                                     peaks))
     wall = time.perf_counter() - started
     after = rep.stats().memory
@@ -238,13 +238,13 @@ def _table(results: dict[str, list[RunResult]], budget: int) -> None:
             continue
         failures = sum((r.failures for r in runs), Counter())
         print(f"{mode:>5} {len(runs):>4} "
-              f"{spread([float(r.peaks['active']) for r in runs], '.0f'):>14} "
-              f"{spread([r.mean_running for r in runs], '.1f'):>16} "
-              f"{spread([r.tokens / r.wall_s for r in runs], '.1f'):>18} "
-              f"{spread([r.done / r.wall_s for r in runs], '.3f'):>20} "
-              f"{spread([r.preempted / r.wall_s * 60 for r in runs], '.1f'):>16} "
-              f"{spread([r.median_ttft_s * 1000 for r in runs], '.0f'):>20} "
-              f"{spread([r.peaks['projected'] / MIB for r in runs], '.1f'):>20}  "
+              f"{spread([float(r.peaks['active']) for r in runs]).text('.0f'):>14} "
+              f"{spread([r.mean_running for r in runs]).text('.1f'):>16} "
+              f"{spread([r.tokens / r.wall_s for r in runs]).text('.1f'):>18} "
+              f"{spread([r.done / r.wall_s for r in runs]).text('.3f'):>20} "
+              f"{spread([r.preempted / r.wall_s * 60 for r in runs]).text('.1f'):>16} "
+              f"{spread([r.median_ttft_s * 1000 for r in runs]).text('.0f'):>20} "
+              f"{spread([r.peaks['projected'] / MIB for r in runs]).text('.1f'):>20}  "
               f"{dict(failures) or 'none'}")
     pairs = list(zip(results["whole"], results["grow"]))
     if pairs:
@@ -254,15 +254,15 @@ def _table(results: dict[str, list[RunResult]], budget: int) -> None:
         held = [g.peaks["active"] / w.peaks["active"] for w, g in pairs]
         mean = [g.mean_running / w.mean_running for w, g in pairs]
         print(f"grow/whole, paired by run ({len(pairs)} pairs): output tokens/s "
-              f"{spread(tokens, '.2f')}, sessions/s {spread(done, '.2f')}, sessions held "
-              f"(peak) {spread(held, '.2f')}, (mean) {spread(mean, '.2f')}")
+              f"{spread(tokens).text('.2f')}, sessions/s {spread(done).text('.2f')}, sessions held "
+              f"(peak) {spread(held).text('.2f')}, (mean) {spread(mean).text('.2f')}")
 
 
 def _fresh_run(mode: str, run: int, args: argparse.Namespace, budget: int,
                deadline: float) -> RunResult | None:
     """One run on a replica started for it and warmed with one short session; None when
     the time limit leaves no time for it."""
-    rep = _replica(args, budget, kv_reservation=mode,
+    rep = budget_replica(args, budget, kv_reservation=mode,
                    prompt_cache_bytes=args.preemption_cache_bytes)
     try:
         if run == 0 and mode == MODES[0]:

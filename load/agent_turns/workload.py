@@ -1,5 +1,5 @@
-"""The agent-turns workload, shared by `bench_agent_turns.py` and its `--suite` and
-`--memory` modes: conversations that resend a long system prompt plus every earlier turn,
+"""The agent-turns workload, shared by `load.agent_turns.bench` and its `--suite`,
+`--memory` and `--admission` modes: conversations that resend a long system prompt plus every earlier turn,
 one turn against an in-process replica, and the per-turn numbers every report prints.
 """
 
@@ -38,7 +38,9 @@ class Turn:
 
 
 @dataclass
-class Run:
+class TurnLog:
+    """Every conversation's turns, as they ran."""
+
     turns: list[list[Turn]] = field(default_factory=list)  # [turn index][conversation]
 
 
@@ -66,12 +68,12 @@ async def one_turn(rep: ModelReplica, rid: str, messages: tuple[ChatMessage, ...
     return Turn(ttft, end.usage.prompt_tokens, end.usage.cached_tokens), reply
 
 
-async def conversations(rep: ModelReplica, args: argparse.Namespace, salt: str) -> Run:
+async def conversations(rep: ModelReplica, args: argparse.Namespace, salt: str) -> TurnLog:
     rng = random.Random(salt)
     system = ChatMessage("system", f"[{salt}] You are a coding agent. " +
                          text(rng, args.system_words))
     history = [[system] for _ in range(args.conversations)]
-    run = Run()
+    run = TurnLog()
     for t in range(args.turns):
         for conv in history:
             conv.append(ChatMessage("user", text(rng, args.turn_words)))
@@ -84,9 +86,6 @@ async def conversations(rep: ModelReplica, args: argparse.Namespace, salt: str) 
     return run
 
 
-def median_ttft(run: Run, t: int) -> float:
+def median_ttft(run: TurnLog, t: int) -> float:
     return statistics.median(turn.ttft_s for turn in run.turns[t])
 
-
-def spread(values: list[float], fmt: str) -> str:
-    return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})")

@@ -1,5 +1,5 @@
 """A streamed chat completion over a bare socket, for benchmarks that share their cores
-with the server they measure (`bench_ceiling.py`): no HTTP client library and no JSON per
+with the server they measure (`load.serving.ceiling`): no HTTP client library and no JSON per
 chunk, so the load generator's own CPU stays out of the figures."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from load.bench_vs_mlx_server import HOST
+from load.harness.servers import HOST
 
 # A text-carrying delta; `"content":""` (Orchard's role chunk) is not the first token.
 _CONTENT = re.compile(rb'"content":\s*"[^"]')

@@ -1,4 +1,4 @@
-"""The remote tier of `load/bench_kv_tiers.py`: two replicas of one model, each in a Ray
+"""The remote tier of `load/agent_turns/kv_tiers.py`: two replicas of one model, each in a Ray
 actor of its own (two processes on this machine), the second pulling a history's KV from
 the first over Ray's object store (`replicas.kv_pull`), as two replicas of a deployment do.
 

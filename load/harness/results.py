@@ -1,5 +1,5 @@
 """What one benchmark run measured, and whether two servers did the same work: the
-samples and levels `bench_vs_mlx_server.py` collects, their summary, and its like-for-like
+samples and levels `load/serving/vs_mlx_server.py` collects, their summary, and its like-for-like
 checks (kept apart so the checks are unit-tested without starting a server)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-SHIPPED = Path(__file__).resolve().parents[1] / "serve_config.yaml"
+SHIPPED = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 SHIPPED_PORT = 8000  # where clients of the shipped config connect: the replica itself
 _DIRECT_PORTS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
 _DIRECT_ONLY = (*_DIRECT_PORTS, "RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_PORT_QUARANTINE_S",

@@ -1,6 +1,6 @@
 """Locust users that stream from Orchard's OpenAI and Anthropic APIs and time every token.
 
-    locust -f load/locustfile.py --host http://127.0.0.1:8000 [OpenAIChatUser MixedUser ...]
+    locust -f load/locust/locustfile.py --host http://127.0.0.1:8000 [OpenAIChatUser MixedUser ...]
 
 User classes (pick them by name on the command line; all run by default, by weight):
 OpenAIChatUser, OpenAICompletionsUser, AnthropicMessagesUser (the chat ones with tool calls,
@@ -8,7 +8,7 @@ single, parallel, and a tool result in history), and MixedUser (plain, stop stri
 response_format json_schema/json_object, reasoning with and without a thinking budget,
 forced tool choice and a call after reasoning, across both APIs). Their prompts and bodies
 are data in load/payloads.json; the stream readers and output checks are in
-load/stream_checks.py.
+load/locust/stream_checks.py.
 
 Each request is one Locust "POST" entry named after its payload (its time is the time to
 the HTTP status line, which Orchard sends with the first token) that fails on a non-200, a
@@ -51,7 +51,7 @@ from locust.exception import StopUser
 from run_load import loopback_error
 from stream_checks import READERS, Stream, check_output
 
-PAYLOADS_PATH = Path(__file__).with_name("payloads.json")
+PAYLOADS_PATH = Path(__file__).resolve().parents[1] / "payloads.json"
 API_PATHS = {
     "openai_chat": "/v1/chat/completions",
     "openai_completions": "/v1/completions",

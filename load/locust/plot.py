@@ -48,7 +48,7 @@ def plot_history(history_csv: Path, out_png: Path) -> Path:
     by_type = read_history(history_csv)
     if not by_type.get("TTFT") and not by_type.get("POST"):
         raise ValueError(f"{history_csv} has no per-payload rows; run locust with "
-                         "--csv-full-history (run_load.py --plot does)")
+                         "--csv-full-history (load/locust/run_load.py --plot does)")
     start = min(stamp for rows_at in by_type.values() for stamp in rows_at)
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     for ax, kind in zip(axes[:2], ("TTFT", "ITL")):

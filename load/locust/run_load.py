@@ -1,10 +1,10 @@
 """Headless Locust run against a loopback Orchard, with pass/fail thresholds.
 
-    python load/run_load.py --host http://127.0.0.1:8000 --users 4 --spawn-rate 4 \\
+    python -m load.locust.run_load --host http://127.0.0.1:8000 --users 4 --spawn-rate 4 \\
         --run-time 30s --csv load/out/smoke --html load/out/smoke.html \\
         --max-failure-ratio 0 --max-p95-ttft-ms 2000
 
-Runs `locust -f load/locustfile.py --headless` in a subprocess (its own process, so gevent's
+Runs `locust -f load/locust/locustfile.py --headless` in a subprocess (its own process, so gevent's
 monkey-patching stays out of this one), then reads the CSV stats it wrote. Exit status: 0 when
 every threshold holds, 1 when the failure ratio of the streamed requests or some payload's
 p95 time to first token is above its threshold (or nothing completed), 2 when the host is
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS),
                         help="user classes to run (default: all, by their weights)")
     parser.add_argument("--model", default="orchard-tiny", help="the model name clients send")
-    parser.add_argument("--payloads", type=Path, default=Path(__file__).with_name("payloads.json"))
+    parser.add_argument("--payloads", type=Path, default=Path(__file__).resolve().parents[1] / "payloads.json")
     parser.add_argument("--max-tokens", type=int, default=0, help="override every payload's max_tokens")
     parser.add_argument("--think-time", type=float, default=0.0, help="seconds a user waits between requests")
     parser.add_argument("--no-output-checks", action="store_true",
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL: {problem}", file=sys.stderr)
     reports = [f"{args.csv}_stats.csv", args.html, str(log_path)]
     if args.plot:
-        from load.plot import plot_history  # matplotlib only when asked for
+        from load.locust.plot import plot_history  # matplotlib only when asked for
 
         reports.append(str(plot_history(Path(f"{args.csv}_stats_history.csv"),
                                         Path(f"{args.csv}_plot.png"))))

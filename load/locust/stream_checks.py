@@ -1,7 +1,7 @@
 """What a load-test client saw of one streamed response, and the checks on it.
 
 Pure parsing and checking, no locust: locust monkey-patches the standard library on import,
-so `locustfile.py` imports this module and the unit tests import it alone
+so `load/locust/locustfile.py` imports this module and the unit tests import it alone
 (`tests/unit/test_stream_checks.py`). The readers turn SSE lines of either API into one
 `Stream`, so one `check_output` serves both.
 """

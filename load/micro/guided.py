@@ -1,6 +1,6 @@
 """Guided decoding cost on a random-weight qwen3: setup, mask per token, decode throughput.
 
-    python load/bench_guided.py [--batch 1 4] [--max-tokens 96] [--repeat 2]
+    python -m load.micro.guided [--batch 1 4] [--max-tokens 96] [--repeat 2]
 
 Offline: the tokenizer is a byte-level BPE trained here on mlx-lm's own source files
 (a few thousand ids), the model has random weights (about 13 ms a step on 2 CPU cores, the
@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx_lm
 import numpy as np
 from mlx.utils import tree_map
@@ -30,11 +26,9 @@ from mlx_lm.models.qwen3 import Model, ModelArgs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
-
+from load.micro.guided_loop import Decode, decode, mask_us
 from replicas.contract import GuidedSpec
 from replicas.pipeline.guided import (
-    GuidedLogitsProcessor,
     GuidedMatcher,
     GuidedTokenizer,
     compile_guided,
@@ -84,11 +78,8 @@ WHOLE = json.dumps({
 PROMPT = "Return the order as JSON with a title, the items and a status."
 
 
-@dataclass(frozen=True)
-class Decode:
-    tokens_per_s: float
-    tokens: int
-    outputs: list[list[int]]
+def spec_grammar() -> str:
+    return compile_guided(SPEC)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -126,46 +117,6 @@ def setup_ms(tok: GuidedTokenizer, n: int = 200) -> float:
     return 1e3 * float(np.mean(times))
 
 
-def mask_us(tok: GuidedTokenizer, tokens: list[int], grammar: str | None = None
-            ) -> tuple[float, float]:
-    """Replay a constrained output: time each mask() to an evaluated result."""
-    matcher = GuidedMatcher(tok, grammar or compile_guided(SPEC))
-    logits = mx.random.normal((1, tok.vocab_size))
-    mx.eval(logits)
-    times = []
-    for token in tokens:
-        start = time.perf_counter()
-        mx.eval(matcher.mask(logits))
-        times.append(time.perf_counter() - start)
-        matcher.consume(token)
-        if matcher.error is not None:  # a replay the grammar refuses times nothing real
-            raise RuntimeError(f"the replayed text leaves the grammar: {matcher.error}")
-    return 1e6 * float(np.mean(times)), 1e6 * float(np.percentile(times, 99))
-
-
-def decode(model: nn.Module, tok: GuidedTokenizer, prompt: list[int], batch: int,
-           max_tokens: int, guided: bool, grammar: Callable[[], str] | None = None) -> Decode:
-    """Greedy decode of `batch` copies of the prompt; tokens/s over the decode steps.
-    Guided runs use `grammar()` per request (default: the json_schema SPEC)."""
-    make = grammar or (lambda: compile_guided(SPEC))
-    gen = BatchGenerator(model, max_tokens=max_tokens,
-                         stop_tokens=[[t] for t in tok.eos_token_ids])
-    processors: list[list[Callable[[mx.array, mx.array], mx.array]]] = [
-        [GuidedLogitsProcessor(GuidedMatcher(tok, make()))] if guided else []
-        for _ in range(batch)
-    ]
-    uids = gen.insert([prompt] * batch, logits_processors=processors)
-    outputs: dict[int, list[int]] = {uid: [] for uid in uids}
-    done = 0
-    with gen.stats() as stats:
-        while done < batch:
-            for response in gen.next()[1]:
-                outputs[response.uid].append(response.token)
-                done += response.finish_reason is not None
-    gen.close()
-    return Decode(stats.decode_tps, stats.generation_tokens, [outputs[u] for u in uids])
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -188,7 +139,7 @@ def main() -> None:
           f"logits {tok.vocab_size}; GuidedTokenizer built once in {tokenizer_ms:.1f} ms")
 
     for constrained in (True, False):  # warm up: mx.compile traces, allocator caches
-        decode(model, tok, prompt, 1, 8, constrained)
+        decode(model, tok, prompt, 1, 8, constrained, spec_grammar)
     print(f"grammar setup (compile + matcher): {setup_ms(tok):.2f} ms mean")
 
     for batch in args.batch:
@@ -197,7 +148,8 @@ def main() -> None:
         # alternating, to damp noise from other work on the machine.
         runs: dict[bool, list[Decode]] = {True: [], False: []}
         for _ in range(args.repeat):
-            runs[True].append(decode(model, tok, prompt, batch, args.max_tokens, guided=True))
+            runs[True].append(decode(model, tok, prompt, batch, args.max_tokens, guided=True,
+                                        grammar=spec_grammar))
             length = max(len(o) for o in runs[True][-1].outputs)
             runs[False].append(decode(model, tok, prompt, batch, length, guided=False))
         guided, free = (max(runs[g], key=lambda d: d.tokens_per_s) for g in (True, False))
@@ -210,7 +162,7 @@ def main() -> None:
               f"{'...' if len(answer) > 70 else ''}")
 
     whole = hf.encode(WHOLE)
-    mean, p99 = mask_us(tok, [*whole, eos[0]])
+    mean, p99 = mask_us(tok, [*whole, eos[0]], compile_guided(SPEC))
     print(f"mask per token over a whole object ({len(whole)} tokens, then eos): "
           f"{mean:.0f} us mean, {p99:.0f} us p99")
 

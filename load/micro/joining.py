@@ -1,7 +1,7 @@
 """Rows joining and leaving a decoding batch, in process: mlx-lm's `BatchGenerator` against
 Orchard's `LocalBatch` (`replicas/engine/batch/prefill.py`), no HTTP.
 
-    python load/bench_joining.py
+    python -m load.micro.joining
 
 `--streams` sequences in flight, each replaced by the next prompt the step it ends (a closed
 loop of clients, as `bench_serving.RawModel.arrivals`); the first ones end at staggered
@@ -25,17 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+from load.harness.stats import spread
+from load.harness.targets import RawModel
 
-from load.bench_ceiling import fmt, spread  # noqa: E402
-from load.bench_serving import RawModel  # noqa: E402
-
-OUT = Path(__file__).resolve().parents[1] / "load" / "out"
+OUT = Path(__file__).resolve().parents[2] / "load" / "out"
 TARGETS = ("mlx_lm", "orchard_mlx_join", "orchard")
 
 
@@ -96,7 +93,7 @@ def main() -> None:
             before = passes.count
             if target == "mlx_lm":
                 run = raw.arrivals(args.tokens, args.streams, prompts)
-                n, seconds = run.tokens, run.seconds
+                n, seconds = run.count, run.seconds
             else:
                 n, seconds = orchard(raw, prompts, args.streams, args.tokens,
                                      mlx_join=target == "orchard_mlx_join")
@@ -110,7 +107,7 @@ def main() -> None:
     for target in TARGETS:
         tps = [x["tps"] for x in runs[target]]
         per = [x["passes_per_token"] for x in runs[target]]
-        print(f"  {target:<17} tok/s {fmt(tps)}   decode passes a token "
+        print(f"  {target:<17} tok/s {spread(tps).text('.0f'):>22}   decode passes a token "
               f"{statistics.median(per):.4f}")
     ratios = {f"orchard/{base}": [o["tps"] / b["tps"] for o, b in
                                   zip(runs["orchard"], runs[base])]

@@ -7,7 +7,7 @@ latent space. W = 1 is mlx-lm's own absorbed step in both: the baseline a verify
 should stay near. With `--kv-bits`, Orchard's passes also run over a packed cache (mlx-lm's
 MLA cannot read one, so that row has no baseline).
 
-    python load/bench_mla.py
+    python -m load.micro.mla
 """
 
 from __future__ import annotations

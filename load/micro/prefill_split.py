@@ -1,7 +1,7 @@
 """What one long prefill does to the streams decoding beside it, on one Mac (`role: both`)
 and with a prefill replica on another (`role: decode` + `role: prefill`, issue 35).
 
-    python load/bench_prefill_split.py [--source builtin:bench] [--streams 4]
+    python -m load.micro.prefill_split [--source builtin:bench] [--streams 4]
                                        [--prompt-tokens 1024] [--max-tokens 600] [--runs 3]
 
 Two "Macs" on this machine: two Ray actors (a private local Ray on 127.0.0.1), each pinned
@@ -26,24 +26,21 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+import ray
 
-import ray  # noqa: E402
-
-from load.bench_kv_tiers import history  # noqa: E402
-from load.kv_remote import chat  # noqa: E402
+from load.harness.prompts import history
+from load.harness.remote import chat
+from load.harness.stats import spread
 from replicas.contract import ChatMessage, ChatPrompt, GenerationRequest, \
-    SamplingParams, TokenIds  # noqa: E402
-from replicas.engine.config import EngineConfig  # noqa: E402
-from replicas.engine.kv.transfer import PrefixKV  # noqa: E402
-from replicas.kv_pull import Source  # noqa: E402
-from replicas.replica import ModelReplica, ReplicaOptions  # noqa: E402
+    SamplingParams, TokenIds
+from replicas.engine.config import EngineConfig
+from replicas.engine.kv.transfer import PrefixKV
+from replicas.kv_pull import Source
+from replicas.replica import ModelReplica, ReplicaOptions
 
 MODES = ("both", "split")
 
@@ -141,7 +138,7 @@ def main() -> None:
         raise SystemExit("--runs must be at least 3: a median of fewer is one run")
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two CPU cores: one per emulated Mac")
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": root}})
     rng = random.Random(99)
@@ -162,18 +159,14 @@ def main() -> None:
     finally:
         ray.shutdown()
 
-    def spread(values: list[float], scale: float = 1.0) -> str:
-        v = [x * scale for x in values]
-        return f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
-
     print(f"\nmodel {args.source}, {args.streams} streams of {args.max_tokens} tokens decoding "
           f"on one core; a ~{args.prompt_tokens}-token prompt arrives; {args.runs} runs; "
           "medians (min-max)")
     print(f"{'mode':<7}{'longest stream gap ms':>26}{'streams tok/s':>22}{'long TTFT ms':>24}")
     for mode in MODES:
         gap, rate, ttft = zip(*results[mode])
-        print(f"{mode:<7}{spread(list(gap), 1000):>26}{spread(list(rate)):>22}"
-              f"{spread(list(ttft), 1000):>24}")
+        print(f"{mode:<7}{spread(list(gap)).text('.0f', 1000):>26}{spread(list(rate)).text('.0f'):>22}"
+              f"{spread(list(ttft)).text('.0f', 1000):>24}")
     print(f"decode replica's hand-offs: {pulls.get('outcomes')}")
 
 

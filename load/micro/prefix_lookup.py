@@ -1,7 +1,7 @@
 """A prefix-cache lookup as the cache fills: mlx-lm's `PromptTrie` against Orchard's
 `PrefixTrie` (`replicas.engine.kv.trie`), on the same entries, in this process.
 
-    python load/bench_prefix_lookup.py
+    python -m load.micro.prefix_lookup
 
 Each level caches N conversations: one shared system prompt, then each its own tokens. The
 lookup is a new conversation's prompt: the system prompt, then tokens no entry has, so both
@@ -25,14 +25,11 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+from mlx_lm.models.cache import PromptTrie
 
-from mlx_lm.models.cache import PromptTrie  # noqa: E402
-
-from replicas.engine.kv.trie import PrefixTrie  # noqa: E402
+from replicas.engine.kv.trie import PrefixTrie
 
 SYSTEM = 500  # tokens of the shared system prompt
 LEVELS = ((100, 230), (1000, 1000), (2000, 2000))  # (conversations, tokens each after it)

@@ -5,7 +5,7 @@ In-process: raw mlx-lm's `BatchGenerator` vs Orchard's batch
 (`replicas.engine.batch.local.LocalBatch`) with speculation off and on, same model, prompts and
 `max_tokens`.
 
-    python load/bench_speculative.py [--model builtin:bench] [--streams 1 8 32] [--rounds 3]
+    python -m load.micro.speculative [--model builtin:bench] [--streams 1 8 32] [--rounds 3]
 
 At each of `--streams` rows decoding together (`--max-tokens` per row: one value, or one per
 stream count), for each workload:
@@ -52,7 +52,6 @@ import hashlib
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -60,42 +59,37 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
+from replicas.engine.config import SpeculativeConfig
+from replicas.engine.model.mtp import load_mtp
+from replicas.engine.spec.gate import SpeculationGate
+from replicas.sources import load_source
+from load.harness.stats import spread
+from load.micro.speculative_runs import TIES, BatchRun, Outputs, copy_prompts, mismatch, \
+    prompts, run_orchard, run_raw
 
-from replicas.engine.config import SpeculativeConfig  # noqa: E402
-from replicas.engine.model.mtp import load_mtp  # noqa: E402
-from replicas.engine.spec.gate import SpeculationGate  # noqa: E402
-from replicas.sources import load_source  # noqa: E402
-from load.speculative_runs import TIES, Outputs, Run, copy_prompts, mismatch, prompts, \
-    run_orchard, run_raw  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "load" / "out"
 ENGINES = ("raw", "off", "on")
 BIAS_KEYS = ("raw", "raw+bias", "off", "off+bias")
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0, "copy": 0.0}
-ENGINE_FILES = ("batch.py", "generation.py", "speculation.py", "drafting.py", "penalties.py",
-                "sampling.py", "config.py", "stats.py", "draft_model.py", "mtp.py",
-                "mtp_drafter.py", "tails.py", "rejection.py", "spec_gate.py")
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+# What it measures: the batch, the drafters and the samplers' rooms, and the files beside them.
+ENGINE_PARTS = ("batch", "spec", "sampling", "config.py", "stats.py", "model/mtp.py")
 
 
 def fmt(values: list[float], digits: int = 1, width: int = 21) -> str:
     s = spread(values)
-    digits = 0 if s["median"] >= 1000 else digits
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})".rjust(width)
+    return s.text(f".{0 if s.median >= 1000 else digits}f").rjust(width)
 
 
 def engine_digest() -> str:
     """The engine files this measures, hashed: the run's JSON says which tree it saw."""
     digest = hashlib.sha256()
-    for name in ENGINE_FILES:
-        digest.update((ROOT / "replicas" / "engine" / name).read_bytes())
+    engine = ROOT / "replicas" / "engine"
+    for part in ENGINE_PARTS:
+        for path in sorted((engine / part).rglob("*.py")) if (engine / part).is_dir() else [engine / part]:
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -138,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine(loaded: Any, key: str, batch: list[list[int]], workload: str, tokens: int,
            spec: SpeculativeConfig, bias: dict[int, float], draft: Any = None,
-           gate: SpeculationGate | None = None) -> tuple[Run, Outputs]:
+           gate: SpeculationGate | None = None) -> tuple[BatchRun, Outputs]:
     """`key`: raw, off or on, "+bias" for row 0 biased; `gate`: `on`'s speculation gate."""
     name, biased = key.removesuffix("+bias"), key.endswith("+bias")
     temperature = TEMPERATURE[workload]
@@ -159,7 +153,7 @@ def verdict(drafting: bool | None) -> str:
     return {True: "kept", False: "stopped", None: "not yet measured"}[drafting]
 
 
-def show(r: int, n: int, label: str, key: str, run: Run) -> None:
+def show(r: int, n: int, label: str, key: str, run: BatchRun) -> None:
     extra = (f"  {run.counted / run.passes:.2f} tok/pass, accepted {run.accepted}/"
              f"{run.drafted}" if run.passes else "")
     print(f"  round {r + 1} x{n:<3}{label:<8}{key:<9}{run.tps:>9.1f} tok/s{extra}", flush=True)
@@ -170,7 +164,7 @@ def differs(what: str, lines: list[str]) -> int:
     return 1
 
 
-def bias_table(title: str, runs: dict[str, list[Run]]) -> dict[str, Any]:
+def bias_table(title: str, runs: dict[str, list[BatchRun]]) -> dict[str, Any]:
     tps = {k: [x.tps for x in runs[k]] for k in BIAS_KEYS}
     raw_ratio = [b / a for a, b in zip(tps["raw"], tps["raw+bias"])]
     off_ratio = [b / a for a, b in zip(tps["off"], tps["off+bias"])]
@@ -185,10 +179,10 @@ def bias_table(title: str, runs: dict[str, list[Run]]) -> dict[str, Any]:
     print(f"Orchard/raw, both with the biased row: {fmt(orch_raw, 2).strip()}; Orchard's rows "
           f"through a per-row Python call: {off_path['off+bias']} (unbiased {off_path['off']}); "
           "biased greedy outputs: raw == Orchard, every row")
-    return {"raw_biased_over_unbiased": spread(raw_ratio),
-            "orchard_biased_over_unbiased": spread(off_ratio),
-            "orchard_over_raw_biased": spread(orch_raw),
-            "tps": {k: spread(v) for k, v in tps.items()}, "rows_off_path": off_path}
+    return {"raw_biased_over_unbiased": spread(raw_ratio)._asdict(),
+            "orchard_biased_over_unbiased": spread(off_ratio)._asdict(),
+            "orchard_over_raw_biased": spread(orch_raw)._asdict(),
+            "tps": {k: spread(v)._asdict() for k, v in tps.items()}, "rows_off_path": off_path}
 
 
 def main() -> int:
@@ -230,10 +224,10 @@ def main() -> int:
     for name in ENGINES:
         engine(loaded, name, batches[0][min(args.streams)], "greedy", 4, spec, bias, draft)
 
-    runs: dict[str, dict[int, dict[str, list[Run]]]] = {
+    runs: dict[str, dict[int, dict[str, list[BatchRun]]]] = {
         w: {n: {e: [] for e in ENGINES} for n in args.streams} for w in args.workloads}
-    bias_runs: dict[str, list[Run]] = {k: [] for k in BIAS_KEYS}
-    cheap_runs: dict[str, list[Run]] = {k: [] for k in BIAS_KEYS}
+    bias_runs: dict[str, list[BatchRun]] = {k: [] for k in BIAS_KEYS}
+    cheap_runs: dict[str, list[BatchRun]] = {k: [] for k in BIAS_KEYS}
     for r in range(args.rounds):
         for n in args.streams:
             for workload in args.workloads:
@@ -321,8 +315,8 @@ def main() -> int:
                   + "".join(fmt(ratio[k], 2) for k in ratio)
                   + f"{per_pass['off']:>8.2f}-{per_pass['on']:<8.2f}{acceptance:>8.1%}")
             summary[workload][str(n)] = {
-                "max_tokens": budget[n], "tps": {e: spread(v) for e, v in tps.items()},
-                "ratios": {k: spread(v) for k, v in ratio.items()},
+                "max_tokens": budget[n], "tps": {e: spread(v)._asdict() for e, v in tps.items()},
+                "ratios": {k: spread(v)._asdict() for k, v in ratio.items()},
                 "tokens_per_pass": per_pass, "drafted": drafted, "accepted": accepted,
                 "acceptance": acceptance}
     print("tok/pass: decode_counts() tokens / passes (a pass counted once per row in it: a "

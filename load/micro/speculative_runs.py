@@ -1,4 +1,4 @@
-"""The engines `bench_speculative.py` compares, one batch each: raw mlx-lm's
+"""The engines `load/micro/speculative.py` compares, one batch each: raw mlx-lm's
 `BatchGenerator` and Orchard's `LocalBatch`, driven step by step over the same prompts,
 with their tokens and timings; and how two runs' outputs differ."""
 
@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from load.harness.prompts import WORDS
 from replicas.contract import SamplingParams
 from replicas.engine.batch.local import LocalBatch, Row
 from replicas.engine.config import EngineConfig, SpeculativeConfig
@@ -21,12 +22,9 @@ from replicas.engine.sampling.penalties import Penalties
 from replicas.engine.sampling.samplers import make_request_sampler
 from replicas.engine.spec.gate import SpeculationGate
 
-WORDS = ("the river runs past the old mill where children play in summer and the "
-         "lighthouse keeper writes letters about storms ships and the quiet sea").split()
-
 
 @dataclass
-class Run:
+class BatchRun:
     """One engine's run of one batch."""
 
     tokens: int  # emitted after the first step that emitted any
@@ -66,7 +64,7 @@ def copy_prompts(loaded: Any, batch: list[list[int]], tokens: int) -> list[list[
 
 
 def drive(step: Callable[[], list[Any]], done: Callable[[], bool], uids: list[int],
-          ) -> tuple[Run, Outputs]:
+          ) -> tuple[BatchRun, Outputs]:
     """Step until every row ended; the clock starts after the first step with tokens."""
     index = {uid: i for i, uid in enumerate(uids)}
     outputs: Outputs = {i: [] for i in range(len(uids))}
@@ -82,11 +80,11 @@ def drive(step: Callable[[], list[Any]], done: Callable[[], bool], uids: list[in
             continue
         tokens += len(responses)
     seconds = time.perf_counter() - start if start is not None else 0.0
-    return Run(tokens, seconds, sum(map(len, outputs.values()))), outputs
+    return BatchRun(tokens, seconds, sum(map(len, outputs.values()))), outputs
 
 
 def run_raw(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: float,
-            bias: dict[int, float] | None = None) -> tuple[Run, Outputs]:
+            bias: dict[int, float] | None = None) -> tuple[BatchRun, Outputs]:
     """Plain mlx-lm; `bias` on row 0 as mlx-lm's own logits processor."""
     n = len(batch)
     gen = BatchGenerator(loaded.model, completion_batch_size=max(n, 32), prefill_batch_size=n,
@@ -109,7 +107,7 @@ def run_raw(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: f
 
 def run_orchard(loaded: Any, batch: list[list[int]], max_tokens: int, temperature: float,
                 speculative: SpeculativeConfig | None, bias: dict[int, float] | None = None,
-                draft: Any = None, gate: SpeculationGate | None = None) -> tuple[Run, Outputs]:
+                draft: Any = None, gate: SpeculationGate | None = None) -> tuple[BatchRun, Outputs]:
     """`LocalBatch`, rows as `scheduling.row_for` builds them; `bias` on row 0; `draft`:
     the draft model (`--draft-model`), when speculating; `gate`: the speculation gate's
     measurements of earlier runs (a server's engine keeps its own for its lifetime)."""

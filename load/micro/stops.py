@@ -5,7 +5,7 @@ StopMatcher with 16 stop strings, for outputs of 1k, 8k and 32k tokens, where th
 never match or match only at the very end, and prints ns/token and the 32k/1k ratio (about
 1.0 when the cost per token does not grow with the output).
 
-    python load/bench_stops.py
+    python -m load.micro.stops
 """
 
 from __future__ import annotations

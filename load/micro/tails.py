@@ -7,7 +7,7 @@ Each round appends a verifying pass's positions to every row, then drops a ragge
 (rows reject 0-4 of 5, as speculation does), timed to the end of the evaluation. Prints
 the median and range over the rounds, and their ratio.
 
-    python load/bench_tails.py [--rows 8] [--contexts 1024 4096 16384] [--rounds 7]
+    python -m load.micro.tails [--rows 8] [--contexts 1024 4096 16384] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replicas.engine.spec.tails import drop_tails  # noqa: E402
+from replicas.engine.spec.tails import drop_tails
 
 LAYERS, HEADS, HEAD_DIM = 8, 4, 64  # builtin:bench's KV
 WIDTH = 5  # a pass of the pending token and 4 drafts
@@ -90,7 +88,7 @@ def main() -> None:
         r, d = statistics.median(rolled), statistics.median(dropped)
         print(f"{context:>8} {r:>9.1f} ({min(rolled):.1f}-{max(rolled):.1f}) "
               f"{d:>9.1f} ({min(dropped):.1f}-{max(dropped):.1f}) {r / d:>10.1f}")
-    print("command: python load/bench_tails.py " + " ".join(sys.argv[1:]))
+    print("command: python -m load.micro.tails " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tool-call grammar cost on `builtin:bench`: setup, mask per token, decode throughput.
 
-    python load/bench_tools.py [--format hermes] [--batch 1] [--max-tokens 96] [--repeat 3]
+    python -m load.micro.tools [--format hermes] [--batch 1] [--max-tokens 96] [--repeat 3]
 
 Eight tools with realistic schemas (files, bash, web fetch, search with filters, a todo
 list of objects...). Prints the grammar setup time (compile_tool_grammar + GuidedMatcher,
@@ -18,17 +18,13 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
-
-from load.bench_guided import decode, mask_us
+from load.micro.guided_loop import decode, mask_us
 from replicas.contract import ToolChoice, ToolSpec
 from replicas.pipeline.guided import GuidedMatcher, GuidedTokenizer
 from replicas.pipeline.guided.tools import compile_tool_grammar

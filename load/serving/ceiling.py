@@ -1,7 +1,7 @@
 """The ceiling (issue 23): on a near-zero-cost model the serving path, not decode, sets
 throughput. Raw mlx-lm, Orchard and mlx_lm.server on `builtin:ceiling`, same 2 cores.
 
-    python load/bench_ceiling.py
+    python -m load.serving.ceiling
 
 At each of `--streams` concurrent streams, `--tokens` greedy tokens per request:
 
@@ -13,7 +13,7 @@ At each of `--streams` concurrent streams, `--tokens` greedy tokens per request:
 - orchard: a real `serve run` of the shipped settings, default layout: its replica serves
   127.0.0.1:8000 itself (`--via-proxy`: the same server through Serve's proxy at 8001);
 - mlx_server: `mlx_lm.server` on the same model files, on 127.0.0.1:8101, with the batching
-  limits of `bench_vs_mlx_server.py` (32 decoding, 8 prefilling: Orchard's defaults).
+  limits of `load/serving/vs_mlx_server.py` (32 decoding, 8 prefilling: Orchard's defaults).
 
 `--rounds` alternating rounds (raw, then Orchard started / all levels / stopped, then
 mlx_lm.server the same), never two servers at once, so the machine's drift hits all three
@@ -32,8 +32,6 @@ targets. Writes load/out/bench_ceiling.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
 import json
 import os
 import shlex
@@ -41,124 +39,23 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+from load.harness.process_cpu import process_tree
+from load.harness.servers import (MLX_PORT, OUT, eos_bias, local_path, mlx_server,
+                                  require_alive, running)
+from load.harness.stats import spread
+from load.harness.targets import TARGETS as TABLE
+from load.harness.targets import RawModel
+from load.serving.driver import (MODEL_ID, LevelRun, arrivals_level, measure_http, orchard,
+                                 orchard_flush_ms, raw_level)
 
-from load.bare_client import Result, bounded  # noqa: E402
-from load.bench_serving import (PORT, PROMPT, RawModel, port_in_use,  # noqa: E402
-                                require_alive, start_server, stop_server)
-from load.bench_vs_mlx_server import (MLX_PORT, eos_bias, local_path,  # noqa: E402
-                                      mlx_server, running)
-from load.process_cpu import (CpuSnapshot, process_tree, thread_seconds,  # noqa: E402
-                              threads_between)
-
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "load" / "out"
+# The preset's targets, from the harness's table (`--via-proxy`: orchard_proxy's port).
 TARGETS = ("raw", "raw_arrivals", "orchard", "mlx_server")
-RAW = ("raw", "raw_arrivals")  # in this process, no HTTP
-SERVERS = ("orchard", "mlx_server")
-MODEL_ID = "ceiling"  # the name Orchard serves it under
-PORT_WAIT_S = 600  # a shared machine: someone else's server may hold 8000 for a while
-
-
-@dataclass
-class LevelRun:
-    """One target at one level in one round."""
-
-    tokens: int
-    seconds: float
-    errors: int = 0
-    requests: int = 0
-    ttft_ms: list[float] = field(default_factory=list)
-    cpu_s: dict[str, float] = field(default_factory=dict)  # by process role, timed part only
-    loadgen_cpu_s: float = 0.0  # this process during HTTP levels (it shares the cores)
-    # The decoding process by thread (`process_cpu.thread_seconds`): raw's own, Orchard's
-    # model replica's; the Python loop that drives the batch is raw's main thread and
-    # Orchard's `orchard-engine`.
-    threads_s: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def tps(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def unique_prompt(tag: str) -> str:
-    # The hash goes first: any shared opening past the chat template is a cacheable prefix.
-    return f"{hashlib.sha256(tag.encode()).hexdigest()[:12]} {PROMPT}"
-
-
-async def waves(port: int, model: str, streams: int, args: argparse.Namespace,
-                bias: dict[str, float], tag: str) -> tuple[float, list[Result]]:
-    """N workers in a closed loop, `waves` requests each, so N stay in flight throughout."""
-    results: list[Result] = []
-
-    async def worker(w: int) -> None:
-        for i in range(args.waves):
-            results.append(await bounded(port, model, unique_prompt(f"{tag}-{w}-{i}"),
-                                         args.tokens, bias, args.timeout))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(streams)))
-    return time.perf_counter() - start, results
-
-
-def measure_http(port: int, model: str, pids: Callable[[], list[int]], streams: int,
-                 args: argparse.Namespace, bias: dict[str, float], tag: str) -> LevelRun:
-    """A warm-up request, then the timed waves, with the CPU of the server's processes
-    (`pids()` lists them) and of this process over the timed part only."""
-    async def level() -> tuple[CpuSnapshot, float, float, list[Result]]:
-        await bounded(port, model, unique_prompt(f"{tag}-warmup"), 8, bias, args.timeout)
-        before, cpu = CpuSnapshot.take(pids()), time.process_time()
-        seconds, results = await waves(port, model, streams, args, bias, tag)
-        return before, time.process_time() - cpu, seconds, results
-
-    before, cpu, seconds, results = asyncio.run(level())
-    after = CpuSnapshot.take(pids())
-    spent = after.since(before)
-    ok = [r for r in results if r.error is None]
-    for r in results:
-        if r.error:
-            print(f"    error ({tag}): {r.error}", flush=True)
-    return LevelRun(sum(r.tokens for r in ok), seconds, len(results) - len(ok), len(results),
-                    [r.ttft * 1e3 for r in ok if r.ttft is not None], spent, cpu,
-                    after.replica_threads_since(before))
-
-
-def raw_level(raw: RawModel, streams: int, args: argparse.Namespace) -> LevelRun:
-    raw.batched(8, streams)  # warm-up: this batch size's first steps
-    cpu, threads = time.process_time(), thread_seconds(os.getpid())
-    runs = [raw.batched(args.tokens, streams) for _ in range(args.waves)]
-    cpu = time.process_time() - cpu
-    return LevelRun(sum(r.tokens for r in runs), sum(r.seconds for r in runs), 0,
-                    streams * args.waves, [], {"raw (this process)": cpu},
-                    threads_s=threads_between(threads, thread_seconds(os.getpid())))
-
-
-def arrivals_level(raw: RawModel, streams: int, args: argparse.Namespace,
-                   tag: str) -> LevelRun:
-    """The same engine fed as the servers are: as many requests as an HTTP level makes,
-    each joining when one leaves (`RawModel.arrivals`), with unique prompts tokenized
-    before the clock starts. What joining and leaving cost mlx-lm itself, without HTTP."""
-    requests = streams * args.waves
-    prompts = [raw.tokens(unique_prompt(f"{tag}-{i}")) for i in range(requests + streams)]
-    cpu = time.process_time()
-    run = raw.arrivals(args.tokens, streams, prompts)
-    cpu = time.process_time() - cpu
-    return LevelRun(run.tokens, run.seconds, 0, requests, [], {"raw (this process)": cpu})
-
-
-def wait_port_free(port: int) -> None:
-    """Another engineer's server on the port is waited out, never stopped."""
-    deadline = time.monotonic() + PORT_WAIT_S
-    while port_in_use(port):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"127.0.0.1:{port} stayed busy for {PORT_WAIT_S} s")
-        print(f"  127.0.0.1:{port} is busy; waiting", flush=True)
-        time.sleep(15)
+RAW = tuple(t for t in TARGETS if TABLE[t].port is None)  # in this process, no HTTP
+SERVERS = tuple(t for t in TARGETS if TABLE[t].port is not None)
 
 
 def one_round(index: int, raw: RawModel, model_path: Path, bias: dict[str, float],
@@ -174,20 +71,16 @@ def one_round(index: int, raw: RawModel, model_path: Path, bias: dict[str, float
         show("raw", n, runs["raw"][n])
         runs["raw_arrivals"][n] = arrivals_level(raw, n, args, f"r{index}-arrivals-x{n}")
         show("raw_arrivals", n, runs["raw_arrivals"][n])
-    wait_port_free(PORT)
     settings = {} if args.chunks_per_s is None else {"stream_chunks_per_s": args.chunks_per_s}
-    proc = start_server(args.model, MODEL_ID, args.flush_ms, layout="default",
-                        haproxy=args.haproxy, settings=settings,
-                        actor_calls=args.actor_calls)
-    port = PORT + 1 if args.via_proxy else PORT  # Serve's proxy: one port above the replica
-    try:
+    port = TABLE["orchard_proxy" if args.via_proxy else "orchard"].port
+    assert port is not None
+    with orchard(args.model, MODEL_ID, wait=True, flush_ms=args.flush_ms, layout="default",
+                 haproxy=args.haproxy, settings=settings, actor_calls=args.actor_calls) as proc:
         for n in args.streams:
             runs["orchard"][n] = measure_http(port, MODEL_ID, lambda: process_tree(proc.pid), n,
                                               args, bias, f"r{index}-orchard-x{n}")
             require_alive(proc)
             show("orchard", n, runs["orchard"][n])
-    finally:
-        stop_server(proc)
     target, command = mlx_server(model_path, prompt_cache=True)  # as shipped
     me = os.getpid()
     with running(target, command, OUT / "bench_ceiling_mlx_server.log"):
@@ -200,13 +93,8 @@ def one_round(index: int, raw: RawModel, model_path: Path, bias: dict[str, float
     return runs
 
 
-def spread(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
 def fmt(values: list[float], width: int = 22) -> str:
-    mid, low, high = spread(values)
-    return f"{f'{mid:.0f} ({low:.0f}-{high:.0f})':>{width}}"
+    return f"{spread(values).text('.0f'):>{width}}"
 
 
 def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
@@ -237,12 +125,11 @@ def summarize(rounds: list[dict[str, dict[int, LevelRun]]],
                     by_kind[kind] += seconds
             threads[t] = {kind: s * 1e3 / tokens for kind, s in by_kind.items()}
         levels[str(n)] = {
-            "tps": {t: dict(zip(("median", "min", "max"), spread(v))) for t, v in tps.items()},
+            "tps": {t: spread(v)._asdict() for t, v in tps.items()},
             "per_round_tps": tps,
-            "orchard_over_raw": dict(zip(("median", "min", "max"), spread(vs_raw))),
-            "orchard_over_mlx_server": dict(zip(("median", "min", "max"), spread(vs_mlx))),
-            "orchard_over_raw_arrivals": dict(zip(("median", "min", "max"),
-                                                  spread(vs_arrivals))),
+            "orchard_over_raw": spread(vs_raw)._asdict(),
+            "orchard_over_mlx_server": spread(vs_mlx)._asdict(),
+            "orchard_over_raw_arrivals": spread(vs_arrivals)._asdict(),
             "ttft_p50_ms": {t: statistics.median(statistics.median(r[t][n].ttft_ms)
                                                  for r in rounds if r[t][n].ttft_ms)
                             for t in SERVERS if any(r[t][n].ttft_ms for r in rounds)},
@@ -318,13 +205,6 @@ def report(levels: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
     return verdicts
 
 
-def orchard_flush_ms() -> float:
-    """Orchard's own default stream_flush_ms, read from the code so it cannot drift."""
-    from replicas.options import ReplicaOptions
-
-    return ReplicaOptions(model_id="", source="").flush_interval_s * 1000
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -364,7 +244,7 @@ def main() -> int:
         parser.error("--haproxy puts HAProxy on 8000 and starts no Serve proxy to go through")
     if args.flush_ms is None:
         args.flush_ms = orchard_flush_ms()
-    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "load.serving.ceiling", *sys.argv[1:]])
     print(f"command: {command}", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -1,7 +1,7 @@
 """Embeddings per second: the pooling called in-process vs Orchard's `/v1/embeddings` over
 HTTP, same model, one run.
 
-    python load/bench_embeddings.py [--model builtin:embed] [--batch 1 16 64] [--repeat 3]
+    python -m load.serving.embeddings [--model builtin:embed] [--batch 1 16 64] [--repeat 3]
 
 Raw: the model loaded by the production code (`replicas.sources.load_source`), each request's
 texts tokenized by its tokenizer and pooled by `replicas.engine.model.embedding.embed_rows`, the
@@ -19,35 +19,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
-
-from load.serve_settings import serve_settings  # noqa: E402
-from load.bench_serving import LAYOUTS, paused, port_in_use, run_config, stop_server  # noqa: E402
+from load.harness.servers import LAYOUTS, paused, start_server, stop_server
+from load.harness.stats import Run, spread
 
 PORT = 8000
 MODEL = "bench-embed"
 WORDS = ("the river runs past the old mill where children play in summer and the "
          "lighthouse keeper writes letters about storms ships and the quiet sea at night "
          "while the city sleeps under rain").split()
-
-
-@dataclass(frozen=True)
-class Run:
-    embeddings: int
-    seconds: float
-
-    @property
-    def per_s(self) -> float:
-        return self.embeddings / self.seconds
 
 
 def texts(count: int, rng: random.Random) -> list[str]:
@@ -90,29 +74,13 @@ def http_run(client: httpx.Client, base: str, requests: list[list[str]], encodin
     return Run(sum(len(b) for b in requests), time.perf_counter() - start)
 
 
-def start_server(source: str, port: int, layout: str) -> subprocess.Popen[bytes]:
-    """`serve run` of the model alone, returned once it embeds."""
-    if port_in_use(port):
-        raise RuntimeError(f"something already listens on 127.0.0.1:{port}; refusing to "
-                           "benchmark it (--port picks another)")
-    config: dict[str, Any] = {
-        **serve_settings(port),
-        "applications": [{
-            "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": {"models": [{"id": MODEL, "source": source, "max_ongoing_requests": 64}],
-                     "ingress": LAYOUTS[layout]},
-        }],
-    }
-
-    def embeds() -> bool:
+def embeds(port: int) -> Callable[[], bool]:
+    """Whether the server on `port` embeds yet: `serve run`'s readiness check."""
+    def ready() -> bool:
         return httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", timeout=60, json={
             "model": MODEL, "input": "hi"}).status_code == 200
 
-    return run_config(config, [MODEL], ready=embeds)
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+    return ready
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +105,8 @@ def main() -> None:
     rng = random.Random(1234)
     raw = Raw(args.model)
     raw.run([texts(4, rng)])  # warm up: allocator, kernels
-    proc = start_server(args.model, args.port, args.layout)
+    proc = start_server(args.model, MODEL, layout=args.layout, port=args.port,
+                        ready=embeds(args.port))
     base = f"http://127.0.0.1:{args.port}"
     results: dict[int, tuple[list[Run], list[Run]]] = {}
     try:
@@ -163,9 +132,9 @@ def main() -> None:
           f"{args.embeddings} embeddings each; medians (min-max)")
     print(f"{'batch':>6}{'raw emb/s':>26}{'HTTP emb/s':>26}{'HTTP/raw':>24}")
     for batch, (raws, https) in results.items():
-        ratios = [h.per_s / r.per_s for r, h in zip(raws, https)]
-        print(f"{batch:>6}{spread([r.per_s for r in raws]):>26}"
-              f"{spread([h.per_s for h in https]):>26}"
+        ratios = [h.rate / r.rate for r, h in zip(raws, https)]
+        print(f"{batch:>6}{spread([r.rate for r in raws]).text():>26}"
+              f"{spread([h.rate for h in https]).text():>26}"
               f"{statistics.median(ratios):>10.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
 
 

@@ -1,6 +1,6 @@
 """A PNG of what Prometheus scraped during a run: TTFT p50/p99 and output tokens/s.
 
-    python load/plot_prometheus.py --prometheus http://127.0.0.1:9090 \\
+    python -m load.serving.plot_prometheus --prometheus http://127.0.0.1:9090 \\
         --start 1700000000 --end 1700000060 --out docs/observability-run.png
 
 Queries the same expressions as the dashboard (`docs/grafana-dashboard.json`) over

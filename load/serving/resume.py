@@ -1,6 +1,6 @@
 """Stream continuity under faults (issue 32): streams keep going while replicas die.
 
-    python load/bench_resume.py --streams 8 --duration 60 --kills 3
+    python -m load.serving.resume --streams 8 --duration 60 --kills 3
 
 A real `serve run` on 127.0.0.1 (two-hop layout, `--replicas` replicas of the built-in
 tiny model) serves waves of `--streams` concurrent greedy streams for `--duration` seconds,
@@ -24,20 +24,17 @@ import os
 import random
 import signal
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+from load.harness.process_cpu import process_tree
+from load.harness.serve_settings import serve_settings
+from load.harness.servers import BASE, OUT, port_in_use, run_config, stop_server
+from load.harness.stats import pct
 
-from load.serve_settings import serve_settings  # noqa: E402
-from load.bench_serving import BASE, pct, port_in_use, run_config, stop_server  # noqa: E402
-from load.process_cpu import process_tree  # noqa: E402
-
-OUT = Path(__file__).resolve().parents[1] / "load" / "out"
 MODEL = "orchard-tiny"
 # Prompts whose greedy continuation, with the end-of-turn token banned, runs to max_tokens.
 PROMPTS = ["Hello!", "Tell me about the ocean.", "List five of the largest cities in the world.",

@@ -1,15 +1,15 @@
 """A setting against the shipped config, on this box's drift: Orchard serving
-`builtin:ceiling` as `bench_ceiling.py` starts it (`shipped`), and the same with each
+`builtin:ceiling` as `load/serving/ceiling.py` starts it (`shipped`), and the same with each
 `--variant` changed, one server after another in an order that rotates every round.
 
-    python load/bench_settings_ab.py --variant 'nice0={"model": {"ray_actor_options":
+    python -m load.serving.settings_ab --variant 'nice0={"model": {"ray_actor_options":
         {"num_cpus": 0, "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}}}}'
 
 A variant is NAME=JSON. Its `model` keys merge into the model's entry under `models:` (as a
 user writes them); its `app` keys into the application: Serve's `logging_config`, or `args`
 merged into Orchard's (`{"app": {"args": {"observability": {"metrics": false}}}}`). A level
 is a warm-up request, then `--streams` workers in a closed loop of `--waves` requests each
-(`bench_ceiling.measure_http`, with the server's CPU by process). Every variant's ratio is
+(`load.serving.driver.measure_http`, with the server's CPU by process). Every variant's ratio is
 to the shipped run of the same round, then the median over rounds: on a shared 2-core box
 the shipped run alone moves by 10% or more from one server start to the next, and a lever
 smaller than that shows only in the paired ratios, if at all. Writes
@@ -27,14 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+from load.harness.process_cpu import process_tree
+from load.harness.servers import OUT, PORT
+from load.harness.stats import spread
+from load.serving.driver import MODEL_ID, LevelRun, measure_http, orchard, orchard_flush_ms
 
-from load.bench_ceiling import (MODEL_ID, LevelRun, measure_http,  # noqa: E402
-                                orchard_flush_ms, spread, wait_port_free)
-from load.bench_serving import PORT, require_alive, start_server, stop_server  # noqa: E402
-from load.process_cpu import process_tree  # noqa: E402
-
-OUT = Path(__file__).resolve().parents[1] / "load" / "out"
 REPLICA = "model replica"  # `process_cpu`'s role for the process that serves HTTP and decodes
 
 
@@ -70,16 +67,10 @@ def parse_variant(text: str) -> Variant:
 
 def run_variant(variant: Variant, args: argparse.Namespace, tag: str) -> LevelRun:
     """One server start of `variant`, one measured level, the server stopped."""
-    wait_port_free(PORT)
-    proc = start_server(args.model, MODEL_ID, orchard_flush_ms(), settings=variant.model,
-                        app=variant.app)
-    try:
-        run = measure_http(PORT, MODEL_ID, lambda: process_tree(proc.pid), args.streams,
-                           args, {}, tag)
-        require_alive(proc)
-    finally:
-        stop_server(proc)
-    return run
+    with orchard(args.model, MODEL_ID, wait=True, flush_ms=orchard_flush_ms(),
+                 settings=variant.model, app=variant.app) as proc:
+        return measure_http(PORT, MODEL_ID, lambda: process_tree(proc.pid), args.streams,
+                            args, {}, tag)
 
 
 def summarize(variants: list[Variant], rounds: list[dict[str, LevelRun]]) -> dict[str, Any]:
@@ -92,8 +83,8 @@ def summarize(variants: list[Variant], rounds: list[dict[str, LevelRun]]) -> dic
         out[v.name] = {
             "spec": {"model": v.model, "app": v.app},
             "per_round_tps": [run.tps for run in runs],
-            "tps": dict(zip(("median", "min", "max"), spread([run.tps for run in runs]))),
-            "over_shipped": dict(zip(("median", "min", "max"), spread(ratios))),
+            "tps": spread([run.tps for run in runs])._asdict(),
+            "over_shipped": spread(ratios)._asdict(),
             "per_round_over_shipped": ratios,
             "ttft_p50_ms": statistics.median(ttfts) if ttfts else None,
             "replica_cpu_ms_per_token": sum(run.cpu_s.get(REPLICA, 0.0) for run in runs)

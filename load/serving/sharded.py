@@ -1,6 +1,6 @@
 """One model on one process vs sharded over two (issue 22), same server, same run.
 
-    python load/bench_sharded.py --rounds 3 --tokens 64
+    python -m load.serving.sharded --rounds 3 --tokens 64
 
 Starts one `serve run` on 127.0.0.1 serving `builtin:bench` twice: `bench` (whole) and
 `bench-x2` (`shards: 2`, tensor parallel, the ranks on loopback). Each round measures both,
@@ -15,22 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
-
-from load.serve_settings import serve_settings  # noqa: E402
-from load.bench_serving import (  # noqa: E402
-    PORT,
-    Run,
-    http_streams,
-    port_in_use,
-    run_config,
-    stop_server,
-)
+from load.harness.clients import http_streams
+from load.harness.serve_settings import serve_settings
+from load.harness.servers import PORT, run_config, stop_server
+from load.harness.stats import Run, spread
 
 MODELS = {"bench": 1, "bench-x2": 2}
 
@@ -47,13 +37,6 @@ def config(source: str) -> dict[str, Any]:
                                        "observability": {"request_logs": False}}}]}
 
 
-def start(source: str) -> subprocess.Popen[bytes]:
-    if port_in_use(PORT):
-        raise RuntimeError(f"something already listens on 127.0.0.1:{PORT}; refusing to "
-                           "benchmark it")
-    return run_config(config(source), list(MODELS))
-
-
 def sync_totals() -> tuple[int, float]:
     """The sharded replica's steps and seconds spent syncing so far (its `stats`)."""
     import ray
@@ -64,11 +47,6 @@ def sync_totals() -> tuple[int, float]:
     stats = serve.get_deployment_handle("model:bench-x2", app_name="orchard") \
         .stats.remote().result()
     return int(stats["sync_steps"]), float(stats["sync_seconds"])
-
-
-def spread(values: list[float], fmt: str) -> str:
-    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-" \
-           f"{format(max(values), fmt)})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("a headline figure is a median of at least 3 rounds")
-    proc = start(args.source)
+    proc = run_config(config(args.source), list(MODELS))
     tps: dict[tuple[str, int], list[float]] = {}
     ttft: dict[tuple[str, int], list[float]] = {}
     sync_ms: dict[int, list[float]] = {}
@@ -97,12 +75,12 @@ def main() -> None:
                     before = sync_totals() if MODELS[model] > 1 else None
                     run: Run = asyncio.run(http_streams(c, args.tokens, model,
                                                         f"Round {r}. Tell me a story."))
-                    tps.setdefault((model, c), []).append(run.tps)
+                    tps.setdefault((model, c), []).append(run.rate)
                     ttft.setdefault((model, c), []).append(statistics.median(run.ttft))
                     if before is not None:
                         steps, seconds = (a - b for a, b in zip(sync_totals(), before))
                         sync_ms.setdefault(c, []).append(1000 * seconds / max(1, steps))
-                    print(f"round {r + 1} {model} x{c}: {run.tps:.1f} tok/s", flush=True)
+                    print(f"round {r + 1} {model} x{c}: {run.rate:.1f} tok/s", flush=True)
     finally:
         stop_server(proc)
     print(f"\n{args.source}, {args.tokens} tokens per stream, {args.rounds} rounds "
@@ -113,9 +91,9 @@ def main() -> None:
         base = statistics.median(tps[("bench", c)])
         for model, shards in MODELS.items():
             ratio = statistics.median(tps[(model, c)]) / base
-            sync = spread(sync_ms[c], ".2f") if shards > 1 else "-"
-            print(f"| {c} | {shards} | {spread(tps[(model, c)], '.1f')} | "
-                  f"{spread([t * 1000 for t in ttft[(model, c)]], '.0f')} | {sync} | "
+            sync = spread(sync_ms[c]).text(".2f") if shards > 1 else "-"
+            print(f"| {c} | {shards} | {spread(tps[(model, c)]).text('.1f')} | "
+                  f"{spread([t * 1000 for t in ttft[(model, c)]]).text('.0f')} | {sync} | "
                   f"{ratio:.2f}x |")
 
 

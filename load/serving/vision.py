@@ -1,7 +1,7 @@
 """Images through a vision model: mlx-vlm's own generation in-process vs Orchard's chat
 completions over HTTP, same model, one run.
 
-    python load/bench_vision.py [--model builtin:vision] [--images 0 1 4] [--repeat 3]
+    python -m load.serving.vision [--model builtin:vision] [--images 0 1 4] [--repeat 3]
 
 Each request asks about `--images` distinct pictures (random noise, `--size` pixels
 square, PNG data URLs: no two requests share an image, so Orchard's prefix cache never
@@ -25,40 +25,30 @@ import base64
 import io
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
+from load.harness.servers import BASE, paused, start_server, stop_server
+from load.harness.stats import Run, spread
 
-from load.serve_settings import serve_settings  # noqa: E402
-from load.bench_serving import paused, run_config, stop_server  # noqa: E402
-
-PORT = 8000
-BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "bench-vision"
 QUESTION = "Describe these pictures."
 
 
 @dataclass(frozen=True)
-class Run:
-    requests: int
+class ImageRun:
+    """A run of requests (`run.count`, their TTFTs) that carried `images` pictures in all."""
+
+    run: Run
     images: int
-    seconds: float
-    ttfts: list[float]
 
     @property
     def images_per_s(self) -> float:
-        return self.images / self.seconds
-
-    @property
-    def requests_per_s(self) -> float:
-        return self.requests / self.seconds
+        return self.images / self.run.seconds
 
 
 def pictures(count: int, size: int, rng: np.random.Generator) -> list[bytes]:
@@ -83,7 +73,7 @@ class Raw:
 
         self.model, self.processor = load(str(resolve_source(source)))
 
-    def run(self, requests: list[list[bytes]], max_tokens: int) -> Run:
+    def run(self, requests: list[list[bytes]], max_tokens: int) -> ImageRun:
         from mlx_vlm import stream_generate
         from PIL import Image
 
@@ -100,8 +90,8 @@ class Raw:
                                                   temperature=0.0)):
                 if n == 0:
                     ttfts.append(time.perf_counter() - began)
-        return Run(len(requests), sum(len(r) for r in requests), time.perf_counter() - start,
-                   ttfts)
+        return ImageRun(Run(len(requests), time.perf_counter() - start, ttfts),
+                        sum(len(r) for r in requests))
 
 
 def body(images: list[bytes], max_tokens: int) -> dict[str, Any]:
@@ -128,31 +118,15 @@ async def one(client: httpx.AsyncClient, images: list[bytes], max_tokens: int) -
     return first
 
 
-async def http_run(requests: list[list[bytes]], max_tokens: int, concurrency: int) -> Run:
+async def http_run(requests: list[list[bytes]], max_tokens: int, concurrency: int) -> ImageRun:
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
         ttfts: list[float] = []
         for at in range(0, len(requests), concurrency):
             wave = requests[at:at + concurrency]
             ttfts += await asyncio.gather(*(one(client, r, max_tokens) for r in wave))
-        return Run(len(requests), sum(len(r) for r in requests), time.perf_counter() - start,
-                   ttfts)
-
-
-def start_server(source: str) -> Any:
-    config = {
-        **serve_settings(PORT),
-        "applications": [{
-            "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": {"models": [{"id": MODEL, "source": source, "max_ongoing_requests": 64}]},
-        }],
-    }
-    return run_config(config, [MODEL])
-
-
-def spread(values: list[float], unit: float = 1.0) -> str:
-    scaled = [v * unit for v in values]
-    return f"{statistics.median(scaled):.1f} ({min(scaled):.1f}-{max(scaled):.1f})"
+        return ImageRun(Run(len(requests), time.perf_counter() - start, ttfts),
+                        sum(len(r) for r in requests))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +148,7 @@ def main() -> None:
     rng = np.random.default_rng(1234)
     raw = Raw(args.model)
     raw.run([pictures(1, args.size, rng)], 2)  # warm up
-    proc = start_server(args.model)
+    proc = start_server(args.model, MODEL)
     rows = []
     try:
         asyncio.run(http_run([pictures(1, args.size, rng)], 2, 1))  # warm up the path
@@ -196,14 +170,14 @@ def main() -> None:
           f"{'raw req/s':>18}{'HTTP req/s':>18}{f'HTTP x{args.concurrency} req/s':>22}"
           f"{f'x{args.concurrency} images/s':>20}")
     for count, raws, serial, batched in rows:
-        raw_ttft = [statistics.median(r.ttfts) for r in raws]
-        http_ttft = [statistics.median(r.ttfts) for r in serial]
+        raw_ttft = [statistics.median(r.run.ttft) for r in raws]
+        http_ttft = [statistics.median(r.run.ttft) for r in serial]
         ratio = statistics.median(h / r for h, r in zip(http_ttft, raw_ttft))
-        print(f"{count:>6}{spread(raw_ttft, 1000):>22}{spread(http_ttft, 1000):>22}"
-              f"{ratio:>16.2f}{spread([r.requests_per_s for r in raws]):>18}"
-              f"{spread([r.requests_per_s for r in serial]):>18}"
-              f"{spread([r.requests_per_s for r in batched]):>22}"
-              f"{spread([r.images_per_s for r in batched]) if count else '-':>20}")
+        print(f"{count:>6}{spread(raw_ttft).text('.1f', 1000):>22}{spread(http_ttft).text('.1f', 1000):>22}"
+              f"{ratio:>16.2f}{spread([r.run.rate for r in raws]).text():>18}"
+              f"{spread([r.run.rate for r in serial]).text():>18}"
+              f"{spread([r.run.rate for r in batched]).text():>22}"
+              f"{spread([r.images_per_s for r in batched]).text() if count else '-':>20}")
 
 
 if __name__ == "__main__":

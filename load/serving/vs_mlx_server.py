@@ -1,6 +1,6 @@
 """Orchard vs mlx_lm.server: the same model, prompts and client, one server at a time.
 
-    python load/bench_vs_mlx_server.py --model builtin:bench --max-tokens 64
+    python -m load.serving.vs_mlx_server --model builtin:bench --max-tokens 64
 
 Starts `mlx_lm.server` on 127.0.0.1:8101 (as shipped, then with its prompt cache off), then
 Orchard (`serve run`, 127.0.0.1:8100) with one replica and with two, never two servers at
@@ -28,203 +28,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-import contextlib
-from contextlib import contextmanager
-from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
-import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
-
-from load.bench_results import Level, Sample, by_prompt, problems  # noqa: E402
-from load.serve_settings import serve_settings  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "load" / "out"
-HOST = "127.0.0.1"
-ORCHARD_PORT, MLX_PORT = 8100, 8102  # Orchard's: its replica; Serve's proxy takes 8101
-MAX_BATCH, PREFILL_BATCH = 32, 8  # the same batching limits on both servers
-STARTUP_TIMEOUT_S = 300
-REQUEST_TIMEOUT_S = 300
-PROMPTS = json.loads((ROOT / "load" / "payloads.json").read_text(encoding="utf-8"))["bench_prompts"]
-
-
-@dataclass(frozen=True)
-class Target:
-    label: str
-    base: str
-    model: str  # the name sent as `model`
-
-
-async def one_request(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
-                      logit_bias: dict[str, float] | None = None) -> Sample:
-    body = {"model": target.model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if logit_bias:
-        body["logit_bias"] = logit_bias
-    sample = Sample(prompt)
-    arrivals: list[float] = []
-    pieces: list[str] = []
-    done, finish, usage = False, None, None
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{target.base}/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                sample.error = f"HTTP {r.status_code}"
-                return sample
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators and mlx_lm.server's `: keepalive` comments
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    done = True
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    sample.error = f"error event: {chunk['error']}"
-                    return sample
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    piece = "".join(delta.get(k) or "" for k in ("content", "reasoning_content", "reasoning"))
-                    if piece:
-                        arrivals.append(time.perf_counter())
-                        pieces.append(piece)
-                    finish = choice.get("finish_reason") or finish
-    except (httpx.HTTPError, ValueError) as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"
-        return sample
-    if not (done and finish and usage and arrivals):
-        sample.error = "truncated stream (no [DONE], finish reason, usage or text)"
-        return sample
-    sample.e2e = time.perf_counter() - start
-    sample.ttft = arrivals[0] - start
-    sample.gaps = [b - a for a, b in pairwise(arrivals)]
-    sample.tokens = int(usage["completion_tokens"])
-    sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    sample.cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    sample.text = "".join(pieces)
-    if sample.tokens != max_tokens:  # unequal work would skew the comparison: not done
-        sample.error = f"short: {sample.tokens} of {max_tokens} tokens (finish {finish})"
-    return sample
-
-
-async def run_level(target: Target, concurrency: int, requests: int, max_tokens: int, tag: str,
-                    logit_bias: dict[str, float] | None = None) -> Level:
-    """`concurrency` workers share `requests` requests; each prompt is unique to (tag, index),
-    and the same on every server, so outputs can be compared."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    samples: list[Sample] = []
-    indexes = iter(range(requests))  # shared by the workers: one event loop, no locking needed
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        async def worker() -> None:
-            for i in indexes:
-                # The hash goes first: a readable counter would be a prefix that requests share.
-                unique = hashlib.sha256(f"{tag}-{i}".encode()).hexdigest()[:8]
-                prompt = f"{unique} {PROMPTS[i % len(PROMPTS)]}"
-                samples.append(await one_request(client, target, prompt, max_tokens, logit_bias))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-    return Level(target.label, concurrency, seconds, samples)
-
-
-def wait_ready(proc: subprocess.Popen[bytes], target: Target, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    probe = {"model": target.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{target.label} exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-        try:
-            r = httpx.post(f"{target.base}/v1/chat/completions", json=probe, timeout=60)
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{target.label} did not come up in {STARTUP_TIMEOUT_S} s; log: {log_path}")
-
-
-@contextmanager
-def running(target: Target, command: list[str], log_path: Path) -> Iterator[Target]:
-    """The server process for the duration of the block; its whole process group after."""
-    port = int(target.base.rsplit(":", 1)[1])
-    with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
-        raise RuntimeError(f"{HOST}:{port} is already taken (a stale server?): refusing to "
-                           f"benchmark it as {target.label}")
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        try:
-            wait_ready(proc, target, log_path)
-            yield target
-            if proc.poll() is not None:  # whatever answered after it exited was not ours
-                raise RuntimeError(f"{target.label} exited ({proc.returncode}) during the run")
-        finally:
-            os.killpg(proc.pid, signal.SIGINT)  # serve run shuts Serve and Ray down on Ctrl-C
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def mlx_server(model_path: Path, prompt_cache: bool) -> tuple[Target, list[str]]:
-    label = "mlx_lm.server" if prompt_cache else "mlx_lm.server no-cache"
-    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_path),
-               "--host", HOST, "--port", str(MLX_PORT), "--temp", "0",
-               "--decode-concurrency", str(MAX_BATCH), "--prompt-concurrency", str(PREFILL_BATCH)]
-    if not prompt_cache:
-        command += ["--prompt-cache-size", "0"]  # every entry is evicted as soon as it is stored
-    return Target(label, f"http://{HOST}:{MLX_PORT}", "default_model"), command
-
-
-def orchard(source: str, replicas: int, workdir: Path) -> tuple[Target, list[str]]:
-    config = {
-        **serve_settings(ORCHARD_PORT),
-        "applications": [{
-            "name": "orchard", "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": {"models": [{
-                "id": "bench", "source": source, "num_replicas": replicas, "max_ongoing_requests": 64,
-                "engine": {"max_batch_size": MAX_BATCH, "prefill_batch_size": PREFILL_BATCH},
-            }]},
-        }],
-    }
-    path = workdir / f"orchard_x{replicas}.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    serve = Path(sys.executable).with_name("serve")
-    return Target(f"orchard x{replicas}", f"http://{HOST}:{ORCHARD_PORT}", "bench"), [str(serve), "run", str(path)]
-
-
-def local_path(source: str) -> Path:
-    if source.startswith("builtin:"):
-        # The one project import here: mlx_lm.server needs the directory the project builds.
-        from replicas.builtin import ensure_builtin
-
-        return ensure_builtin(source.removeprefix("builtin:"))
-    return Path(source)
-
-
-def eos_bias(model_path: Path) -> dict[str, float]:
-    """A logit_bias that keeps end-of-sequence from being sampled, so every request runs to
-    max_tokens on both servers (both accept OpenAI's logit_bias)."""
-    from mlx_lm.utils import load_tokenizer
-
-    return {str(t): -100.0 for t in sorted(load_tokenizer(model_path).eos_token_ids)}
+from load.harness.clients import run_level
+from load.harness.results import Level, by_prompt, problems
+from load.harness.servers import OUT, Target, eos_bias, local_path, mlx_server, running
+from load.harness.targets import orchard_replicas
 
 
 def bench(target: Target, args: argparse.Namespace, bias: dict[str, float]) -> list[Level]:
@@ -344,7 +158,7 @@ def main() -> int:
     caches = {"both": [True, False], "cache": [True], "no-cache": [False], "none": []}[args.mlx]
     servers = [mlx_server(model_path, cache) for cache in caches]
     workdir = Path(tempfile.mkdtemp(prefix="orchard-bench-"))
-    servers += [orchard(args.model, n, workdir) for n in args.replicas]
+    servers += [orchard_replicas(args.model, n, workdir) for n in args.replicas]
     results: dict[str, list[Level]] = {}
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     for target, command in servers:

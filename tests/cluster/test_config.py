@@ -29,7 +29,7 @@ from deployments.serve_options import (
     direct_ingress_env,
     serving_on,
 )
-from load.serve_settings import serve_settings
+from load.harness.serve_settings import serve_settings
 from replicas.engine.config import EngineConfig
 from replicas.families.registry import CHANNEL_FORMATS, TOOL_FORMATS
 from replicas.replica import ReplicaOptions

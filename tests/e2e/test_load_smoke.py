@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from load.run_load import main as run_load
+from load.locust.run_load import main as run_load
 
 pytestmark = pytest.mark.e2e
 
@@ -20,14 +20,14 @@ RUN_SECONDS = 20
 # What the serving path promises at this load: 4 users are far below the model's
 # max_ongoing_requests (64), so every request joins the running batch at once and its first
 # token is one short prefill away, never a wait for other requests' whole generations
-# (E2E 0.3-2.6 s per payload, load/RESULTS.md). Measured on a 2-core box, six runs (two of
+# (E2E 0.3-2.6 s per payload, load/results/locust.md). Measured on a 2-core box, six runs (two of
 # each layout): the worst payload's p95 TTFT 180-300 ms in five and 540 ms in the sixth,
-# the box's load average at 5 from other runs (310 ms in RESULTS.md beside a benchmark). 1.5 s is
+# the box's load average at 5 from other runs (310 ms in load/results/locust.md beside a benchmark). 1.5 s is
 # about three times the worst of those; serialized requests would wait seconds behind up to
 # three others' generations. Speed targets live in the benchmarks.
 MAX_P95_TTFT_MS = 1500
 # Streams the run must complete: measured 204-335 in 20 s here (about 10 a second) and
-# 5.4 a second beside a neighbour's benchmark (RESULTS.md); 2 a second is under half the
+# 5.4 a second beside a neighbour's benchmark (load/results/locust.md); 2 a second is under half the
 # worst, and a server stalled for 16 of the 20 s falls short even at the best rate seen.
 MIN_STREAMS = 2 * RUN_SECONDS
 

@@ -1,9 +1,9 @@
-"""`load/bench_vs_mlx_server.py`'s like-for-like checks, without servers: a failed or short
+"""`load.serving.vs_mlx_server`'s like-for-like checks, without servers: a failed or short
 request is work not done, and differing prompt token counts void the comparison."""
 
 from __future__ import annotations
 
-from load.bench_results import Level, Sample, problems
+from load.harness.results import Level, Sample, problems
 
 
 def sample(prompt: str, tokens: int = 4, prompt_tokens: int = 10,

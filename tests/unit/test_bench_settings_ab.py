@@ -1,4 +1,4 @@
-"""`load/bench_settings_ab.py`: what a variant is, where its keys land in the config the
+"""`load.serving.settings_ab`: what a variant is, where its keys land in the config the
 bench runs, and that each variant is judged against the shipped run of its own round."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from load.bench_ceiling import LevelRun
-from load.bench_serving import bench_config
-from load.bench_settings_ab import SHIPPED, Variant, parse_variant, summarize
+from load.harness.servers import orchard_config
+from load.serving.driver import LevelRun
+from load.serving.settings_ab import SHIPPED, Variant, parse_variant, summarize
 
 
 def test_a_variant_is_a_name_and_model_or_app_keys() -> None:
@@ -28,7 +28,7 @@ def test_a_malformed_variant_is_refused(text: str) -> None:
 
 
 def test_variant_keys_merge_into_the_model_and_the_application() -> None:
-    config = bench_config("builtin:ceiling", "ceiling", 20.0, settings={"num_replicas": 2},
+    config = orchard_config("builtin:ceiling", "ceiling", 20.0, settings={"num_replicas": 2},
                           app={"logging_config": {"enable_access_log": False},
                                "args": {"observability": {"metrics": False}}})
     application = config["applications"][0]  # type: ignore[index]
@@ -39,7 +39,7 @@ def test_variant_keys_merge_into_the_model_and_the_application() -> None:
     assert model["stream_flush_ms"] == 20.0
     assert application["import_path"] == "deployments.app:build_app"
     # Without a variant, the shipped config as every other benchmark runs it.
-    plain = bench_config("builtin:ceiling", "ceiling", 20.0)["applications"][0]  # type: ignore[index]
+    plain = orchard_config("builtin:ceiling", "ceiling", 20.0)["applications"][0]  # type: ignore[index]
     assert plain["args"]["observability"] == {"metrics": True, "request_logs": True}
     assert "logging_config" not in plain
 

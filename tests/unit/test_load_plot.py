@@ -1,4 +1,4 @@
-"""`load/run_load.py --plot`: the PNG from a small synthetic locust history."""
+"""`load/locust/run_load.py --plot`: the PNG from a small synthetic locust history."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from load.plot import plot_history, read_history
-from load.run_load import locust_command, parse_args
+from load.locust.plot import plot_history, read_history
+from load.locust.run_load import locust_command, parse_args
 
 COLUMNS = ["Timestamp", "User Count", "Type", "Name", "Requests/s", "Failures/s", "50%", "95%"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from mlx_lm.models.cache import PromptTrie
 
-from load.bench_prefix_lookup import theirs
+from load.micro.prefix_lookup import theirs
 from replicas.engine.kv.trie import Key, PrefixTrie
 
 
@@ -120,7 +120,7 @@ def test_an_emptied_trie_holds_nothing() -> None:
 @pytest.mark.parametrize("seed", range(10))
 def test_agrees_with_mlx_lm_on_what_it_finds(seed: int) -> None:
     """Same entries in both; mlx-lm's search read as `PromptCache` read it before
-    (`load.bench_prefix_lookup.theirs`)."""
+    (`load.micro.prefix_lookup.theirs`)."""
     rng = random.Random(seed)
     ours, mlx = PrefixTrie(), PromptTrie()
     for _ in range(60):

@@ -1,4 +1,4 @@
-"""The benchmark's CPU accounting by process role (load/process_cpu.py)."""
+"""The benchmark's CPU accounting by process role (load/harness/process_cpu.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from load.process_cpu import (CpuSnapshot, cpu_seconds, per_token_table, role,
+from load.harness.process_cpu import (CpuSnapshot, cpu_seconds, per_token_table, role,
                               thread_seconds, threads_between)
 from replicas.os_thread import name_os_thread
 

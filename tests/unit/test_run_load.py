@@ -1,4 +1,4 @@
-"""`load/run_load.py`'s verdicts, failing paths included, without a server or locust: the
+"""`load/locust/run_load.py`'s verdicts, failing paths included, without a server or locust: the
 e2e smoke run only ever sees a passing run, so these show each threshold can fail it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from load import run_load
-from load.run_load import StatsRow, evaluate, read_stats
+from load.locust import run_load
+from load.locust.run_load import StatsRow, evaluate, read_stats
 
 CSV_HEADER = ["Type", "Name", "Request Count", "Failure Count", "Median Response Time",
               "Average Response Time", "95%", "99%"]

@@ -1,4 +1,4 @@
-"""`load/stream_checks.py` on SSE frames recorded from Orchard (tool calls in both APIs),
+"""`load/locust/stream_checks.py` on SSE frames recorded from Orchard (tool calls in both APIs),
 passing and failing: the Locust runs against orchard-tiny only ever see passing output, so
 these show that every check can fail a request, with a message that says why."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from load.stream_checks import READERS, Stream, check_output
+from load.locust.stream_checks import READERS, Stream, check_output
 
 PARIS = ["get_weather", '{"city": "Paris"}']
 TOKYO = ["get_weather", '{"city": "Tokyo"}']

@@ -1,0 +1,1 @@
+"""Load tests and benchmarks: the harness (`load.harness`) and the experiments that use it."""

@@ -1,0 +1,1 @@
+"""The agent-turns experiment: conversations that resend a long prefix, and its modes."""

@@ -1,0 +1,1 @@
+"""What every benchmark shares: servers, the table of targets, clients and stats."""

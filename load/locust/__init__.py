@@ -1,0 +1,1 @@
+"""Locust load tests: the users, their payload checks and the headless runner."""
