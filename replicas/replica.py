@@ -58,6 +58,7 @@ from replicas.families.tool_format import ToolFormat
 from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.prepare import InputProcessor, Prepared
 from replicas.routing_keys import token_spans
+from replicas.disk_reads import DiskReads
 from replicas.kv_pull import KvPuller, PullResult, Ranks, Source
 from replicas.engine.kv.transfer import PrefixKV, PrefixPull
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
@@ -89,6 +90,7 @@ class ModelReplica:
         # The generating batch: pulled KV lands in its cache, exported KV comes from it.
         self._batch: LocalBatch | LockstepBatch | None = None
         self._puller: KvPuller | None = None  # set at start where KV may move
+        self._disk_reads: DiskReads | None = None  # set at start with a disk tier
         self._timings = Timings()
         self._engine = Engine(self._open, options.engine, on_step=self._timings.step,
                               name=options.model_id)
@@ -175,6 +177,8 @@ class ModelReplica:
         self._embedder = Embedder.open(self.options, model, self.context_length,
                                        self._engine.call, self._timings)
         batch = self._batch
+        if batch is not None and batch.cache is not None and batch.cache.disk is not None:
+            self._disk_reads = DiskReads(self._engine.call, batch.cache)
         if batch is not None and batch.cache is not None:
             sharded = self.options.shard is not None
             if sharded and self._ranks is None:
@@ -278,6 +282,8 @@ class ModelReplica:
             return
         warnings = prepared.warnings
         ready = prepared.request
+        if self._disk_reads is not None and ready.embeddings is None:
+            await self._disk_reads.before(ready.prompt_ids)  # off the engine thread
         if source is not None and self._puller is not None and ready.embeddings is None \
                 and ready.sampled_before == 0:
             result = await self._puller.before(ready.prompt_ids, source)
@@ -318,7 +324,11 @@ class ModelReplica:
 
     async def export_prefix(self, pull: PrefixPull) -> PrefixKV | None:
         """Another replica's pull: the KV of the longest prefix of its prompt held here."""
-        return await self._puller.export(pull) if self._puller is not None else None
+        if self._puller is None:
+            return None
+        if self._disk_reads is not None:  # a prefix on disk is read off the engine thread
+            await self._disk_reads.before(pull.tokens)
+        return await self._puller.export(pull)
 
     async def prefill_prefix(self, tokens: tuple[int, ...]) -> PrefixKV | None:
         """A prefill replica's job (`role: prefill`): prefill `tokens` here (one greedy

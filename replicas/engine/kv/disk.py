@@ -179,8 +179,9 @@ class DiskTier:
         return None if found is None else DiskHit(*found)
 
     def load(self, hit: DiskHit) -> list[Any] | None:
-        """The entry's KV, checked against its sum; None (and the entry dropped) when it
-        is missing, altered or unreadable."""
+        """The entry's KV, checked against its sum and evaluated; None (and the entry
+        dropped) when it is missing, altered or unreadable. Reads the whole file: call it
+        off the engine thread (`replicas.disk_reads`)."""
         with self._lock:
             entry = self._entries.get(hit.key)
         if entry is None:
@@ -190,6 +191,7 @@ class DiskTier:
             if _sha256(path) != entry.sha256:
                 raise ValueError("its SHA-256 does not match its sidecar")
             cache = load_cache(str(path))
+            mx.eval([c.state for c in cache])  # read here, not where it is first used
         except Exception as exc:  # noqa: BLE001 - a bad file costs the hit, never the request
             log.warning("disk KV cache: dropping %s: %s", path.name, exc)
             self._drop(hit.key)

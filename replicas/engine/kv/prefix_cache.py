@@ -21,7 +21,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from replicas.engine.kv.disk import DiskTier
+from replicas.engine.kv.disk import DiskHit, DiskTier
 from replicas.engine.kv.directory import HeldBlocks
 from replicas.engine.kv.trie import PrefixTrie
 from replicas.engine.kv.quantized import QuantizedRowKVCache
@@ -92,6 +92,10 @@ class PromptCache:
         self._cached_tokens = 0
 
     @property
+    def disk(self) -> DiskTier | None:
+        return self._disk
+
+    @property
     def nbytes(self) -> int:
         """What the entries count against `max_bytes` (scaled by `cost_scale`)."""
         return self._bytes
@@ -121,9 +125,9 @@ class PromptCache:
         None. At least the last token is always left out: its logits start generation.
         `count`: a request's lookup (the stats count it); False for another replica's
         pull (`replicas.kv_pull`)."""
+        # The disk tier is read before a request starts, off the engine thread
+        # (`disk_wanted`, `read_disk`, `take_disk`), never here.
         hit = self._lookup(tokens[:-1]) if len(tokens) > 1 else None
-        if self._disk is not None:
-            hit = self._from_disk(tokens, hit)
         if count:
             hit = self._from_adopted(tokens, hit)
         else:
@@ -180,24 +184,36 @@ class PromptCache:
         return self._trie.longest_prefix(
             usable, lambda key: can_trim_prompt_cache(self._lru[key].cache))
 
-    def _from_disk(self, tokens: list[int], hit: CacheHit | None) -> CacheHit | None:
-        """`hit`, or the disk tier's longer one, loaded into memory (a file that fails its
-        check is dropped there, and memory's hit stands)."""
-        assert self._disk is not None
+    def disk_wanted(self, tokens: list[int]) -> DiskHit | None:
+        """The disk entry worth reading before a request for `tokens` starts, or None. On
+        the engine thread; no file is read here."""
+        if self._disk is None:
+            return None
         found = self._disk.lookup(tokens)
+        held = self._find(tokens[:-1]) if len(tokens) > 1 else None
+        if self._adopted is not None and len(self._adopted[0]) < len(tokens) \
+                and tuple(tokens[:len(self._adopted[0])]) == self._adopted[0]:
+            held = (self._adopted[0], len(self._adopted[0]))
         # Reading a file costs its whole size: worth it when it saves a real prefill and
         # most of what is read is used (not a shared system prompt of a long entry).
-        if found is None or found.length - (hit.length if hit else 0) < DISK_MIN_TOKENS \
+        if found is None or found.length - (held[1] if held else 0) < DISK_MIN_TOKENS \
                 or found.length * 4 < len(found.key):
-            return hit
-        cache = self._disk.load(found)
-        if cache is None:
-            return hit
+            return None
+        return found
+
+    def read_disk(self, found: DiskHit) -> list[Any] | None:
+        """On a worker thread: the entry's KV, read, checked against its sum and evaluated
+        (None when the file failed its check: it is dropped)."""
+        assert self._disk is not None
+        return self._disk.load(found)
+
+    def take_disk(self, found: DiskHit, cache: list[Any]) -> None:
+        """On the engine thread: a read entry joins memory, for the request about to start
+        (one larger than the bound waits for that request's lookup, as a pulled one)."""
         self.save(list(found.key), cache, spill=False)
-        if found.key in self._lru:
-            return self._hit(found.key, found.length)
-        # Larger than the memory bound: served once, straight from the file.
-        return CacheHit(prefix_view(cache, len(found.key) - found.length), found.length)
+        if found.key not in self._lru:
+            self._adopted = (found.key[:found.length],
+                             prefix_view(cache, len(found.key) - found.length))
 
     def close(self) -> None:
         """Every entry to the disk tier (a restart finds them there), written before this
