@@ -41,6 +41,7 @@ from deployments.replica_settings import (  # noqa: F401 - part of this module's
     ClusterSettings,
 )
 from deployments.roles import check_roles, served
+from deployments.tenants import TenantSettings
 
 
 class ModelSettings(_Strict):
@@ -350,6 +351,23 @@ class AppArgs(_Strict):
                                      "runs (e.g. ORCHARD_API_KEYS); unset or empty is an error.")
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
+    tenants: dict[str, TenantSettings] = Field(
+        default_factory=dict, description="Who shares the cluster (deployments/tenants.py): "
+        "each tenant's keys (from the environment), priority, share and limits. With "
+        "tenants, a key in none is a 401; `api_keys` and `api_keys_env` must be unset.")
+
+    @model_validator(mode="after")
+    def _tenants_own_the_keys(self) -> "AppArgs":
+        if self.tenants and (self.api_keys or self.api_keys_env):
+            raise ValueError("with tenants, every key belongs to one: move api_keys / "
+                             "api_keys_env into a tenant's keys_env")
+        names = {name for m in self.served_models for name in (m.id, *m.aliases)}
+        for tenant, settings in self.tenants.items():
+            unknown = sorted(set(settings.models or ()) - names)
+            if unknown:
+                raise ValueError(f"tenant '{tenant}' names models not served: "
+                                 f"{', '.join(unknown)}")
+        return self
 
     @field_validator("api_keys")
     @classmethod

@@ -17,6 +17,7 @@ from deployments.model_clients import RayModelClient, ResumePolicy
 from deployments.observability import request_observer
 from deployments.responses.store import response_store
 from deployments.serve_options import bind_like_serves_proxy
+from deployments.tenants import TenantSettings, tenant_policies
 from ingress.app import create_app
 from ingress.client import ModelCard
 from ingress.options import EdgeOptions, ImageLimits
@@ -33,10 +34,11 @@ class EdgeArgs:
     observability: ObservabilitySettings = ObservabilitySettings()
     responses: ResponsesSettings = ResponsesSettings()
 
+    tenants: tuple[tuple[str, TenantSettings], ...] = ()  # names key env variables, not keys
     @classmethod
     def from_config(cls, config: AppArgs) -> "EdgeArgs":
         return cls(config.ingress, tuple(config.api_keys), config.api_keys_env,
-                   config.observability, config.responses)
+                   config.observability, config.responses, tuple(config.tenants.items()))
 
     def options(self, environ: Mapping[str, str]) -> EdgeOptions:
         """Resolved where the ingress runs, since that is where the key variable is set."""
@@ -57,6 +59,7 @@ class EdgeArgs:
             max_stop_chars=settings.max_stop_chars,
             images=ImageLimits(**settings.images.model_dump()),
         )
+            tenants=tenant_policies(dict(self.tenants), environ),
 
 
 @serve.deployment

@@ -22,6 +22,8 @@ from ingress.observe import ObservedClient, ObserveMiddleware, RequestObserver
 from ingress.options import EdgeOptions
 from ingress.registry import PROTOCOLS, protocol_for
 from ingress.responses.store import MemoryResponseStore, ResponseStore
+from ingress.tenancy.door import TenantMiddleware, tenanted_client
+from ingress.tenancy.usage import UsageStore, router as usage_router
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
 
@@ -34,13 +36,15 @@ log = logging.getLogger(__name__)
 
 def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
                response_store: ResponseStore | None = None,
-               observer: RequestObserver | None = None) -> FastAPI:
+               observer: RequestObserver | None = None,
+               usage: UsageStore | None = None) -> FastAPI:
     """The app. `response_store` keeps stored Responses API responses; the default lives in
     this process only, so deployments with several ingress replicas pass a shared one.
     `observer` gets one record per finished generation request (metrics, request logs);
     without one, nothing is traced."""
     app = FastAPI(title="Orchard", version="0.1.0")
-    limited = LimitedClient(client, options)
+    # Each key's tenant, its limits and usage (`ingress/tenancy/`; `usage`: where it is kept).
+    limited = tenanted_client(app, LimitedClient(client, options), options.tenants, usage)
     app.state.client = limited if observer is None else ObservedClient(limited)
     app.state.served_lengths = {}  # model id -> the context its replica serves
     app.state.image_limits = options.images  # for the routes' `MediaParts.for_model`
@@ -61,7 +65,9 @@ def _install_middleware(app: FastAPI, options: EdgeOptions,
     # headers alone, before a possibly large body is read; then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_body_bytes)
     keys = ApiKeys(options.api_keys)
-    if keys:
+    if options.tenants:  # the key's tenant: auth, limits' headers, priority
+        app.add_middleware(TenantMiddleware, tenants=app.state.tenants, ledger=app.state.ledger)
+    elif keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(GuardMiddleware, timeout_s=options.request_timeout_s)
     if observer is not None:  # outside the guard: it sees the guard's 500s and 504s
@@ -96,6 +102,7 @@ def _install_routes(app: FastAPI) -> None:
 
     for protocol in PROTOCOLS:
         app.include_router(protocol.router)
+    app.include_router(usage_router)
 
 
 async def _served_lengths(app: FastAPI, cards: Sequence[ModelCard]) -> dict[str, int | None]:

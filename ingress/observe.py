@@ -41,7 +41,7 @@ CLIENT_CLOSED = 499
 
 _KIND_OF_STATUS = {400: ErrorKind.INVALID_REQUEST, 401: ErrorKind.UNAUTHORIZED,
                    404: ErrorKind.NOT_FOUND, 413: ErrorKind.INVALID_REQUEST,
-                   429: ErrorKind.OVERLOADED, 503: ErrorKind.OVERLOADED,
+                   429: ErrorKind.RATE_LIMITED, 503: ErrorKind.OVERLOADED,
                    529: ErrorKind.OVERLOADED, 504: ErrorKind.TIMEOUT}
 
 
@@ -62,6 +62,7 @@ class RequestRecord:
     finish_reason: FinishReason | None
     error: ErrorKind | None
     cancelled: bool  # the generation was stopped before its end (disconnect, deadline)
+    tenant: str = "default"  # the API key's tenant (`ingress/tenancy/`)
 
 
 class RequestObserver(typing.Protocol):
@@ -88,7 +89,7 @@ class _Trace:
     """The request's facts as they arrive; mutated by the middleware and the client."""
 
     __slots__ = ("started", "request_id", "model", "first_at", "last_at", "usage", "reason",
-                 "error", "opened", "status", "streaming")
+                 "error", "opened", "status", "streaming", "tenant")
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
@@ -102,6 +103,7 @@ class _Trace:
         self.opened = False  # a generation was asked for
         self.status: int | None = None
         self.streaming = False
+        self.tenant = "default"
 
     def saw(self, batch: list[OutputEvent]) -> None:
         if not batch:
@@ -131,10 +133,17 @@ class _Trace:
             itl = (self.last_at - self.first_at) / (tokens - 1)
         return RequestRecord(self.request_id, self.model or default_model, protocol, endpoint,
                              status, self.streaming, ended - self.started, ttft, itl,
-                             self.usage, self.reason, error, cancelled)
+                             self.usage, self.reason, error, cancelled, self.tenant)
 
 
 _TRACE: ContextVar[_Trace | None] = ContextVar("orchard_trace", default=None)
+
+
+def note_tenant(tenant: str) -> None:
+    """The current request's tenant, for its record (called by the tenant middleware)."""
+    trace = _TRACE.get()
+    if trace is not None:
+        trace.tenant = tenant
 
 
 def _owner(path: str) -> tuple[str, str] | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ingress.tenancy.policy import TenantPolicy
+
 MIB = 1024 * 1024
 
 
@@ -48,3 +50,6 @@ class EdgeOptions:
     # Longest stop string, in characters: the stop matcher's automaton grows with the total.
     max_stop_chars: int = 256
     images: ImageLimits = ImageLimits()
+    # Who may call and what each may use (`ingress/tenancy/`); empty: `api_keys` alone
+    # decide, every request the default tenant. Out of repr: they hold keys.
+    tenants: tuple[TenantPolicy, ...] = field(default=(), repr=False)

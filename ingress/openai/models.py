@@ -133,6 +133,8 @@ class SamplingFields(_Wire):
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     stop_token_ids: list[int] | None = None
+    # vLLM's: lower runs sooner. Orchard's tenants may only lower their own (a higher value).
+    priority: int | None = None
     include_stop_str_in_output: bool = False
     guided_json: Union[dict[str, Any], str, None] = None
     guided_regex: str | None = None

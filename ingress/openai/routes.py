@@ -17,6 +17,7 @@ from ingress.openai.render import CompletionRenderer, ResponseMeta
 from ingress.protocol import WireProtocol
 from ingress.sse import DONE_FRAME
 from ingress.streaming import respond
+from ingress.tenancy.seat import asked_priority
 
 router = APIRouter()
 router.include_router(tokenize.router)  # vLLM's tokenizer endpoints, in OpenAI's error shape
@@ -34,6 +35,7 @@ OPENAI = WireProtocol(
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     client: ModelClient = request.app.state.client
+    asked_priority(body.priority)
     card = require_model(client, body.model)
     media = MediaParts.for_model(card, request.app.state.image_limits)
     gen = await media.resolve(chat_request(body, card.id, media))
@@ -52,6 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     client: ModelClient = request.app.state.client
+    asked_priority(body.priority)
     card = require_model(client, body.model)
     gen = completion_request(body, card.id)
     prompts = completion_prompts(body)
