@@ -1,6 +1,7 @@
 """The agent-turns workload, shared by `load.agent_turns.bench` and its `--suite`,
-`--memory` and `--admission` modes: conversations that resend a long system prompt plus every earlier turn,
-one turn against an in-process replica, and the per-turn numbers every report prints.
+`--memory` and `--admission` modes: conversations that resend a long system prompt plus
+every earlier turn, one turn against an in-process replica, and the per-turn numbers every
+report prints.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ checks (kept apart so the checks are unit-tested without starting a server)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from load.harness.stats import nearest_rank
 
 
 @dataclass
@@ -50,19 +51,11 @@ class Level:
             "requests": len(self.samples), "errors": len(self.samples) - len(ok),
             "tokens": tokens, "seconds": self.seconds,
             "tokens_per_s": tokens / self.seconds,
-            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
-            "itl_p50_ms": pct(ms, 0.5), "itl_p99_ms": pct(ms, 0.99),
-            "tpot_p50_ms": pct(tpot, 0.5), "tpot_p99_ms": pct(tpot, 0.99),
+            "ttft_p50_ms": nearest_rank(ttft, 0.5), "ttft_p99_ms": nearest_rank(ttft, 0.99),
+            "itl_p50_ms": nearest_rank(ms, 0.5), "itl_p99_ms": nearest_rank(ms, 0.99),
+            "tpot_p50_ms": nearest_rank(tpot, 0.5), "tpot_p99_ms": nearest_rank(tpot, 0.99),
             "cached_prompt_tokens": sum(s.cached for s in ok),
         }
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (NaN when there are no values)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def by_prompt(level: Level) -> dict[str, str]:

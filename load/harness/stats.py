@@ -3,6 +3,7 @@ range, percentiles and a bootstrap interval for a median ratio."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Iterable
@@ -58,7 +59,16 @@ def median_interval(values: list[float], confidence: float = 0.9,
     return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (NaN when there are no values): `vs_mlx_server`'s tables."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def pct(values: list[float], q: float) -> float:
-    """The value at rank `int(q * n)` (0 when there are none)."""
+    """The value at rank `int(q * n)` (0 when there are none): one above nearest-rank's at
+    some sizes, kept for the figures `overhead` and `resume` recorded with it."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

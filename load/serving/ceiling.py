@@ -43,14 +43,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from load.harness.process_cpu import process_tree
-from load.harness.servers import (MLX_PORT, OUT, eos_bias, local_path, mlx_server,
-                                  require_alive, running)
+from load.harness.servers import OUT, eos_bias, local_path, mlx_server
 from load.harness.stats import spread
 from load.harness.targets import TARGETS as TABLE
 from load.harness.targets import RawModel
-from load.serving.driver import (MODEL_ID, LevelRun, arrivals_level, measure_http, orchard,
-                                 orchard_flush_ms, raw_level)
+from load.serving.driver import (MODEL_ID, LevelRun, Live, arrivals_level, command_server,
+                                 measure_http, orchard_flush_ms, orchard_server, raw_level,
+                                 serve_levels)
 
 # The preset's targets, from the harness's table (`--via-proxy`: orchard_proxy's port).
 TARGETS = ("raw", "raw_arrivals", "orchard", "mlx_server")
@@ -72,24 +71,24 @@ def one_round(index: int, raw: RawModel, model_path: Path, bias: dict[str, float
         runs["raw_arrivals"][n] = arrivals_level(raw, n, args, f"r{index}-arrivals-x{n}")
         show("raw_arrivals", n, runs["raw_arrivals"][n])
     settings = {} if args.chunks_per_s is None else {"stream_chunks_per_s": args.chunks_per_s}
-    port = TABLE["orchard_proxy" if args.via_proxy else "orchard"].port
-    assert port is not None
-    with orchard(args.model, MODEL_ID, wait=True, flush_ms=args.flush_ms, layout="default",
-                 haproxy=args.haproxy, settings=settings, actor_calls=args.actor_calls) as proc:
-        for n in args.streams:
-            runs["orchard"][n] = measure_http(port, MODEL_ID, lambda: process_tree(proc.pid), n,
-                                              args, bias, f"r{index}-orchard-x{n}")
-            require_alive(proc)
-            show("orchard", n, runs["orchard"][n])
+    connect = TABLE["orchard_proxy" if args.via_proxy else "orchard"].port
+    assert connect is not None
     target, command = mlx_server(model_path, prompt_cache=True)  # as shipped
-    me = os.getpid()
-    with running(target, command, OUT / "bench_ceiling_mlx_server.log"):
-        for n in args.streams:
-            # Its only process is our child: this process's tree less this process.
-            runs["mlx_server"][n] = measure_http(
-                MLX_PORT, target.model, lambda: [p for p in process_tree(me) if p != me], n,
-                args, bias, f"r{index}-mlx-x{n}")
-            show("mlx_server", n, runs["mlx_server"][n])
+    servers = {
+        "orchard": orchard_server("orchard", args.model, MODEL_ID, connect=connect, wait=True,
+                                  flush_ms=args.flush_ms, layout="default",
+                                  haproxy=args.haproxy, settings=settings,
+                                  actor_calls=args.actor_calls),
+        "mlx_server": command_server(target, command, OUT / "bench_ceiling_mlx_server.log"),
+    }
+    tags = {"orchard": "orchard", "mlx_server": "mlx"}
+    for name in SERVERS:
+        def measure(live: Live, n: int, name: str = name) -> LevelRun:
+            run = measure_http(live, n, args, bias, f"r{index}-{tags[name]}-x{n}")
+            show(name, n, run)
+            return run
+
+        runs[name] = serve_levels(servers[name], args.streams, measure)
     return runs
 
 

@@ -1,8 +1,9 @@
 """The serving driver that `overhead`, `ceiling`, `vs_mlx_server` and `settings_ab` are
-presets of: a target from the harness's table started (`orchard`, or `mlx_lm.server` through
-`servers.running`), measured level by level, stopped, never two servers at once; a level is
-a warm-up request, then N workers in a closed loop (`measure_http`), or the same engine
-driven in this process (`raw_level`, `arrivals_level`)."""
+presets of: a server target of the harness's table (`orchard_server`, or `command_server`
+for `mlx_lm.server`) started, measured level by level, stopped, never two servers at once
+(`serve_levels`). A preset picks its targets, levels and measure: here N workers in a
+closed loop on the bare socket (`measure_http`), or the raw targets' engine driven in this
+process (`raw_level`, `arrivals_level`)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from load.harness.bare_client import Result, bounded
-from load.harness.process_cpu import CpuSnapshot, thread_seconds, threads_between
+from load.harness.process_cpu import CpuSnapshot, process_tree, thread_seconds, threads_between
 from load.harness.prompts import unique_prompt
-from load.harness.servers import PORT, require_alive, start_server, stop_server, wait_port_free
+from load.harness.servers import (HOST, PORT, Target, require_alive, running, start_server,
+                                  stop_server, wait_port_free)
 from load.harness.targets import RawModel
+
+T = TypeVar("T")
 
 MODEL_ID = "ceiling"  # the name Orchard serves `builtin:ceiling` under in these presets
 
@@ -46,19 +52,75 @@ class LevelRun:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-@contextlib.contextmanager
-def orchard(source: str, model: str, *, wait: bool = False,
-            **config: Any) -> Iterator[subprocess.Popen[bytes]]:
-    """Orchard (`servers.start_server` with `config`) for the block, checked alive at its
-    end and stopped after; `wait`: wait out someone else's server on the port first."""
-    if wait:
-        wait_port_free(PORT)
-    proc = start_server(source, model, **config)
-    try:
-        yield proc
-        require_alive(proc)
-    finally:
-        stop_server(proc)
+@dataclass(frozen=True)
+class Live:
+    """A started server: where its clients connect (`target`), the processes that are its
+    own (`pids()`, for CPU per token) and Orchard's `serve run` to check it is still ours."""
+
+    target: Target
+    pids: Callable[[], list[int]]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def check(self) -> None:
+        if self.proc is not None:
+            require_alive(self.proc)
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server target of the harness's table and how to start it: `start()` is a context
+    manager that yields it `Live` and stops it after."""
+
+    label: str
+    start: Callable[[], AbstractContextManager[Live]]
+
+
+def orchard_server(label: str, source: str, model: str, *, connect: int = PORT,
+                   wait: bool = False, **config: Any) -> Server:
+    """Orchard (`servers.start_server` with `config`), its clients on port `connect` (the
+    replica's own, or Serve's proxy one above); `wait`: wait out someone else's server on
+    the port first."""
+    @contextlib.contextmanager
+    def start() -> Iterator[Live]:
+        if wait:
+            wait_port_free(PORT)
+        proc = start_server(source, model, **config)
+        try:
+            live = Live(Target(label, f"http://{HOST}:{connect}", model),
+                        lambda: process_tree(proc.pid), proc)
+            yield live
+            live.check()
+        finally:
+            stop_server(proc)
+
+    return Server(label, start)
+
+
+def command_server(target: Target, command: list[str], log: Path) -> Server:
+    """A server `command` starts (`mlx_lm.server`, or a `serve run` of a config written for
+    the run), through `servers.running`; its processes are this process's tree less itself."""
+    @contextlib.contextmanager
+    def start() -> Iterator[Live]:
+        me = os.getpid()
+        with running(target, command, log):
+            yield Live(target, lambda: [p for p in process_tree(me) if p != me])
+
+    return Server(target.label, start)
+
+
+def serve_levels(server: Server, levels: Sequence[int], measure: Callable[[Live, int], T],
+                 before: Callable[[Live], object] | None = None) -> dict[int, T]:
+    """The driver: `server` started, `before` run on it (a warm-up, or a preset's own phase),
+    measured at each level (checked still ours after each), stopped; never two servers at
+    once."""
+    with server.start() as live:
+        if before is not None:
+            before(live)
+        runs: dict[int, T] = {}
+        for n in levels:
+            runs[n] = measure(live, n)
+            live.check()
+        return runs
 
 
 async def waves(port: int, model: str, streams: int, args: argparse.Namespace,
@@ -76,10 +138,11 @@ async def waves(port: int, model: str, streams: int, args: argparse.Namespace,
     return time.perf_counter() - start, results
 
 
-def measure_http(port: int, model: str, pids: Callable[[], list[int]], streams: int,
-                 args: argparse.Namespace, bias: dict[str, float], tag: str) -> LevelRun:
+def measure_http(live: Live, streams: int, args: argparse.Namespace, bias: dict[str, float],
+                 tag: str) -> LevelRun:
     """A warm-up request, then the timed waves, with the CPU of the server's processes
-    (`pids()` lists them) and of this process over the timed part only."""
+    (`live.pids()`) and of this process over the timed part only."""
+    port, model, pids = live.target.port, live.target.model, live.pids
     async def level() -> tuple[CpuSnapshot, float, float, list[Result]]:
         await bounded(port, model, unique_prompt(f"{tag}-warmup"), 8, bias, args.timeout)
         before, cpu = CpuSnapshot.take(pids()), time.process_time()

@@ -21,12 +21,12 @@ import statistics
 import time
 
 from load.harness.clients import http_streams
-from load.harness.process_cpu import CpuSnapshot, per_token_table, process_tree
+from load.harness.process_cpu import CpuSnapshot, per_token_table
 from load.harness.prompts import PROMPT
-from load.harness.servers import LAYOUTS, paused, require_alive
+from load.harness.servers import LAYOUTS, paused
 from load.harness.stats import Run, median_interval, median_run, pct
 from load.harness.targets import RawModel
-from load.serving.driver import orchard
+from load.serving.driver import Live, orchard_server, serve_levels
 
 
 def pair_prompt(index: int) -> str:
@@ -65,21 +65,28 @@ def main() -> None:
     http_runs: list[Run] = []
     spent: dict[str, float] = {}
     raw_cpu = 0.0
-    with orchard(args.model, "bench", flush_ms=args.flush_ms, layout=args.layout,
-                 haproxy=args.haproxy, metrics=not args.no_metrics) as proc:
-        # Single streams alternate raw and HTTP, so the machine's drift hits both alike.
+    server = orchard_server("orchard", args.model, "bench", flush_ms=args.flush_ms,
+                            layout=args.layout, haproxy=args.haproxy, metrics=not args.no_metrics)
+
+    def pairs(live: Live) -> None:
+        """Single streams alternate raw and HTTP, so the machine's drift hits both alike."""
+        nonlocal raw_cpu
+        assert live.proc is not None
         for index in range(args.repeat):
             text = pair_prompt(index)
-            with paused(proc.pid):
+            with paused(live.proc.pid):
                 cpu = time.process_time()
                 raw_runs.append(raw.single(args.tokens, text))
                 raw_cpu += time.process_time() - cpu
-            before = CpuSnapshot.take(process_tree(proc.pid))
+            before = CpuSnapshot.take(live.pids())
             http_runs.append(asyncio.run(http_streams(1, args.tokens, "bench", text)))
-            for name, seconds in CpuSnapshot.take(process_tree(proc.pid)).since(before).items():
+            for name, seconds in CpuSnapshot.take(live.pids()).since(before).items():
                 spent[name] = spent.get(name, 0.0) + seconds
-            require_alive(proc)
-        http_many = {c: asyncio.run(http_streams(c, args.tokens, "bench")) for c in args.concurrency}
+            live.check()
+
+    http_many = serve_levels(server, args.concurrency,
+                             lambda _, c: asyncio.run(http_streams(c, args.tokens, "bench")),
+                             before=pairs)
     raw1, http1 = median_run(raw_runs), median_run(http_runs)
     pair_ratios = sorted(h.rate / r.rate for r, h in zip(raw_runs, http_runs))
 

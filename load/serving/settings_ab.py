@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from load.harness.process_cpu import process_tree
-from load.harness.servers import OUT, PORT
+from load.harness.servers import OUT
 from load.harness.stats import spread
-from load.serving.driver import MODEL_ID, LevelRun, measure_http, orchard, orchard_flush_ms
+from load.serving.driver import (MODEL_ID, LevelRun, measure_http, orchard_flush_ms,
+                                 orchard_server, serve_levels)
 
 REPLICA = "model replica"  # `process_cpu`'s role for the process that serves HTTP and decodes
 
@@ -67,10 +67,10 @@ def parse_variant(text: str) -> Variant:
 
 def run_variant(variant: Variant, args: argparse.Namespace, tag: str) -> LevelRun:
     """One server start of `variant`, one measured level, the server stopped."""
-    with orchard(args.model, MODEL_ID, wait=True, flush_ms=orchard_flush_ms(),
-                 settings=variant.model, app=variant.app) as proc:
-        return measure_http(PORT, MODEL_ID, lambda: process_tree(proc.pid), args.streams,
-                            args, {}, tag)
+    server = orchard_server(variant.name, args.model, MODEL_ID, wait=True,
+                            flush_ms=orchard_flush_ms(), settings=variant.model, app=variant.app)
+    return serve_levels(server, [args.streams],
+                        lambda live, n: measure_http(live, n, args, {}, tag))[args.streams]
 
 
 def summarize(variants: list[Variant], rounds: list[dict[str, LevelRun]]) -> dict[str, Any]:

@@ -37,19 +37,24 @@ from pathlib import Path
 
 from load.harness.clients import run_level
 from load.harness.results import Level, by_prompt, problems
-from load.harness.servers import OUT, Target, eos_bias, local_path, mlx_server, running
+from load.harness.servers import OUT, eos_bias, local_path, mlx_server
 from load.harness.targets import orchard_replicas
+from load.serving.driver import Live, Server, command_server, serve_levels
 
 
-def bench(target: Target, args: argparse.Namespace, bias: dict[str, float]) -> list[Level]:
-    asyncio.run(run_level(target, 4, 4, args.max_tokens, "warmup", bias))  # load, allocate, first batches
-    levels = []
-    for c in args.concurrency:
-        level = asyncio.run(run_level(target, c, max(args.min_requests, args.rounds * c),
-                                      args.max_tokens, f"c{c}", bias))
-        print(f"  {target.label:<22} c={c:<3} {level.summary()['tokens_per_s']:8.1f} tokens/s", flush=True)
-        levels.append(level)
-    return levels
+def bench(server: Server, args: argparse.Namespace, bias: dict[str, float]) -> list[Level]:
+    """The preset's levels on one server: a 4-request warm-up (load, allocate, first
+    batches), then `rounds x c` requests (at least `--min-requests`) at each concurrency."""
+    def warmup(live: Live) -> None:
+        asyncio.run(run_level(live.target, 4, 4, args.max_tokens, "warmup", bias))
+
+    def level(live: Live, c: int) -> Level:
+        run = asyncio.run(run_level(live.target, c, max(args.min_requests, args.rounds * c),
+                                    args.max_tokens, f"c{c}", bias))
+        print(f"  {live.target.label:<22} c={c:<3} {run.summary()['tokens_per_s']:8.1f} tokens/s", flush=True)
+        return run
+
+    return list(serve_levels(server, args.concurrency, level, before=warmup).values())
 
 
 def concurrencies(results: dict[str, list[Level]]) -> list[int]:
@@ -164,8 +169,7 @@ def main() -> int:
     for target, command in servers:
         print(f"{target.label}: starting", flush=True)
         log = OUT / f"bench_{target.label.replace(' ', '_')}.log"
-        with running(target, command, log):
-            results[target.label] = bench(target, args, bias)
+        results[target.label] = bench(command_server(target, command, log), args, bias)
 
     print(f"\nmodel {args.model}, {args.max_tokens} tokens per request, greedy, started {started}, "
           f"load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n")
