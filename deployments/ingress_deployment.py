@@ -16,8 +16,8 @@ from deployments.metrics import stream_resumes
 from deployments.model_clients import RayModelClient, ResumePolicy
 from deployments.observability import request_observer
 from deployments.responses.store import response_store
-from deployments.serve_options import bind_like_serves_proxy
 from deployments.tenants import TenantSettings, tenant_policies
+from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
 from ingress.client import ModelCard
 from ingress.options import EdgeOptions, ImageLimits
@@ -33,8 +33,8 @@ class EdgeArgs:
     api_keys_env: str | None = None
     observability: ObservabilitySettings = ObservabilitySettings()
     responses: ResponsesSettings = ResponsesSettings()
-
     tenants: tuple[tuple[str, TenantSettings], ...] = ()  # names key env variables, not keys
+
     @classmethod
     def from_config(cls, config: AppArgs) -> "EdgeArgs":
         return cls(config.ingress, tuple(config.api_keys), config.api_keys_env,
@@ -58,8 +58,8 @@ class EdgeArgs:
             max_stops=settings.max_stops,
             max_stop_chars=settings.max_stop_chars,
             images=ImageLimits(**settings.images.model_dump()),
-        )
             tenants=tenant_policies(dict(self.tenants), environ),
+        )
 
 
 @serve.deployment
