@@ -28,7 +28,7 @@ import ray
 
 from load.harness.prompts import history
 from load.harness.remote import remote_turn, timed_turn
-from load.harness.stats import spread
+from load.harness.stats import at_least_three, spread
 from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 
@@ -63,8 +63,7 @@ def main() -> None:
 
 def run_tiers(source: str, lengths: list[int], runs: int) -> None:
     """Every tier's row for each history length (also `load/agent_turns/bench.py --tiers`)."""
-    if runs < 3:
-        raise SystemExit("--runs must be at least 3: a median of fewer is one run")
+    at_least_three(runs, "--runs")
     rng = random.Random(1234)
     root = str(Path(__file__).resolve().parents[2])  # the actors import this repository
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,

@@ -43,6 +43,12 @@ def spread(values: Iterable[float]) -> Spread:
     return Spread(statistics.median(values), min(values), max(values))
 
 
+def at_least_three(count: int, flag: str) -> None:
+    """A headline figure is a median of at least 3 runs: refuse fewer before anything runs."""
+    if count < 3:
+        raise SystemExit(f"{flag} must be at least 3: a median of fewer is one run")
+
+
 def median_run(runs: list[Run]) -> Run:
     """The run with the median rate: one request is noisy on a shared machine."""
     return sorted(runs, key=lambda r: r.rate)[len(runs) // 2]

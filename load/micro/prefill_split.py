@@ -34,7 +34,7 @@ import ray
 
 from load.harness.prompts import history
 from load.harness.remote import chat
-from load.harness.stats import spread
+from load.harness.stats import at_least_three, spread
 from replicas.contract import ChatMessage, ChatPrompt, GenerationRequest, \
     SamplingParams, TokenIds
 from replicas.engine.config import EngineConfig
@@ -134,8 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.runs < 3:
-        raise SystemExit("--runs must be at least 3: a median of fewer is one run")
+    at_least_three(args.runs, "--runs")
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two CPU cores: one per emulated Mac")
     root = str(Path(__file__).resolve().parents[2])

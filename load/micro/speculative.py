@@ -65,7 +65,7 @@ from replicas.engine.config import SpeculativeConfig
 from replicas.engine.model.mtp import load_mtp
 from replicas.engine.spec.gate import SpeculationGate
 from replicas.sources import load_source
-from load.harness.stats import spread
+from load.harness.stats import at_least_three, spread
 from load.micro.speculative_runs import TIES, BatchRun, Outputs, copy_prompts, mismatch, \
     prompts, run_orchard, run_raw
 
@@ -187,8 +187,7 @@ def bias_table(title: str, runs: dict[str, list[BatchRun]]) -> dict[str, Any]:
 
 def main() -> int:
     args = build_parser().parse_args()
-    if args.rounds < 3:
-        raise SystemExit("--rounds must be at least 3: a median of fewer is one run")
+    at_least_three(args.rounds, "--rounds")
     if len(args.max_tokens) not in (1, len(args.streams)):
         raise SystemExit("--max-tokens takes one value, or one per --streams entry")
     budget = dict(zip(args.streams, args.max_tokens * len(args.streams)

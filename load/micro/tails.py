@@ -21,6 +21,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from load.harness.stats import at_least_three
 from replicas.engine.spec.tails import drop_tails
 
 LAYERS, HEADS, HEAD_DIM = 8, 4, 64  # builtin:bench's KV
@@ -74,10 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    parser = build_parser()
-    args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("a headline figure is a median of at least 3 rounds")
+    args = build_parser().parse_args()
+    at_least_three(args.rounds, "--rounds")
     print(f"{args.rows} rows, {LAYERS} layers x {HEADS} KV heads x {HEAD_DIM}, bfloat16, "
           f"rejected {[i % WIDTH for i in range(args.rows)]} of {WIDTH}; "
           f"{args.rounds} rounds; mlx {mx.__version__} on {mx.default_device()}")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import httpx
 
 from load.harness.servers import LAYOUTS, paused, start_server, stop_server
-from load.harness.stats import Run, spread
+from load.harness.stats import at_least_three, Run, spread
 
 PORT = 8000
 MODEL = "bench-embed"
@@ -100,8 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.repeat < 3:
-        raise SystemExit("--repeat must be at least 3: a median of fewer is one run")
+    at_least_three(args.repeat, "--repeat")
     rng = random.Random(1234)
     raw = Raw(args.model)
     raw.run([texts(4, rng)])  # warm up: allocator, kernels

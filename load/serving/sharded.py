@@ -20,7 +20,7 @@ from typing import Any
 from load.harness.clients import http_streams
 from load.harness.serve_settings import serve_settings
 from load.harness.servers import PORT, run_config, stop_server
-from load.harness.stats import Run, spread
+from load.harness.stats import at_least_three, Run, spread
 
 MODELS = {"bench": 1, "bench-x2": 2}
 
@@ -59,10 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    parser = build_parser()
-    args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("a headline figure is a median of at least 3 rounds")
+    args = build_parser().parse_args()
+    at_least_three(args.rounds, "--rounds")
     proc = run_config(config(args.source), list(MODELS))
     tps: dict[tuple[str, int], list[float]] = {}
     ttft: dict[tuple[str, int], list[float]] = {}

@@ -26,29 +26,16 @@ import io
 import json
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import numpy as np
 
 from load.harness.servers import BASE, paused, start_server, stop_server
-from load.harness.stats import Run, spread
+from load.harness.stats import at_least_three, Run, spread
 
 MODEL = "bench-vision"
 QUESTION = "Describe these pictures."
-
-
-@dataclass(frozen=True)
-class ImageRun:
-    """A run of requests (`run.count`, their TTFTs) that carried `images` pictures in all."""
-
-    run: Run
-    images: int
-
-    @property
-    def images_per_s(self) -> float:
-        return self.images / self.run.seconds
 
 
 def pictures(count: int, size: int, rng: np.random.Generator) -> list[bytes]:
@@ -73,7 +60,7 @@ class Raw:
 
         self.model, self.processor = load(str(resolve_source(source)))
 
-    def run(self, requests: list[list[bytes]], max_tokens: int) -> ImageRun:
+    def run(self, requests: list[list[bytes]], max_tokens: int) -> Run:
         from mlx_vlm import stream_generate
         from PIL import Image
 
@@ -90,8 +77,7 @@ class Raw:
                                                   temperature=0.0)):
                 if n == 0:
                     ttfts.append(time.perf_counter() - began)
-        return ImageRun(Run(len(requests), time.perf_counter() - start, ttfts),
-                        sum(len(r) for r in requests))
+        return Run(len(requests), time.perf_counter() - start, ttfts)
 
 
 def body(images: list[bytes], max_tokens: int) -> dict[str, Any]:
@@ -118,15 +104,14 @@ async def one(client: httpx.AsyncClient, images: list[bytes], max_tokens: int) -
     return first
 
 
-async def http_run(requests: list[list[bytes]], max_tokens: int, concurrency: int) -> ImageRun:
+async def http_run(requests: list[list[bytes]], max_tokens: int, concurrency: int) -> Run:
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
         ttfts: list[float] = []
         for at in range(0, len(requests), concurrency):
             wave = requests[at:at + concurrency]
             ttfts += await asyncio.gather(*(one(client, r, max_tokens) for r in wave))
-        return ImageRun(Run(len(requests), time.perf_counter() - start, ttfts),
-                        sum(len(r) for r in requests))
+        return Run(len(requests), time.perf_counter() - start, ttfts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,8 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.repeat < 3:
-        raise SystemExit("--repeat must be at least 3: a median of fewer is one run")
+    at_least_three(args.repeat, "--repeat")
     rng = np.random.default_rng(1234)
     raw = Raw(args.model)
     raw.run([pictures(1, args.size, rng)], 2)  # warm up
@@ -170,14 +154,14 @@ def main() -> None:
           f"{'raw req/s':>18}{'HTTP req/s':>18}{f'HTTP x{args.concurrency} req/s':>22}"
           f"{f'x{args.concurrency} images/s':>20}")
     for count, raws, serial, batched in rows:
-        raw_ttft = [statistics.median(r.run.ttft) for r in raws]
-        http_ttft = [statistics.median(r.run.ttft) for r in serial]
+        raw_ttft = [statistics.median(r.ttft) for r in raws]
+        http_ttft = [statistics.median(r.ttft) for r in serial]
         ratio = statistics.median(h / r for h, r in zip(http_ttft, raw_ttft))
         print(f"{count:>6}{spread(raw_ttft).text('.1f', 1000):>22}{spread(http_ttft).text('.1f', 1000):>22}"
-              f"{ratio:>16.2f}{spread([r.run.rate for r in raws]).text():>18}"
-              f"{spread([r.run.rate for r in serial]).text():>18}"
-              f"{spread([r.run.rate for r in batched]).text():>22}"
-              f"{spread([r.images_per_s for r in batched]).text() if count else '-':>20}")
+              f"{ratio:>16.2f}{spread([r.rate for r in raws]).text():>18}"
+              f"{spread([r.rate for r in serial]).text():>18}"
+              f"{spread([r.rate for r in batched]).text():>22}"
+              f"{spread([r.rate * count for r in batched]).text() if count else '-':>20}")
 
 
 if __name__ == "__main__":
