@@ -12,7 +12,7 @@ At each of `--streams` concurrent streams, `--tokens` greedy tokens per request:
   cost mlx-lm itself, without HTTP. Reported beside the targets, which stay against raw;
 - orchard: a real `serve run` of the shipped settings, default layout: its replica serves
   127.0.0.1:8000 itself (`--via-proxy`: the same server through Serve's proxy at 8001);
-- mlx_server: `mlx_lm.server` on the same model files, on 127.0.0.1:8101, with the batching
+- mlx_server: `mlx_lm.server` on the same model files, on 127.0.0.1:8102, with the batching
   limits of `load/serving/vs_mlx_server.py` (32 decoding, 8 prefilling: Orchard's defaults).
 
 `--rounds` alternating rounds (raw, then Orchard started / all levels / stopped, then

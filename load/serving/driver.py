@@ -83,7 +83,7 @@ def orchard_server(label: str, source: str, model: str, *, connect: int = PORT,
     @contextlib.contextmanager
     def start() -> Iterator[Live]:
         if wait:
-            wait_port_free(PORT)
+            wait_port_free(config.get("port", PORT))
         proc = start_server(source, model, **config)
         try:
             live = Live(Target(label, f"http://{HOST}:{connect}", model),
