@@ -20,6 +20,7 @@ from deployments.model_clients import LocalModelClient
 from deployments.model_deployment import ReplicaOwner
 from deployments.observability import request_observer
 from deployments.responses.store import response_store
+from deployments.responses.usage import usage_store
 from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
 from ingress.client import ModelCard
@@ -39,8 +40,10 @@ class ColocatedModel(ReplicaOwner):
         scaled = config.autoscaling_config is not None
         self._store = response_store("auto" if scaled else config.num_replicas, edge.responses)
         self._observer = request_observer(edge.observability)
+        self._usage = usage_store(edge.responses, serve.get_replica_context().app_name) \
+            if edge.tenants else None  # usage per tenant, beside the stored responses
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's engine.
         return create_app(self._client, self._options, response_store=self._store,
-                          observer=self._observer)
+                          observer=self._observer, usage=self._usage)

@@ -16,6 +16,7 @@ from deployments.metrics import stream_resumes
 from deployments.model_clients import RayModelClient, ResumePolicy
 from deployments.observability import request_observer
 from deployments.responses.store import response_store
+from deployments.responses.usage import usage_store
 from deployments.tenants import TenantSettings, tenant_policies
 from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
@@ -78,9 +79,12 @@ class Ingress:
         self._options = edge.options(os.environ)
         self._store = response_store(edge.ingress.num_replicas, edge.responses)
         self._observer = request_observer(edge.observability)
+        # Usage per tenant, beside the stored responses (only with tenants: it is per tenant).
+        self._usage = usage_store(edge.responses, serve.get_replica_context().app_name) \
+            if edge.tenants else None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's client
         # (an app built at import time would be pickled and served as a copy).
         return create_app(self._client, self._options, response_store=self._store,
-                          observer=self._observer)
+                          observer=self._observer, usage=self._usage)

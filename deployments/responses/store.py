@@ -68,9 +68,13 @@ def configured_store(settings: ResponsesSettings, app: str) -> ResponseStore:
         assert settings.url is not None  # the settings' own check
         prefix = settings.key_prefix or f"orchard:responses:{app}:"
         return RedisResponseStore(settings.url, prefix, **bounds)  # type: ignore[arg-type]
-    path = Path(settings.path).expanduser() if settings.path else \
+    return SqliteResponseStore(sqlite_path(settings, app), **bounds)  # type: ignore[arg-type]
+
+
+def sqlite_path(settings: ResponsesSettings, app: str) -> Path:
+    """`store: sqlite`'s file (usage per tenant is a table in it: `usage.py`)."""
+    return Path(settings.path).expanduser() if settings.path else \
         orchard_cache("responses") / f"{app}.sqlite3"
-    return SqliteResponseStore(path, **bounds)  # type: ignore[arg-type]
 
 
 def response_store(http_replicas: int | str,
