@@ -2,8 +2,10 @@
 
     python -m deployments.cluster head                      # the head: no models land here
     python -m deployments.cluster worker --address HEAD:6379  # a Mac that serves models
+    python -m deployments.cluster status [--watch]          # what runs where (`orchard status`)
 
-Both print the `ray start` command they run; arguments after `--` are passed to it.
+`head` and `worker` print the `ray start` command they run; arguments after `--` are passed
+to it. `status` is `deployments/status.py`'s table of `GET /v1/cluster`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--cpus", type=int, default=0,
                         help="logical CPUs to advertise (0): with none, the ingress and "
                              "other CPU work stay on the head, and only models land here")
+    from deployments.status import add_arguments
+
+    add_arguments(roles.add_parser("status", help="the cluster as a table (GET /v1/cluster; "
+                                                  "also `orchard status`)"))
     for role in (head, worker):
         role.add_argument("--allow-no-metal", action="store_true",
                           help="advertise the resource even without Metal (tests, CPU nodes)")
@@ -94,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.role == "status":
+        from deployments.status import run
+
+        return run(args)
     advertises = args.role == "worker" or args.with_models
     if advertises and not args.allow_no_metal and not metal_available():
         print(f"error: {socket.gethostname()} has no Metal GPU, so it cannot serve models "

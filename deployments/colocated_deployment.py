@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
+from deployments.board import BoardView
 from deployments.config import ModelSettings
 from deployments.ingress_deployment import EdgeArgs
 from deployments.model_clients import LocalModelClient
@@ -42,8 +43,9 @@ class ColocatedModel(ReplicaOwner):
         self._observer = request_observer(edge.observability)
         self._usage = usage_store(edge.responses, serve.get_replica_context().app_name) \
             if edge.tenants else None  # usage per tenant, beside the stored responses
+        self._cluster = BoardView(serve.get_replica_context().app_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's engine.
         return create_app(self._client, self._options, response_store=self._store,
-                          observer=self._observer, usage=self._usage)
+                          observer=self._observer, usage=self._usage, cluster=self._cluster)

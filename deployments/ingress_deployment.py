@@ -11,6 +11,7 @@ from pydantic import SecretStr
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.board import BoardView
 from deployments.config import AppArgs, IngressSettings, ObservabilitySettings, ResponsesSettings
 from deployments.metrics import stream_resumes
 from deployments.model_clients import RayModelClient, ResumePolicy
@@ -72,10 +73,19 @@ class Ingress:
         model_cards = [ModelCard(**card) for card in cards]
         by_id = {card.id: handle for card, handle in zip(model_cards, handles)}
         settings = edge.ingress
+        self._cluster = BoardView(serve.get_replica_context().app_name)
+        counted = stream_resumes() if edge.observability.metrics else None
+        cluster = self._cluster
+
+        def resumed(model: str) -> None:
+            cluster.resumed(model)  # the fault timeline
+            if counted is not None:
+                counted(model)
+
         self._client = RayModelClient(
             model_cards, by_id, replica_wait_s=settings.replica_wait_s,
             resume=ResumePolicy(settings.resume_attempts, settings.resume_wait_s),
-            on_resume=stream_resumes() if edge.observability.metrics else None)
+            on_resume=resumed)
         self._options = edge.options(os.environ)
         self._store = response_store(edge.ingress.num_replicas, edge.responses)
         self._observer = request_observer(edge.observability)
@@ -87,4 +97,4 @@ class Ingress:
         # Built in the replica, after __init__, so the app holds this replica's client
         # (an app built at import time would be pickled and served as a copy).
         return create_app(self._client, self._options, response_store=self._store,
-                          observer=self._observer, usage=self._usage)
+                          observer=self._observer, usage=self._usage, cluster=self._cluster)

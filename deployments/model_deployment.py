@@ -11,6 +11,7 @@ from typing import Any, AsyncGenerator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.board import Reporter
 from deployments.cluster import require_metal
 from deployments.config import (
     IngressSettings,
@@ -108,6 +109,12 @@ class ReplicaOwner:
         self._poller = engine_poller(observability, config.id,
                                      lambda: (replica.stats(), replica.drain_timings()),
                                      shards=config.shards)
+        # What the cluster snapshot shows of this replica (`GET /v1/cluster`), pushed.
+        context = serve.get_replica_context()
+        shards = self._shards
+        self._reporter = Reporter(context.app_name, context.replica_id.to_full_id_str(),
+                                  config.id, config.role, self.stats,
+                                  (lambda: shards.nodes) if shards is not None else list)
 
     def check_health(self) -> None:
         self._replica.check_health()  # raises when the engine thread died or is stuck
@@ -128,6 +135,9 @@ class ReplicaOwner:
         poller = getattr(self, "_poller", None)
         if poller is not None:
             poller.stop()
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.stop()
         replica = getattr(self, "_replica", None)  # unset when __init__ refused the node
         if replica is not None:
             replica.shutdown()  # a sharded replica's rank 0 tells the others to stop

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import ApiKeyMiddleware, ApiKeys
 from ingress.client import ModelCard, ModelClient, require_model
+from ingress.cluster import ClusterView, router as cluster_router
 from ingress.errors import error_response, replica_error_response
 from ingress.guard import GuardMiddleware
 from ingress.limits import BodyLimitMiddleware, LimitedClient
@@ -37,17 +38,20 @@ log = logging.getLogger(__name__)
 def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
                response_store: ResponseStore | None = None,
                observer: RequestObserver | None = None,
+               cluster: ClusterView | None = None,
                usage: UsageStore | None = None) -> FastAPI:
     """The app. `response_store` keeps stored Responses API responses; the default lives in
     this process only, so deployments with several ingress replicas pass a shared one.
     `observer` gets one record per finished generation request (metrics, request logs);
-    without one, nothing is traced."""
+    without one, nothing is traced. `cluster`: the snapshot `GET /v1/cluster` and
+    `/dashboard` show (`ingress/cluster.py`); without one they are a 404."""
     app = FastAPI(title="Orchard", version="0.1.0")
     # Each key's tenant, its limits and usage (`ingress/tenancy/`; `usage`: where it is kept).
     limited = tenanted_client(app, LimitedClient(client, options), options.tenants, usage)
     app.state.client = limited if observer is None else ObservedClient(limited)
     app.state.served_lengths = {}  # model id -> the context its replica serves
     app.state.image_limits = options.images  # for the routes' `MediaParts.for_model`
+    app.state.cluster = cluster
     # `is None`, not `or`: a store with `__len__` is falsy while empty, and `or` would
     # swap a fresh durable store for one in memory (issue 32).
     app.state.response_store = MemoryResponseStore() if response_store is None \
@@ -103,6 +107,7 @@ def _install_routes(app: FastAPI) -> None:
     for protocol in PROTOCOLS:
         app.include_router(protocol.router)
     app.include_router(usage_router)
+    app.include_router(cluster_router)
 
 
 async def _served_lengths(app: FastAPI, cards: Sequence[ModelCard]) -> dict[str, int | None]:

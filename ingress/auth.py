@@ -1,12 +1,17 @@
 """API keys: when any are configured, every route but `/health` requires one.
 
 Clients send a key the way their SDK does: `Authorization: Bearer KEY` (OpenAI) or
-`x-api-key: KEY` (Anthropic); either header is accepted on every route. A missing or wrong
-key is a 401 in the protocol's own error shape. Keys are never logged or echoed.
+`x-api-key: KEY` (Anthropic); either header is accepted on every route. A browser opening
+`/dashboard` cannot set either, so HTTP Basic's password is a key too (any user name): the
+dashboard's 401 asks for it, and the browser then sends it with the page's own requests.
+A missing or wrong key is a 401 in the protocol's own error shape. Keys are never logged or
+echoed.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 from collections.abc import Iterable
@@ -19,6 +24,8 @@ from replicas.contract import ErrorKind
 
 # Load balancers and orchestrators probe this without credentials.
 OPEN_PATHS = frozenset({"/health"})
+# Pages a browser opens: their 401 asks for Basic credentials, so the browser prompts.
+BROWSER_PATHS = frozenset({"/dashboard"})
 
 
 def _digest(key: str) -> bytes:
@@ -59,7 +66,24 @@ def presented_keys(headers: Iterable[tuple[bytes, bytes]]) -> list[str]:
             scheme, _, credential = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer":
                 keys.append(credential.strip())
+            elif scheme.lower() == "basic":
+                keys.append(_basic_password(credential.strip()))
     return [key for key in keys if key]
+
+
+def challenge(scope: Scope) -> str:
+    """A 401's `WWW-Authenticate`: a page asks a browser for Basic credentials, so it
+    prompts; the API asks for a Bearer token, which SDKs send anyway."""
+    return 'Basic realm="Orchard", charset="UTF-8"' if route_path(scope) in BROWSER_PATHS \
+        else "Bearer"
+
+
+def _basic_password(credential: str) -> str:
+    try:
+        decoded = base64.b64decode(credential, validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return ""
+    return decoded.partition(":")[2]
 
 
 class ApiKeyMiddleware:
@@ -81,5 +105,5 @@ class ApiKeyMiddleware:
         )
         response = error_response(ErrorKind.UNAUTHORIZED, message,
                                   protocol_for(scope))
-        response.headers["WWW-Authenticate"] = "Bearer"
+        response.headers["WWW-Authenticate"] = challenge(scope)
         await response(scope, receive, send)

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ingress.auth import OPEN_PATHS, ApiKeys, presented_keys
+from ingress.auth import OPEN_PATHS, ApiKeys, challenge, presented_keys
 from ingress.client import ModelClient, WrappedClient
 from ingress.errors import error_response
 from ingress.observe import note_tenant
@@ -73,7 +73,7 @@ class TenantMiddleware:
             message = ("invalid API key" if presented else "an API key is required: send "
                        "`Authorization: Bearer KEY` or `x-api-key: KEY`")
             response = error_response(ErrorKind.UNAUTHORIZED, message, protocol_for(scope))
-            response.headers["WWW-Authenticate"] = "Bearer"
+            response.headers["WWW-Authenticate"] = challenge(scope)
             await response(scope, receive, send)
             return
         raw = next((v for n, v in scope["headers"] if n == PRIORITY_HEADER), None)
