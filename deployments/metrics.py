@@ -70,6 +70,11 @@ PULL_METRICS = ("orchard_kv_pulls_total", "orchard_kv_pulled_tokens_total",
                 "orchard_kv_pulled_bytes_total", "orchard_kv_pull_seconds")
 # A vision model: the images its tower encoded, and the time per prompt.
 IMAGE_METRICS = ("orchard_images_total", "orchard_image_encode_seconds")
+# Per tenant (`tenants:`), created with the first tenant's request: requests by status,
+# time to first token (its wait for a batch row included), tokens by kind, and refusals at
+# the door (429) or for overload.
+TENANT_METRICS = ("orchard_tenant_requests_total", "orchard_tenant_time_to_first_token_seconds",
+                  "orchard_tenant_tokens_total", "orchard_tenant_refusals_total")
 
 
 def _keys(*names: str) -> tuple[str]:
@@ -104,6 +109,7 @@ class RequestMetrics:
                                tag_keys=_keys("model", "kind"))
         self._refused = Counter("orchard_backpressure_refusals_total", "Requests refused as "
                                 "overloaded (503 / 529).", tag_keys=model)
+        self._tenants: TenantMetrics | None = None  # with the first tenant's request
 
     def request_finished(self, record: RequestRecord) -> None:
         model = {"model": record.model}
@@ -131,6 +137,42 @@ class RequestMetrics:
             self._errors.inc(1, {**model, "kind": record.error.value})
             if record.error.value == "overloaded":
                 self._refused.inc(1, model)
+        if record.tenant != "default" or self._tenants is not None:
+            self._tenants = self._tenants or TenantMetrics()
+            self._tenants.request_finished(record)
+
+
+class TenantMetrics:
+    """The request metrics a tenant's share is judged by, labelled by tenant."""
+
+    def __init__(self) -> None:
+        tags = _keys("model", "tenant")
+        self._requests = Counter("orchard_tenant_requests_total", "Finished requests by tenant "
+                                 "and HTTP status.", tag_keys=_keys(*tags, "status"))
+        self._ttft = Histogram("orchard_tenant_time_to_first_token_seconds", "From the request "
+                               "arriving to the first generated event, by tenant (its wait "
+                               "for a batch row included).", LATENCY_BUCKETS, tag_keys=tags)
+        self._tokens = Counter("orchard_tenant_tokens_total", "Tokens of finished requests by "
+                               "tenant and kind (prompt, cached, output).",
+                               tag_keys=_keys(*tags, "kind"))
+        self._refused = Counter("orchard_tenant_refusals_total", "Requests refused by tenant "
+                                "and reason: `rate_limited` (429 at the door), `overloaded`.",
+                                tag_keys=_keys(*tags, "reason"))
+
+    def request_finished(self, record: RequestRecord) -> None:
+        tags = {"model": record.model, "tenant": record.tenant}
+        self._requests.inc(1, {**tags, "status": str(record.status)})
+        if record.ttft_s is not None:
+            self._ttft.observe(record.ttft_s, tags)
+        usage = record.usage
+        if usage is not None:
+            for kind, count in (("prompt", usage.prompt_tokens),
+                                ("cached", usage.cached_tokens),
+                                ("output", usage.completion_tokens)):
+                if count:
+                    self._tokens.inc(count, {**tags, "kind": kind})
+        if record.error is not None and record.error.value in ("rate_limited", "overloaded"):
+            self._refused.inc(1, {**tags, "reason": record.error.value})
 
 
 def stream_resumes() -> Callable[[str], None]:

@@ -183,3 +183,25 @@ def test_images_are_counted_with_their_encode_time(recorders: dict[str, _Recorde
     tags = {"model": "m"}
     assert recorders["orchard_images_total"].calls == [("inc", 1, tags), ("inc", 4, tags)]
     assert [c[1] for c in recorders["orchard_image_encode_seconds"].calls] == [0.02, 0.09]
+
+
+def test_tenant_metrics_only_with_tenants_labelled_by_tenant(
+        recorders: dict[str, _Recorder]) -> None:
+    observer = metrics.RequestMetrics()
+    observer.request_finished(RECORD)  # the default tenant: no tenant series
+    assert not set(metrics.TENANT_METRICS) & set(recorders)
+    observer.request_finished(replace(RECORD, tenant="ci"))
+    observer.request_finished(replace(RECORD, tenant="ci", status=429, usage=None,
+                                      ttft_s=None, finish_reason=None,
+                                      error=ErrorKind.RATE_LIMITED))
+    assert set(metrics.TENANT_METRICS) <= set(recorders)
+    ci = {"model": "m", "tenant": "ci"}
+    assert recorders["orchard_tenant_requests_total"].calls == [
+        ("inc", 1, {**ci, "status": "200"}), ("inc", 1, {**ci, "status": "429"})]
+    assert recorders["orchard_tenant_time_to_first_token_seconds"].calls == [
+        ("observe", 0.25, ci)]
+    assert recorders["orchard_tenant_tokens_total"].calls == [
+        ("inc", 10, {**ci, "kind": "prompt"}), ("inc", 6, {**ci, "kind": "cached"}),
+        ("inc", 4, {**ci, "kind": "output"})]
+    assert recorders["orchard_tenant_refusals_total"].calls == [
+        ("inc", 1, {**ci, "reason": "rate_limited"})]
