@@ -150,6 +150,12 @@ class MemorySettings(_Strict):
         "prompt and grow a cache step at a time, preempting the youngest request when memory "
         "runs out (more requests run together); 'whole': reserve prompt + max_tokens up "
         "front and never preempt.")
+    paged_kv: Literal["off", "on", "auto"] = Field(
+        default_factory=_engine_default("paged_kv"), description="Paged KV: the batch "
+        "holds the sum of its rows' KV blocks instead of every row padded to the longest. "
+        "'auto': where the model qualifies (every layer plain attention; no kv_bits, no "
+        "speculation, not sharded), else the padded batch, said in the log; 'on': refuse to "
+        "load where it does not; 'off' (the default until it is proven on more models).")
 
 
 # Of the request deadline, what a request may spend waiting for KV memory: the rest is for

@@ -25,7 +25,7 @@ from replicas.engine.batch.local import Done, Prefill, Row
 from replicas.engine.kv.layout import KvLayout
 from replicas.engine.model.loading import LoadedModel, loaded_model
 from replicas.engine.sampling.logprobs import Picked
-from replicas.engine.kv.budget import RankMemory, default_budget, machine
+from replicas.engine.kv.budget import KvBudget, RankMemory, default_budget, machine
 from replicas.engine.kv.prefix_cache import PromptCache
 from replicas.errors import InvalidRequestError
 from replicas.startup import Progress
@@ -117,6 +117,9 @@ class NoGeneration:
 
     def bound_cache(self, nbytes: int) -> None:
         return None
+
+    def page(self, kv: KvBudget, context_length: int) -> None:
+        return None  # no KV: nothing to page
 
     def close(self) -> None:
         return None

@@ -59,6 +59,11 @@ class EngineConfig:
     # preempted when memory runs out; "whole": it reserves prompt + max_tokens at once and
     # is never preempted (fewer requests run together).
     kv_reservation: Literal["grow", "whole"] = "grow"
+    # Paged KV (`replicas.engine.kv.paged`): a batch holds the sum of its rows' blocks, not
+    # rows x the longest. "auto": where the model qualifies (every layer plain attention, no
+    # kv_bits, no speculation, one process), else mlx-lm's padded batch; "on": refuse to
+    # load where it does not; "off": the padded batch.
+    paged_kv: Literal["off", "on", "auto"] = "off"
     # A request waiting this long for KV memory gets the overloaded error (None: no bound);
     # set below the ingress's request deadline, so the client hears "retry" rather than 504.
     max_memory_wait_s: float | None = None

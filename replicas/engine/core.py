@@ -194,6 +194,7 @@ class Engine:
             self._loaded, self._batch, ranks = self._opener()
             kv = KvBudget(tightest(ranks, self._loaded.context_length), ranks[0].layout,
                           self._config.max_memory_waiting, ranks)
+            self._batch.page(kv, self._loaded.context_length)  # paged KV, where configured
             self._waiting = Waiting(kv, self._config)
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
             log.exception("model load failed")

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.disk import DiskTier, Snapshot, snapshot
 from replicas.engine.batch.decode import Generation
 from replicas.engine.sampling.logprobs import Picked
 from replicas.engine.kv.quantized import cache_maker
+from replicas.engine.kv.blocks import BLOCK_SIZE, BlockPool
+from replicas.engine.kv.budget import KvBudget, paging_plan
+from replicas.engine.kv.paged import as_paged_rows, make_paged_prompt_cache, paged_layers
 from replicas.engine.kv.prefix_cache import CacheHit, PromptCache, prefix_view, segments
 from replicas.engine.kv.directory import HeldBlocks
 from replicas.engine.batch.prefill import Prefilling
@@ -104,6 +109,7 @@ class Batch(Protocol):
     def step(self) -> list[Any]: ...
     def finish(self, done: Sequence[Done]) -> None: ...
     def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]: ...
+    def page(self, kv: KvBudget, context_length: int) -> None: ...
     def recover(self) -> bool: ...
     def bound_cache(self, nbytes: int) -> None: ...
     def close(self) -> None: ...
@@ -132,6 +138,7 @@ class LocalBatch:
         self.decode_stats = DecodeStats()  # kept across `recover`
         # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.
         self._make_cache = cache_maker(config.kv_bits, config.kv_group_size)
+        self._pool: BlockPool | None = None  # paged KV's blocks (`page`), else None
         self._speculative = usable(config.speculative, model)
         self._shared = shared_drafts(self.stream) if shared_drafts and self._speculative \
             else None
@@ -193,7 +200,8 @@ class LocalBatch:
         uids = self._gen.insert_segments(
             [segments(list(r.prompt_ids), h.length if h else 0, r.boundary)
              for r, h in zip(rows, hits)],
-            caches=[h.cache if h else self._make_cache(self._model) for h in hits],
+            caches=[self._paged(h.cache) if h else self._make_cache(self._model)
+                    for h in hits],
             # The tokens the cache holds: penalties and the batch's bookkeeping see them.
             all_tokens=[list(r.prompt_ids[:h.length]) if h else [] for r, h in zip(rows, hits)],
             max_tokens=[r.max_tokens for r in rows],
@@ -206,6 +214,47 @@ class LocalBatch:
         self._keys.update((uid, r.embeddings.key) for uid, r in zip(uids, rows)
                           if r.embeddings is not None)
         return list(zip(uids, served))
+
+    def _paged(self, cache: list[Any]) -> list[Any]:
+        """A prefix hit as rows the batch merges: paged rows where the batch pages."""
+        return cache if self._pool is None else as_paged_rows(cache, self._pool)
+
+    def page(self, kv: KvBudget, context_length: int) -> None:
+        """Page the batch's KV where `paged_kv` asks and the model qualifies: a block pool
+        sized from `kv`'s budget, and `kv` admitting by blocks. `paged_kv: on` where the
+        model does not qualify refuses to load, saying why."""
+        mode = self._config.paged_kv
+        if mode == "off":
+            return
+        why = self._unpaged()
+        if why is not None:
+            if mode == "on":
+                raise ValueError(f"memory.paged_kv is on, but {why}")
+            log.info("paged KV (auto): the padded batch, since %s", why)
+            return
+        layers = len(make_prompt_cache(self._model))
+        plan = paging_plan(kv.budget_bytes, kv.layout.per_token, layers,
+                           self._config.prompt_cache_bytes, BLOCK_SIZE,
+                           self._config.max_batch_size * context_length)
+        self._pool = BlockPool(plan.blocks, plan.block_size)
+        self._make_cache = partial(make_paged_prompt_cache, pool=self._pool)
+        kv.paging, kv.blocks = plan, self._pool.stats
+        log.info("paged KV: %d blocks of %d tokens (%d bytes each, %d layers), a %d-byte "
+                 "gather reserve, %d bytes for the prefix cache", plan.blocks,
+                 plan.block_size, plan.block_bytes, layers, plan.gather_bytes,
+                 plan.cache_bytes)
+
+    def _unpaged(self) -> str | None:
+        """Why this batch cannot page its KV yet, or None."""
+        if self._config.kv_bits is not None:
+            return "kv_bits quantizes the KV (quantized blocks are not built yet)"
+        if self._speculative is not None or self._draft is not None:
+            return "speculation rolls rows back in the padded cache (not on blocks yet)"
+        cache = make_prompt_cache(self._model)
+        if not paged_layers(cache):
+            kinds = ", ".join(sorted({type(c).__name__ for c in cache}))
+            return f"this model's cache layers ({kinds}) are not all plain attention"
+        return None
 
     def begin(self, row: Row) -> Prefill | None:
         """Before `insert`: a row whose prompt starts with embeddings takes that prefix's KV

@@ -1,10 +1,12 @@
 """The block pool: a replica's full-attention KV in fixed-size blocks, one free list per layer.
 
-Each paged layer keeps its keys and values in one array apiece, laid out as slots
-(`[num_blocks * block_size, n_kv_heads, head_dim]`): block b holds slots
-`[b * block_size, (b + 1) * block_size)`. Writing a step is one scatter by slot ids and
-reading a row is one gather by its slot table (`replicas.engine.kv.paged`). A layer's
-arrays are allocated once, at its first write (only then are its heads and dtype known).
+Each paged layer keeps its keys and values in one array apiece, head-major over slots
+(`[n_kv_heads * slots, head_dim]`, row `h * slots + s` is head h's slot s): block b holds
+slots `[b * block_size, (b + 1) * block_size)`. Writing a step is one scatter and reading
+the batch's view one gather (`replicas.engine.kv.paged`), whose result comes out as the
+`[B, H, L, D]` attention reads, contiguous: a transposed view would make attention copy
+it (2x the view's bytes more at the peak, measured on this CPU). A layer's arrays are
+allocated once, at its first write (only then are its heads and dtype known).
 
 Every layer has its own free list: mlx-lm calls each layer's cache on its own, and all
 layers of a batch grow alike, so their tables stay in step without a shared row object.
@@ -49,6 +51,8 @@ class LayerBlocks:
         self._refs = [0] * num_blocks
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
+        self.heads = 0
+        self.slots = num_blocks * block_size + 1  # and one scratch slot, last
 
     @property
     def free(self) -> int:
@@ -90,9 +94,10 @@ class LayerBlocks:
         """The layer's arrays, allocated at the first write, shaped as `keys`/`values`
         (`[B, H, n, D]`) say."""
         if self.keys is None or self.values is None:
-            slots = self.num_blocks * self.block_size + 1  # and one scratch slot
-            self.keys = mx.zeros((slots, keys.shape[1], keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((slots, values.shape[1], values.shape[3]), values.dtype)
+            self.heads = keys.shape[1]
+            rows = self.heads * self.slots
+            self.keys = mx.zeros((rows, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((rows, values.shape[3]), values.dtype)
             mx.eval(self.keys, self.values)
         return self.keys, self.values
 

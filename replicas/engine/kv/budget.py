@@ -12,7 +12,11 @@ every rank) and its budget, and admits by what the batch holds:
   engine preempts the youngest request (vLLM's recompute preemption, `core.py`);
 - the prefix cache holds at most what the reservations leave (`Bound`): it is evicted
   before a reservation grows, and a save evicts before it adds, so reservations plus cache
-  never pass the budget, not even inside a step.
+  never pass the budget, not even inside a step;
+- paged (`Paging`, `replicas.engine.kv.paged`): a batch holds the sum of its rows' blocks,
+  and the view each layer gathers for attention (rows x longest, one layer's K+V) must fit
+  the gather reserve; the budget is split between the pool, the gather and the prefix
+  cache (`paging_plan`) until the prefix cache shares the pool's blocks.
 
 MLX's own memory limit is set from the same numbers on every rank, so a wrong figure
 slows allocation down rather than aborting the process.
@@ -31,6 +35,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from replicas.engine.kv.blocks import PoolStats
 from replicas.engine.kv.layout import CACHE_STEP, KvLayout, measure_kv
 
 log = logging.getLogger(__name__)
@@ -140,6 +145,50 @@ def round_up(tokens: int) -> int:
     return -(-tokens // CACHE_STEP) * CACHE_STEP
 
 
+# The gather reserve: this share of the budget, and at least GATHER_FLOOR (out of the
+# activation reserve, which MIN_RESERVE keeps beside the budget).
+GATHER_SHARE = 8
+GATHER_FLOOR = MIN_RESERVE // 2
+
+
+@dataclass(frozen=True)
+class Paging:
+    """What a paged batch may hold: `blocks` of `block_size` tokens (`block_bytes` each,
+    every paged layer), and per forward pass one layer's gathered view of at most
+    `gather_bytes` (`gather_per_token` a view position); the prefix cache keeps its own
+    `cache_bytes` beside the pool."""
+
+    block_size: int
+    block_bytes: int
+    blocks: int
+    gather_per_token: int
+    gather_bytes: int
+    cache_bytes: int
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def fits(self, tokens: Sequence[int]) -> bool:
+        blocks = sum(self.blocks_for(t) for t in tokens)
+        view = len(tokens) * max(tokens, default=0) * self.gather_per_token
+        return blocks <= self.blocks and view <= self.gather_bytes
+
+
+def paging_plan(budget: int, per_token: int, layers: int, cache_bytes: int, block_size: int,
+                most_tokens: int) -> Paging:
+    """Split `budget` for a paged batch: the gather reserve (`GATHER_SHARE`, at least
+    `GATHER_FLOOR`, which comes out of the activation reserve), the prefix cache's bytes (at
+    most half of what is left) and the pool (the rest, never more blocks than
+    `most_tokens` need). `per_token`: every paged layer's KV for one token, `layers` of them."""
+    gather = budget // GATHER_SHARE
+    left = budget - gather
+    cache = min(cache_bytes, left // 2)
+    block_bytes = per_token * block_size
+    blocks = min((left - cache) // max(1, block_bytes), -(-most_tokens // block_size))
+    return Paging(block_size, block_bytes, max(1, blocks), max(1, per_token // max(1, layers)),
+                  max(gather, GATHER_FLOOR), cache)
+
+
 Item = TypeVar("Item")
 # Tells the prefix cache the most bytes it may hold from now on (it evicts down to that).
 Bound = Callable[[int], None]
@@ -155,14 +204,17 @@ class MemoryStats:
     layout: KvLayout = KvLayout(0)  # what one sequence's cache costs, measured at load
     # Each rank's own budget and MLX memory limit, by rank (one entry for a whole model).
     ranks: tuple[tuple[int, int], ...] = ()
+    blocks: PoolStats | None = None  # the paged batch's block pool; None: padded
 
 
 class KvBudget:
     """Reservations of the running requests, by key, in tokens (whole cache steps)."""
 
     def __init__(self, budget_bytes: int, layout: KvLayout, max_waiting: int,
-                 ranks: tuple[RankMemory, ...] = ()) -> None:
+                 ranks: tuple[RankMemory, ...] = (), paging: Paging | None = None) -> None:
         self.budget_bytes = budget_bytes
+        self.paging = paging  # None: mlx-lm's padded batch
+        self.blocks: Callable[[], PoolStats] | None = None  # the paged batch's pool, read
         self.ranks = ranks
         self.layout = layout
         self.max_waiting = max_waiting
@@ -174,6 +226,8 @@ class KvBudget:
     @property
     def max_tokens(self) -> int:
         """The most tokens one request may reach: all of the budget, cache evicted."""
+        if (p := self.paging) is not None:
+            return min(p.blocks * p.block_size, p.gather_bytes // p.gather_per_token)
         return self.layout.tokens_within(self.budget_bytes) // CACHE_STEP * CACHE_STEP
 
     def held(self, rows: int, longest: int) -> int:
@@ -182,14 +236,22 @@ class KvBudget:
     @property
     def projected(self) -> int:
         held = list(self._reserved.values())  # one read: `stats` runs on another thread
+        if (p := self.paging) is not None:
+            return sum(p.blocks_for(t) for t in held) * p.block_bytes
         return self.held(len(held), max(held, default=0))
 
     def reserve(self, key: Hashable, tokens: int, bound: Bound) -> bool:
         """Hold `tokens` (rounded up to a step) for `key`, a new request or a growing one,
         if the batch with it fits; the prefix cache is bound (`bound`) to what is left
         before the reservation takes it."""
-        want = round_up(tokens)
         others = [t for k, t in self._reserved.items() if k != key]
+        if (p := self.paging) is not None:
+            if not p.fits([tokens, *others]):
+                return False
+            self._bound(p.cache_bytes, bound)
+            self._reserved[key] = tokens
+            return True
+        want = round_up(tokens)
         room = self.budget_bytes - self.held(len(others) + 1, max([want, *others]))
         if room < 0:
             return False
@@ -226,6 +288,9 @@ class KvBudget:
     def fit_cache(self, bound: Bound) -> None:
         """Bound the prefix cache to what the reservations leave now: after a release, the
         room it may grow back into (a finished request's KV is saved into it)."""
+        if self.paging is not None:  # its own share, beside the pool
+            self._bound(self.paging.cache_bytes, bound)
+            return
         self._bound(max(0, self.budget_bytes - self.projected), bound)
 
     def _bound(self, room: int, bound: Bound) -> None:
@@ -236,4 +301,5 @@ class KvBudget:
     def stats(self, waiting: int) -> MemoryStats:
         return MemoryStats(self.budget_bytes, self.projected, waiting, self.refused,
                            self.preempted, self.layout,
-                           tuple((r.budget, r.limit) for r in self.ranks))
+                           tuple((r.budget, r.limit) for r in self.ranks),
+                           self.blocks() if self.blocks is not None else None)

@@ -18,7 +18,7 @@ models qualify); a model with any other cache kind stays on mlx-lm's padded batc
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,6 +96,9 @@ class PagedBatchKVCache(_BaseCache):
         self.offset = mx.array([-p for p in self._pads])
         self._idx = 0
         self._right: list[int] | None = None
+        # While a right-padded prefill runs: where each row's real tokens end (its pad
+        # columns write to the scratch slot, so they take no blocks).
+        self._ends: list[int] | None = None
         self._gather: mx.array | None = None  # the view's slot ids, until the batch changes
 
     # ---- the batch's shape ------------------------------------------------------------
@@ -106,6 +109,13 @@ class PagedBatchKVCache(_BaseCache):
 
     def lengths(self) -> list[int]:
         return [max(0, self._idx - p) for p in self._pads]
+
+    def _stored(self) -> list[int]:
+        """Positions each row holds in its blocks (a right-padded prefill's pad columns
+        not among them)."""
+        if self._ends is None:
+            return self.lengths()
+        return [min(n, e) for n, e in zip(self.lengths(), self._ends)]
 
     @property
     def _scratch(self) -> int:
@@ -123,6 +133,11 @@ class PagedBatchKVCache(_BaseCache):
             self._blocks.release(table[need:])
             del table[need:]
 
+    def _rows(self, slots: np.ndarray) -> np.ndarray:
+        """The storage rows of `slots` (`[n]`), every head's: `[H, n]`."""
+        heads = np.arange(self._blocks.heads)[:, None] * self._blocks.slots
+        return (heads + slots[None, :]).astype(np.int32)
+
     def _slots(self, i: int, positions: np.ndarray) -> np.ndarray:
         bs = self.pool.block_size
         table = np.asarray(self.tables[i], dtype=np.int64)
@@ -135,19 +150,29 @@ class PagedBatchKVCache(_BaseCache):
         prev, end = self._idx, self._idx + n
         slots = np.full((B, n), self._scratch, dtype=np.int64)
         for i, pad in enumerate(self._pads):
-            self._fit(i, max(len(self.tables[i]) * self.pool.block_size, end - pad))
+            stop = end if self._ends is None else min(end, pad + self._ends[i])
+            self._fit(i, max(len(self.tables[i]) * self.pool.block_size, stop - pad))
             first = max(prev, pad)
-            if first < end:
-                slots[i, first - prev:] = self._slots(i, np.arange(first, end) - pad)
+            if first < stop:
+                slots[i, first - prev:stop - prev] = self._slots(i, np.arange(first, stop) - pad)
         store_k, store_v = self._blocks.storage(keys, values)
-        at = mx.array(slots.reshape(-1).astype(np.int32))
-        store_k[at] = keys.swapaxes(1, 2).reshape(B * n, H, keys.shape[3])
-        store_v[at] = values.swapaxes(1, 2).reshape(B * n, H, values.shape[3])
+        heads = np.arange(H)[None, :, None] * self._blocks.slots
+        at = mx.array((heads + slots[:, None, :]).reshape(-1).astype(np.int32))
+        store_k[at] = keys.reshape(B * H * n, keys.shape[3])
+        store_v[at] = values.reshape(B * H * n, values.shape[3])
         self._idx = end
         self.offset = self.offset + n
         self._changed()
-        view = self._view()
-        return (store_k[view].swapaxes(1, 2), store_v[view].swapaxes(1, 2))
+        return self.view()
+
+    def view(self) -> tuple[mx.array, mx.array]:
+        """The batch's keys and values as attention reads them, `[B, H, _idx, D]`, gathered
+        (rows left-padded; padding reads the scratch slot, which the mask hides)."""
+        keys, values = self._blocks.keys, self._blocks.values
+        assert keys is not None and values is not None
+        at = mx.arange(self._blocks.heads)[None, :, None] * self._blocks.slots + \
+            self._view()[:, None, :]
+        return keys[at], values[at]
 
     def _view(self) -> mx.array:
         """The slot each view column reads, `[B, _idx]` (padding reads the scratch slot)."""
@@ -158,8 +183,11 @@ class PagedBatchKVCache(_BaseCache):
             for i, t in enumerate(self.tables):
                 tables[i, :len(t)] = t
             pos = mx.arange(self._idx)[None, :] - mx.array(self._pads)[:, None]
-            block = mx.take_along_axis(mx.array(tables), mx.maximum(pos, 0) // bs, axis=1)
-            self._gather = mx.where(pos >= 0, block * bs + pos % bs, self._scratch)
+            held = mx.array(self._stored())[:, None]
+            valid = (pos >= 0) & (pos < held)
+            block = mx.take_along_axis(mx.array(tables),
+                                       mx.where(valid, pos, 0) // bs, axis=1)
+            self._gather = mx.where(valid, block * bs + pos % bs, self._scratch)
         return self._gather
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
@@ -179,13 +207,15 @@ class PagedBatchKVCache(_BaseCache):
             self._changed()
         if right_padding is not None and max(right_padding) > 0:
             self._right = [int(r) for r in right_padding]
+            if lengths is not None:
+                self._ends = [n + int(m) for n, m in zip(self.lengths(), lengths)]
 
     def finalize(self) -> None:
         """A right-padded prefill's pad columns become left padding (what `BatchKVCache`
         rolls round): the row's length shrinks, its spare blocks go back."""
         if self._right is None:
             return
-        right, self._right = self._right, None
+        right, self._right, self._ends = self._right, None, None
         self._pads = [p + r for p, r in zip(self._pads, right)]
         self.offset = self.offset - mx.array(right)
         for i, length in enumerate(self.lengths()):
@@ -233,9 +263,8 @@ class PagedBatchKVCache(_BaseCache):
     def _adopt(self, other: Any) -> PagedBatchKVCache:
         rows = int(other.offset.shape[0]) if isinstance(other.offset, mx.array) else 1
         if isinstance(other, BatchKVCache) and other.keys is None:
-            out = PagedBatchKVCache(self.pool, self.layer, [int(p) for p in
-                                                          other.left_padding.tolist()])
-            return out
+            pads = cast(list[int], other.left_padding.tolist())
+            return PagedBatchKVCache(self.pool, self.layer, pads)
         return PagedBatchKVCache.merge([other.extract(i) for i in range(rows)],
                                        self.pool, self.layer)
 
@@ -259,9 +288,9 @@ class PagedBatchKVCache(_BaseCache):
         length = self.lengths()[idx]
         if length == 0 or self._blocks.keys is None or self._blocks.values is None:
             return cache
-        at = mx.array(self._slots(idx, np.arange(length)).astype(np.int32))
-        cache.keys = mx.contiguous(self._blocks.keys[at][None].swapaxes(1, 2))
-        cache.values = mx.contiguous(self._blocks.values[at][None].swapaxes(1, 2))
+        at = mx.array(self._rows(self._slots(idx, np.arange(length))))
+        cache.keys = self._blocks.keys[at][None]
+        cache.values = self._blocks.values[at][None]
         cache.offset = length
         return cache
 
@@ -284,9 +313,9 @@ class PagedBatchKVCache(_BaseCache):
             out._fit(i, n)
             k, v = c.keys[..., :n, :], c.values[..., :n, :]
             store_k, store_v = out._blocks.storage(k, v)
-            at = mx.array(out._slots(i, np.arange(n)).astype(np.int32))
-            store_k[at] = k[0].swapaxes(0, 1)
-            store_v[at] = v[0].swapaxes(0, 1)
+            at = mx.array(out._rows(out._slots(i, np.arange(n))).reshape(-1))
+            store_k[at] = k[0].reshape(-1, k.shape[3])
+            store_v[at] = v[0].reshape(-1, v.shape[3])
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PagedBatchKVCache:
@@ -298,6 +327,7 @@ class PagedBatchKVCache(_BaseCache):
             self._blocks.share(t)
         out.offset, out._idx = self.offset, self._idx
         out._right = None if self._right is None else list(self._right)
+        out._ends = None if self._ends is None else list(self._ends)
         return out
 
     def release(self) -> None:
@@ -316,7 +346,7 @@ class PagedBatchKVCache(_BaseCache):
 
     # ---- what the engine reads ----------------------------------------------------------
 
-    @property
+    @property  # type: ignore[misc]  # read-only: a paged batch is not stored whole
     def state(self) -> tuple[Any, ...]:
         # What `mx.eval([c.state ...])` must compute: the pool's arrays, the offsets.
         arrays = [a for a in (self._blocks.keys, self._blocks.values) if a is not None]
@@ -334,5 +364,5 @@ class PagedBatchKVCache(_BaseCache):
         if self._blocks.keys is None or self._blocks.values is None:
             return 0
         per_slot = (self._blocks.keys.nbytes + self._blocks.values.nbytes) // \
-            self._blocks.keys.shape[0]
+            self._blocks.slots
         return sum(len(t) for t in self.tables) * self.pool.block_size * per_slot

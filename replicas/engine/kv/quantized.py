@@ -90,7 +90,10 @@ class QuantizedRowKVCache(QuantizedKVCache):
 def stored_name(layer: Any) -> str:
     """The class a stored cache layer is named by: mlx-lm's own, so its loader reads the
     file (`load_prompt_cache` knows only its module's classes)."""
-    return "QuantizedKVCache" if type(layer) is QuantizedRowKVCache else type(layer).__name__
+    if type(layer) is QuantizedRowKVCache:
+        return "QuantizedKVCache"
+    # A paged batch's fresh row (`replicas.engine.kv.paged`) is mlx-lm's `KVCache` stored.
+    return "KVCache" if type(layer).__name__ == "PagedRowKVCache" else type(layer).__name__
 
 
 def stored_state(layer: Any) -> Any:

@@ -42,6 +42,7 @@ import numpy as np
 
 from replicas.engine.batch.local import Done, Exported, LocalBatch, Prefill, Row
 from replicas.engine.sharded.kv_parts import KvParts
+from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.transfer import encode
 from replicas.errors import InternalError
 from replicas.engine.sampling.logprobs import Picked
@@ -263,6 +264,12 @@ class LockstepBatch:
         and the replica is replaced, every rank with it."""
         return False
         self._idle_if_empty()
+
+    def page(self, kv: KvBudget, context_length: int) -> None:
+        """A sharded replica keeps the padded batch (each rank paging its own part in
+        lockstep is not built yet); `paged_kv: on` refuses to load."""
+        if self._local._config.paged_kv == "on":  # noqa: SLF001 - the local batch's config
+            raise ValueError("memory.paged_kv is on, but a sharded replica does not page yet")
 
     def bound_cache(self, nbytes: int) -> None:
         self._local.bound_cache(nbytes)
