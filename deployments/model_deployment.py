@@ -63,6 +63,7 @@ def replica_options(settings: ModelSettings,
                             max_memory_waiting=settings.memory.max_waiting,
                             max_memory_wait_s=settings.memory.max_wait_s,
                             kv_reservation=settings.memory.reservation,
+                            paged_kv=settings.memory.paged_kv,
                             speculative=settings.speculative.engine()
                             if settings.speculative else None),
         load_timeout_s=settings.load_timeout_s,
