@@ -3,7 +3,7 @@ Monitor, Linux's /proc/<pid>/task/<tid>/comm).
 
 Python 3.11 names its threads for Python alone, so every thread of a replica reads as
 "python" (or the Ray worker's title) to the OS. The engine thread named there is what lets a
-benchmark split the replica's CPU into decode's loop and the rest (`load/process_cpu.py`).
+benchmark split the replica's CPU into decode's loop and the rest (`load/harness/process_cpu.py`).
 """
 
 from __future__ import annotations

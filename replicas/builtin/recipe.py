@@ -184,7 +184,7 @@ PIPE = Recipe(
 
 # Next to no compute per token (one narrow layer): on this model a step costs about what a
 # Mac GPU's step of a small model does, so the serving path, not decode, sets the rate
-# (load/bench_ceiling.py). Random weights: it never ends before max_tokens.
+# (load/serving/ceiling.py). Random weights: it never ends before max_tokens.
 CEILING = Recipe(
     name="ceiling",
     architecture=Architecture(
@@ -203,7 +203,7 @@ CEILING = Recipe(
 
 
 # A target and a draft model that agree on every token (speculative decoding's best case,
-# load/bench_speculative.py): `agree` is `bench` drawn from the same seed, with its last 7
+# load/micro/speculative.py): `agree` is `bench` drawn from the same seed, with its last 7
 # layers inert, so it costs what `bench` costs; `agree-draft` is its first layer alone,
 # embeddings and head included, at an eighth of the cost.
 AGREE = replace(BENCH, name="agree", weights=RandomInit(logit_std=5.0, live_layers=1))

@@ -5,7 +5,7 @@ mlx-lm's `PromptTrie` is the model (a dict per token), but its search finds the 
 entry that runs on past a prompt by visiting every entry below the point where the prompt
 leaves the trie, copying the path so far at each node. A thousand cached conversations of
 1,500 tokens after one shared system prompt made one lookup take 0.87 s on this box, two
-thousand of 2,500 took 5.8 s (`load/bench_prefix_lookup.py`), on the engine thread, with
+thousand of 2,500 took 5.8 s (`load/micro/prefix_lookup.py`), on the engine thread, with
 every stream waiting. Here each node keeps the length of the shortest entry at or below it
 and the child that leads there, so that entry is one walk down: a lookup costs the prompt
 plus that entry, however many entries there are.
