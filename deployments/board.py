@@ -98,23 +98,27 @@ def _mlx_bytes() -> int:
     return int(mx.get_active_memory())
 
 
-def _node_memory() -> int:
+def node_memory_bytes() -> int:
+    """This node's RAM (a rank's Mac, for the snapshot's memory bars)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Reporter:
     """A model replica's side: a daemon thread that pushes `report()` every `REPORT_S`
-    seconds. `stats` is the replica owner's own (`ReplicaOwner.stats`); `rank_nodes`, a
-    sharded replica's node per rank, rank 0 first (`ShardGroup.nodes`)."""
+    seconds. `stats` is the replica owner's own (`ReplicaOwner.stats`); `ranks`, a sharded
+    replica's node per rank, rank 0 first, and the other ranks' node RAM and Metal
+    (`ShardGroup.nodes`, `ShardGroup.node_facts`)."""
 
     def __init__(self, app: str, replica: str, model: str, role: str,
                  stats: Callable[[], dict[str, Any]],
-                 rank_nodes: Callable[[], list[str]] = list) -> None:
+                 ranks: Callable[[], tuple[list[str], list[tuple[int, bool]]]] = lambda: ([], [])
+                 ) -> None:
         self._board = board(app)
         self._replica, self._model, self._role = replica, model, role
-        self._stats, self._rank_nodes = stats, rank_nodes
+        self._stats, self._rank_nodes = stats, ranks
         self._node = ray.get_runtime_context().get_node_id()
-        self._host, self._metal, self._memory = socket.gethostname(), _metal(), _node_memory()
+        self._host, self._metal, self._memory = socket.gethostname(), _metal(), \
+            node_memory_bytes()
         self._stop = threading.Event()
         threading.Thread(target=self._loop, name="orchard-board-report", daemon=True).start()
 
@@ -145,10 +149,11 @@ class Reporter:
 
     def _ranks(self, memory: dict[str, Any] | None) -> tuple[RankReport, ...]:
         """Ranks 1..N-1 of a sharded replica: each one's node and its KV budget."""
-        nodes = self._rank_nodes()  # rank 0 first
+        nodes, facts = self._rank_nodes()  # nodes: rank 0 first; facts: ranks 1..N-1
         budgets = [budget for budget, _ in memory["ranks"]] if memory else []
-        return tuple(RankReport(rank, nodes[rank], budgets[rank] if rank < len(budgets) else 0)
-                     for rank in range(1, len(nodes)))
+        return tuple(RankReport(rank, nodes[rank], budgets[rank] if rank < len(budgets) else 0,
+                                *facts[rank - 1])
+                     for rank in range(1, len(nodes)) if rank - 1 < len(facts))
 
     def stop(self) -> None:
         """A stop on purpose: the board forgets this replica without a fault."""

@@ -115,7 +115,8 @@ class ReplicaOwner:
         shards = self._shards
         self._reporter = Reporter(context.app_name, context.replica_id.to_full_id_str(),
                                   config.id, config.role, self.stats,
-                                  (lambda: shards.nodes) if shards is not None else list)
+                                  (lambda: (shards.nodes, shards.node_facts))
+                                  if shards is not None else lambda: ([], []))
 
     def check_health(self) -> None:
         self._replica.check_health()  # raises when the engine thread died or is stuck

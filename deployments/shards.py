@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.cluster import require_metal
+from deployments.cluster import metal_available, require_metal
 from deployments.config import DistributedSettings, ModelSettings
 from replicas.engine.config import EngineConfig, Mode, ShardPlan
 from replicas.engine.sharded.kv_parts import KvParts
@@ -109,6 +109,12 @@ class ShardWorker:
     def ping(self) -> int:
         return self._rank
 
+    def node_facts(self) -> tuple[int, bool]:
+        """This rank's node for the cluster snapshot: its RAM, and whether it has Metal."""
+        from deployments.board import node_memory_bytes
+
+        return node_memory_bytes(), metal_available()
+
     def memory_limit(self) -> int:
         """MLX's memory limit in this rank's process (each rank sets its own at load)."""
         import mlx.core as mx  # only where a rank runs
@@ -127,6 +133,8 @@ class ShardGroup:
         self._stopping = False
         self.nodes: list[str] = []  # node id per rank, rank 0 first
         self.layers: tuple[int, ...] | None = None  # pipeline layers per rank, when uneven
+        # Ranks 1..N-1's nodes as the cluster snapshot shows them: RAM and Metal.
+        self.node_facts: list[tuple[int, bool]] = []
 
     @property
     def size(self) -> int:
@@ -157,6 +165,7 @@ class ShardGroup:
         found = ray.get([w.address.remote(dist) for w in self._workers])
         addresses = (listen_address(dist), *(a for a, _, _ in found))
         self.nodes = [ray.get_runtime_context().get_node_id(), *(n for _, n, _ in found)]
+        self.node_facts = ray.get([w.node_facts.remote() for w in self._workers])
         devices = tuple(tuple(row) for row in dist.rdma_devices) if dist.rdma_devices else None
         memories = dist.node_memory_bytes or [machine_bytes(), *(m for _, _, m in found)]
         split = plan_stages(mode, layers, memories, dist.pipeline_layers, settings.id)

@@ -29,6 +29,8 @@ class RankReport:
     rank: int
     node: str  # Ray node id
     kv_budget_bytes: int
+    node_memory_bytes: int | None = None  # its node's RAM and Metal, as the rank reads them
+    metal: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -163,12 +165,15 @@ def assemble(seen: Sequence[_Seen], nodes: Sequence[Mapping[str, Any]],
             "tokens_per_s": round(entry.tokens_per_s, 1) if live else 0.0,
             "mlx_bytes": r.mlx_bytes, "preempted": r.preempted, "pulls": r.pulls})
         for rank in r.ranks:
-            boxes.setdefault(rank.node, {
+            node = boxes.setdefault(rank.node, {
                 "id": rank.node, "name": rank.node[:12], "address": "", "alive": False,
                 "memory_bytes": None, "metal": None, "mlx_bytes": 0, "resources": {},
-                "replicas": [], "shards": []})["shards"].append({
-                    "replica": r.replica, "model": r.model, "role": r.role, "rank": rank.rank,
-                    "state": state, "kv_budget_bytes": rank.kv_budget_bytes})
+                "replicas": [], "shards": []})
+            if live and node["memory_bytes"] is None:  # a node that holds only ranks
+                node["memory_bytes"], node["metal"] = rank.node_memory_bytes, rank.metal
+            node["shards"].append({
+                "replica": r.replica, "model": r.model, "role": r.role, "rank": rank.rank,
+                "state": state, "kv_budget_bytes": rank.kv_budget_bytes})
     return {"at": now, "nodes": list(boxes.values()), "models": _models(seen),
             "faults": [dataclasses.asdict(f) for f in faults]}
 

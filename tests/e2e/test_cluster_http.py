@@ -88,5 +88,8 @@ def test_orchard_status_prints_the_replicas_of_the_json(server: str) -> None:
                              "--url", server], cwd=ROOT, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
-    listed = {line.split()[-1] for line in result.stdout.splitlines() if "#" in line}
+    # The node table (faults below it name replicas too): each row names its replica last.
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("NODE"))
+    listed = {line.split()[-1] for line in lines[start + 1:lines.index("", start)]}
     assert listed == {r["id"] for r in replicas(cluster(server))} and listed

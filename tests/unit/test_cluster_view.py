@@ -61,9 +61,10 @@ def test_a_replica_lands_on_its_node_with_its_rate_and_the_models_totals() -> No
 
 def test_a_sharded_replica_shows_each_rank_on_its_node() -> None:
     ledger = Ledger()
-    ledger.report(report(ranks=(RankReport(1, NODES[1]["NodeID"], 3 * GIB),)))
+    ledger.report(report(ranks=(RankReport(1, NODES[1]["NodeID"], 3 * GIB, 32 * GIB, True),)))
     studio, mini = ledger.snapshot(NODES, 100.5)["nodes"]
     assert studio["replicas"][0]["ranks"] == 2
+    assert (mini["memory_bytes"], mini["metal"]) == (32 * GIB, True)  # as its rank read them
     (shard,) = mini["shards"]
     assert (shard["replica"], shard["rank"], shard["kv_budget_bytes"], shard["state"]) == \
         ("orchard#Model#a1", 1, 3 * GIB, "running")
