@@ -72,9 +72,10 @@ class PromptCacheSettings(_Strict):
                            description="KV of earlier prompts kept for reuse, in bytes per "
                                        "replica (LRU); 0 turns the cache off.")
     disk_path: str | None = Field(
-        None, description="A directory on local SSD for the cache's disk tier: entries the "
-        "memory tier evicts, and all of them at shutdown, go there, and a restart finds "
-        "them; `auto`: `kv/` under Orchard's cache directory. Unset: memory only.")
+        None, description="A directory on local SSD for the cache's disk tier: each entry "
+        "a request leaves is written there as it is saved (and what the memory tier evicts, "
+        "and all of it at shutdown), and a restart finds them, however the server was "
+        "stopped; `auto`: `kv/` under Orchard's cache directory. Unset: memory only.")
     disk_bytes: int = Field(default_factory=_engine_default("disk_cache_bytes"), ge=1,
                             description="Bound of the disk tier, bytes per model (LRU).")
 

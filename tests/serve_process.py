@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import yaml
@@ -104,11 +104,19 @@ class ServeProcess:
         return seen
 
 
+# How a test stops `serve run`: Ctrl-C (SIGINT to the process group), SIGINT to `serve run`
+# alone, or SIGTERM to it (systemd, launchd, `docker stop`).
+Stop = Literal["ctrl-c", "sigint", "sigterm"]
+
+
 @contextmanager
 def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-tiny",
               env: Mapping[str, str] | None = None,
-              timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[ServeProcess]:
-    """`serve run config` until the block ends; `port` must be the config's HTTP port."""
+              timeout_s: float = STARTUP_TIMEOUT_S,
+              stop_with: Stop = "ctrl-c",
+              headers: Mapping[str, str] | None = None) -> Iterator[ServeProcess]:
+    """`serve run config` until the block ends; `port` must be the config's HTTP port;
+    `headers` go with the readiness probes (an API key where the config asks for one)."""
     base_url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("w")
@@ -119,7 +127,7 @@ def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        with httpx.Client() as client:
+        with httpx.Client(headers=dict(headers or {})) as client:
             while not ready(client, base_url, model):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(
@@ -127,16 +135,19 @@ def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-
                 time.sleep(1)
         yield ServeProcess(base_url, log_path, proc)
     finally:
-        stop(proc)
+        stop(proc, stop_with)
         log.close()
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[bytes], how: Stop = "ctrl-c") -> None:
     # Read before Ctrl-C: HAProxy (direct ingress) runs in a session of its own and outlives
     # `serve run`, holding the port, so every descendant left afterwards is killed too.
     descendants = _descendants(proc.pid)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down on Ctrl-C
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down
+        else:
+            os.kill(proc.pid, signal.SIGINT if how == "sigint" else signal.SIGTERM)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:

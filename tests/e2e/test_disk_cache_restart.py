@@ -1,14 +1,17 @@
-"""The prefix cache's disk tier across a restart of `serve run` (issue 35): the default
-config with `prompt_cache.disk_path` set, run twice over one directory. The second run
-serves the first run's conversation from disk (`cached_tokens` covers the prompt but its
-last token) with the same greedy answer; a file corrupted between the runs is dropped with
-a warning in the log, and its prompt is simply prefilled again.
+"""The prefix cache's disk tier across restarts of `serve run` (issues 35, 59): the default
+config with `prompt_cache.disk_path` set, run over one directory and stopped each way a
+user stops it: SIGTERM to `serve run` (systemd, launchd, `docker stop`: Ray's handler
+aborts it, and no replica shuts down), SIGINT to it, and Ctrl-C to the process group. Each
+next run serves the conversation the last one saw from disk (`cached_tokens` covers the
+prompt but its last token) with the same greedy answer; a file corrupted between runs is
+dropped with a warning in the log, and its prompt is simply prefilled again.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import openai
@@ -17,18 +20,21 @@ import yaml
 
 from replicas.builtin import ensure_builtin
 from replicas.builtin.build import default_cache_root
-from tests.serve_process import config_copy, free_port, serve_run
+from tests.serve_process import Stop, config_copy, free_port, serve_run
 
 pytestmark = pytest.mark.e2e
 
+# About 2,800 prompt tokens, as the chat the issue's user stopped and restarted.
 HISTORY = " ".join(f"Note {n}: the river runs past the old mill where children play."
-                   for n in range(12))
+                   for n in range(80))
+OTHER = " ".join(f"Rule {n}: the bakery opens before the market and closes at noon."
+                 for n in range(40))
 
 
-def ask(client: openai.OpenAI, topic: str) -> tuple[str, int, int]:
+def ask(client: openai.OpenAI, topic: str, system: str = HISTORY) -> tuple[str, int, int]:
     """A greedy answer to a long conversation: (text, prompt tokens, cached tokens)."""
     r = client.chat.completions.create(model="orchard-tiny", max_tokens=16, temperature=0,
-                                       messages=[{"role": "system", "content": HISTORY},
+                                       messages=[{"role": "system", "content": system},
                                                  {"role": "user", "content": topic}])
     usage = r.usage
     assert usage is not None and usage.prompt_tokens_details is not None
@@ -42,33 +48,51 @@ def test_a_restart_serves_the_conversation_from_disk(tmp_path: Path) -> None:
     cache.mkdir()
     (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
     disk = tmp_path / "kv"
-    port = free_port()
-    path = config_copy(tmp_path, port)
-    config = yaml.safe_load(path.read_text())
-    model = config["applications"][0]["args"]["models"][0]
-    model["prompt_cache"] = {**model.get("prompt_cache", {}), "disk_path": str(disk)}
-    path.write_text(yaml.safe_dump(config))
+
+    def configured(port: int) -> Path:
+        path = config_copy(tmp_path, port)
+        config = yaml.safe_load(path.read_text())
+        model = config["applications"][0]["args"]["models"][0]
+        model["prompt_cache"] = {**model.get("prompt_cache", {}), "disk_path": str(disk)}
+        path.write_text(yaml.safe_dump(config))
+        return path
+
     ray_tmp = Path(tempfile.mkdtemp(prefix="ord-", dir="/tmp"))
     env = {"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp)}
     question = "Where do the children play?"
 
-    def run(name: str) -> tuple[str, int, int]:
-        with serve_run(path, port, tmp_path / f"{name}.log", env=env) as serve:
+    def run(name: str, stop: Stop, *systems: str) -> list[tuple[str, int, int]]:
+        port = free_port()  # each run its own: a port held a minute may be taken meanwhile
+        with serve_run(configured(port), port, tmp_path / f"{name}.log", env=env,
+                       stop_with=stop) as serve:
             client = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="unused",
                                    max_retries=0, timeout=120)
-            return ask(client, question)
+            before = written()
+            answers = [ask(client, question, system) for system in systems]
+            # Entries are written as requests leave them, in the background: a stop that
+            # lets no replica shut down (SIGTERM) keeps what was written by then.
+            deadline = time.monotonic() + 30
+            while len(written() - before) < len(systems) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return answers
+
+    def written() -> set[tuple[str, float]]:
+        return {(str(p), p.stat().st_mtime) for p in disk.rglob("*.safetensors")}
 
     try:
-        first = run("first")
+        [first] = run("first", "sigterm", HISTORY)
         assert first[2] == 0
-        assert sorted(disk.rglob("*.safetensors")), "nothing reached the disk tier at shutdown"
-        text, prompt, cached = run("second")
-        assert (text, prompt) == first[:2]
-        assert cached == prompt - 1  # all but the last prompt token, from disk
+        assert written(), "nothing reached the disk tier before SIGTERM"
+        [again, other] = run("second", "sigint", HISTORY, OTHER)
+        assert again[:2] == first[:2]
+        assert again[2] == again[1] - 1  # all but the last prompt token, from disk
+        assert other[2] < 10  # new here (the chat template's first tokens are shared)
+        [other_again] = run("third", "ctrl-c", OTHER)  # what the SIGINT run saw, from disk
+        assert other_again[:2] == other[:2] and other_again[2] == other[1] - 1
         for data in disk.rglob("*.safetensors"):  # cut short, as by a full disk or a crash
             data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-        text, prompt, cached = run("third")
+        [text, prompt, cached] = run("fourth", "ctrl-c", HISTORY)[0]
         assert (text, prompt, cached) == (first[0], first[1], 0)  # prefilled again
-        assert "disk KV cache: dropping" in (tmp_path / "third.log").read_text()
+        assert "disk KV cache: dropping" in (tmp_path / "fourth.log").read_text()
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

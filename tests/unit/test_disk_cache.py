@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from replicas.engine.kv.disk import DiskTier
+from replicas.engine.kv.prefix_cache import PromptCache
 
 
 def kv(tokens: int, layers: int = 2) -> list[Any]:
@@ -133,3 +134,26 @@ def test_spills_wait_in_a_queue_bounded_by_bytes(tmp_path: Path,
     assert not big.put(list(range(10)), kv(10))  # a spill larger than the queue: never
     assert big.put(list(range(10)), kv(10), wait_s=1.0) and big.flush()  # shutdown: alone
     assert len(big) == 1
+
+
+def test_a_saved_entry_is_written_without_waiting_for_eviction_or_shutdown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a replica killed outright keeps (issue 59: SIGTERM to `serve run` left the tier
+    empty): each entry a request leaves is written in the background as it is saved; while
+    the writer is busy, a conversation's next turn supersedes the turn still queued."""
+    tier = DiskTier(tmp_path, 1 << 30, "model-a")
+    cache = PromptCache(1 << 30, disk=tier)
+    cache.save(list(range(10)), kv(10))
+    assert tier.flush() and len(tier) == 1  # no eviction, no close: on disk already
+    assert len(DiskTier(tmp_path, 1 << 30, "model-a")) == 1  # what a restart finds
+    slow = threading.Event()
+    write = tier._write
+    monkeypatch.setattr(tier, "_write", lambda *a: (slow.wait(10), write(*a)))
+    cache.save(list(range(100, 110)), kv(10))  # the writer holds this one
+    cache.save(list(range(200, 210)), kv(10))  # a turn, then its next turn, queued
+    cache.save(list(range(200, 220)), kv(20))
+    cache.save(list(range(300, 305)), kv(5), persist=False)  # a message boundary's: not
+    slow.set()
+    assert tier.flush() and tier.writes == 3 and len(tier) == 3
+    assert tier.lookup(list(range(200, 211))) is not None  # the longer serves the shorter
+    assert tier.lookup(list(range(300, 306))) is None

@@ -123,6 +123,9 @@ class DiskTier:
         # The KV bytes waiting in the queue; `_space` wakes a `put` that waits for room.
         self._queued = 0
         self._space = threading.Condition()
+        # Keys waiting to be written; True once a longer entry that serves them is queued
+        # (the writer then skips them: one conversation's turns write its latest only).
+        self._waiting: dict[tuple[int, ...], bool] = {}
         # Entries to write (with their bytes), or an event the writer sets once everything
         # before it is written.
         self._queue: queue.Queue[tuple[tuple[int, ...], Snapshot, int] | threading.Event] = \
@@ -157,13 +160,21 @@ class DiskTier:
                 self._touch(key)
                 return True
         nbytes = sum(int(c.nbytes) for c in cache)
+        trimmable = can_trim_prompt_cache(list(cache))
         with self._space:
+            if key in self._waiting:  # written soon already
+                return True
             if not self._space.wait_for(lambda: self._fits(nbytes, wait_s > 0), wait_s):
                 self.skipped += 1
                 log.debug("disk KV cache: queue full (%d of %d bytes), a %d-byte spill dropped",
                           self._queued, self.queue_bytes, nbytes)
                 return False
             self._queued += nbytes
+            if trimmable:  # it serves the queued entries on its path: they need no write
+                for other in self._waiting:
+                    if len(other) < len(key) and key[:len(other)] == other:
+                        self._waiting[other] = True
+            self._waiting[key] = False
         self._queue.put((key, snapshot(cache), nbytes))
         return True
 
@@ -221,12 +232,16 @@ class DiskTier:
                 item.set()
                 continue
             key, snap, nbytes = item
+            with self._space:
+                superseded = self._waiting[key]
             try:
-                self._write(key, snap)
+                if not superseded:
+                    self._write(key, snap)
             except Exception:  # noqa: BLE001 - a full disk costs the entry, not the replica
                 log.exception("disk KV cache: writing an entry failed")
             del snap, item  # its arrays go before the room they held is given back
             with self._space:
+                del self._waiting[key]
                 self._queued -= nbytes
                 self._space.notify_all()
 

@@ -242,14 +242,17 @@ class PromptCache:
             return
         try:
             for uid, (cache, tokens) in gen.extract_cache(done).items():
-                self.save(key(uid, list(tokens)), cache)
+                self.save(key(uid, list(tokens)), cache, persist=False)  # its request's will
         except Exception:  # noqa: BLE001 - the cache is an optimisation
             log.exception("saving a prompt cache entry at a message boundary failed")
 
-    def save(self, tokens: list[int], cache: list[Any], spill: bool = True) -> None:
+    def save(self, tokens: list[int], cache: list[Any], spill: bool = True,
+             persist: bool = True) -> None:
         """Keep `cache`, the KV of exactly `tokens`, evicting first to stay within `limit`;
         what is evicted goes to the disk tier (`spill`: also `cache` itself, when it alone
-        passes the limit)."""
+        passes the limit). With `spill` and `persist`, `cache` is also written to the disk
+        tier now, in the background: a replica stopped without its shutdown (SIGTERM to
+        `serve run`, a kill) loses only what was not written yet."""
         if not tokens or not cache:
             return
         mx.eval([c.state for c in cache])  # a lazy slice would pin the whole batch's KV
@@ -277,6 +280,8 @@ class PromptCache:
             self._held.add(key)
         self._lru[key] = _Entry(cache, nbytes)
         self._bytes += nbytes
+        if self._disk is not None and spill and persist:
+            self._disk.put(tokens, cache)
 
     def evict_to(self, limit: int) -> None:
         """Drop the least recently used entries until at most `limit` bytes remain."""
