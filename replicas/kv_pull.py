@@ -173,8 +173,16 @@ class KvPuller:
         staged = await self._stage(kv)
         if staged is None:
             return ended("failed")
-        layers = await asyncio.to_thread(decode, kv.payload)
-        await self._on_engine(lambda: self._home.adopt(kv.tokens, layers, staged))
+        try:
+            layers = await asyncio.to_thread(decode, kv.payload)
+            await self._on_engine(lambda: self._home.adopt(kv.tokens, layers, staged))
+        except Exception as exc:  # noqa: BLE001 - a failed pull costs a prefill: it must
+            # not escape `stream`, where it would look like a dead replica and be resumed
+            log.warning("a pulled KV prefix could not be decoded or adopted (%s: %s); "
+                        "prefilling it", type(exc).__name__, exc)
+            if self._ranks is not None and staged:
+                self._ranks.discard(staged)
+            return ended("failed")
         seconds = time.monotonic() - started
         saved = len(kv.tokens) - have
         self.link.observe(kv.payload.nbytes, seconds)

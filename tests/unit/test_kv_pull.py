@@ -129,3 +129,30 @@ def test_rates_average_toward_recent_samples_and_ignore_empty_ones() -> None:
     rate.observe(0, 1.0)
     rate.observe(5, 0.0)
     assert rate.value == 0.7 * 100 + 0.3 * 200
+
+
+class Refusing(Home):
+    """A batch whose adopt fails (say, the KV does not fit a layer it expects)."""
+
+    def adopt(self, tokens: Sequence[int], layers: list[Any], staged: str = "") -> None:
+        raise ValueError("no room for it")
+
+
+@pytest.mark.parametrize("broken", ["adopt", "decode"])
+def test_a_pull_that_fails_to_land_costs_a_prefill_only(broken: str) -> None:
+    """Issue 59: a decode or adopt failure escaped `before`, so `stream` failed and the
+    client resumed the request elsewhere as if the replica had died."""
+    ranks = Ranks(fail=False)
+    home = Refusing() if broken == "adopt" else Home()
+    p = KvPuller(PullOptions(min_tokens=8), call, home, "f", ranks)
+    payload = encode(snapshot(kv(32)))
+    if broken == "decode":
+        payload = payload[: len(payload) // 3]  # cut short on the way
+
+    async def fetch(tokens: tuple[int, ...], at_least: int) -> PrefixKV:
+        return PrefixKV(tokens[:32], payload, "f", "e1", ("part 1",))
+
+    result = asyncio.run(p.before(tuple(range(40)), Source(fetch, 8)))
+    assert result is not None and result.outcome == "failed"
+    assert ranks.discarded == ranks.staged and len(ranks.staged) == 1
+    assert p.outcomes == {"failed": 1}
