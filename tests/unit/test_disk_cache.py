@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -157,3 +159,40 @@ def test_a_saved_entry_is_written_without_waiting_for_eviction_or_shutdown(
     assert tier.flush() and tier.writes == 3 and len(tier) == 3
     assert tier.lookup(list(range(200, 211))) is not None  # the longer serves the shorter
     assert tier.lookup(list(range(300, 306))) is None
+
+
+
+HOLDER = """
+import sys
+from replicas.engine.kv.disk import DiskTier
+from tests.unit.test_disk_cache import kv, written
+written(DiskTier(sys.argv[1], 1 << 30, "model-a"), list(range(10)), kv(10))
+print("held", flush=True)
+sys.stdin.read()  # until the test lets go
+"""
+
+
+def test_a_directory_in_use_waits_for_its_process_to_end(tmp_path: Path) -> None:
+    """Issue 59: replicas sharing one directory deleted each other's partial writes at
+    start and bounded only their own bytes. A second process (a replacement that starts
+    before the old replica stops) leaves the directory alone until the first ends."""
+    root = Path(__file__).resolve().parents[2]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=root,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        live_write = tmp_path / "model-a" / "f00.partial.safetensors"
+        live_write.write_bytes(b"half")
+        waiting = DiskTier(tmp_path, 1 << 30, "model-a")
+        assert live_write.exists() and len(waiting) == 0
+        waiting._next_claim = 0.0  # try again now, not in ten seconds
+        assert waiting.lookup(list(range(11))) is None  # still held
+        assert not waiting.put(list(range(20, 30)), kv(10))
+        assert len(DiskTier(tmp_path, 1 << 30, "model-b")) == 0  # another model's: free
+    finally:
+        holder.communicate(b"", timeout=30)
+    waiting._next_claim = 0.0
+    hit = waiting.lookup(list(range(11)))  # its holder is gone: taken, and read
+    assert hit is not None and hit.length == 10 and not live_write.exists()
+    written(waiting, list(range(20, 30)), kv(10))
+    assert len(waiting) == 2

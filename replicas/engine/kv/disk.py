@@ -19,12 +19,14 @@ which the writer would then evaluate on its own thread.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +104,27 @@ class DiskHit:
 QUEUE_BYTES = 1 << 30
 
 
+_RECLAIM_S = 10.0  # how often a replica waiting for a directory in use tries it again
+# The directories this process holds, with their locked files: a process may open its own
+# directory again (a test's restart), another may not while this one lives.
+_HELD: dict[Path, int] = {}
+
+
+def _claim(directory: Path) -> bool:
+    """Lock `directory` for this process (released when it exits, however it exits)."""
+    key = directory.resolve()
+    if key in _HELD:
+        return True
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _HELD[key] = fd
+    return True
+
+
 class DiskTier:
     def __init__(self, root: Path, max_bytes: int, fingerprint: str,
                  held: HeldBlocks | None = None, queue_bytes: int = QUEUE_BYTES) -> None:
@@ -109,6 +132,11 @@ class DiskTier:
         # The prefix directory's view of what this tier holds (`replicas.engine.kv.directory`).
         self.held = held or HeldBlocks()
         self.directory.mkdir(parents=True, exist_ok=True)
+        # One process per directory (another would delete this one's partial writes at its
+        # start and bound only its own bytes): a second replica of the model on this Mac
+        # (a replacement starting before the old one stopped) waits until it is free.
+        self._claimed = _claim(self.directory)
+        self._next_claim = time.monotonic() + _RECLAIM_S
         self.max_bytes = max_bytes
         self._fingerprint = fingerprint
         self._lock = threading.Lock()  # the writer adds entries while the engine looks up
@@ -130,7 +158,11 @@ class DiskTier:
         # before it is written.
         self._queue: queue.Queue[tuple[tuple[int, ...], Snapshot, int] | threading.Event] = \
             queue.Queue()
-        self._scan()
+        if self._claimed:
+            self._scan()
+        else:
+            log.warning("disk KV cache: %s is in use by another process; this replica uses "
+                        "it once that one stops", self.directory)
         self._writer = threading.Thread(target=self._write_loop, name="orchard-kv-disk",
                                         daemon=True)
         self._writer.start()
@@ -155,6 +187,8 @@ class DiskTier:
         batch), it is dropped: False. An entry larger than the whole queue goes alone, and
         only for a caller that waits (shutdown)."""
         key = tuple(tokens)
+        if not self._ready():
+            return False
         with self._lock:
             if key in self._entries:
                 self._touch(key)
@@ -178,12 +212,26 @@ class DiskTier:
         self._queue.put((key, snapshot(cache), nbytes))
         return True
 
+    def _ready(self) -> bool:
+        """Whether this process holds the directory: tried again every `_RECLAIM_S`, and
+        its entries read once it does. On the engine thread."""
+        if self._claimed or time.monotonic() < self._next_claim:
+            return self._claimed
+        self._next_claim = time.monotonic() + _RECLAIM_S
+        if _claim(self.directory):
+            with self._lock:
+                self._scan()
+                self._claimed = True
+        return self._claimed
+
     def _fits(self, nbytes: int, alone: bool) -> bool:
         return self._queued + nbytes <= self.queue_bytes or (alone and self._queued == 0)
 
     def lookup(self, tokens: Sequence[int]) -> DiskHit | None:
         """The entry serving the longest prefix of `tokens` (at least one token is left out,
         as in memory), or None."""
+        if not self._ready():
+            return None
         with self._lock:
             found = self._trie.longest_prefix(tokens[:-1],
                                               lambda key: self._entries[key].trimmable)
