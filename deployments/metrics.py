@@ -75,6 +75,11 @@ IMAGE_METRICS = ("orchard_images_total", "orchard_image_encode_seconds")
 # the door (429) or for overload.
 TENANT_METRICS = ("orchard_tenant_requests_total", "orchard_tenant_time_to_first_token_seconds",
                   "orchard_tenant_tokens_total", "orchard_tenant_refusals_total")
+# And from each replica's scheduler: requests admitted to the batch, their summed queue
+# waits and the rows preempted, per tenant.
+ENGINE_TENANT_METRICS = ("orchard_tenant_admitted_total",
+                         "orchard_tenant_queue_wait_seconds_total",
+                         "orchard_tenant_preemptions_total")
 
 
 def _keys(*names: str) -> tuple[str]:
@@ -283,6 +288,7 @@ class EngineMetrics:
              "Tokens those passes emitted (over passes: a sequence's tokens per pass).",
              "Draft tokens verified.", "Draft tokens the target kept and emitted."))]
         self._last: EngineStats | None = None
+        self._tenants: EngineTenantMetrics | None = None  # with the first tenant's request
 
     def record(self, stats: EngineStats, samples: TimingSamples) -> None:
         tags = self._tags
@@ -322,6 +328,9 @@ class EngineMetrics:
         for counter, now, before in counts:
             if now > before:  # Ray refuses inc(0); a restart's lower count adds nothing
                 counter.inc(now - before, tags)
+        if stats.tenants and any(t.tenant != "default" for t in stats.tenants):
+            self._tenants = self._tenants or EngineTenantMetrics()
+            self._tenants.record(tags, stats, last)
         self._last = stats
         for seconds, batch in samples.steps:
             self._step.observe(seconds, tags)
@@ -337,6 +346,35 @@ class EngineMetrics:
         for images, seconds in samples.images:
             self._images.inc(images, tags)
             self._image_encode.observe(seconds, tags)
+
+
+class EngineTenantMetrics:
+    """What a replica's scheduler did for each tenant (`fair_share.TenantTally`), as
+    counters: their rate ratio is the mean wait for a batch row."""
+
+    def __init__(self) -> None:
+        tags = _keys("model", "tenant")
+        self._admitted = Counter("orchard_tenant_admitted_total", "Requests that joined the "
+                                 "batch, by tenant.", tag_keys=tags)
+        self._waited = Counter("orchard_tenant_queue_wait_seconds_total", "Seconds requests "
+                               "waited in the replica's queue for a batch row, summed, by "
+                               "tenant (over orchard_tenant_admitted_total: the mean).",
+                               tag_keys=tags)
+        self._preempted = Counter("orchard_tenant_preemptions_total", "Rows preempted when KV "
+                                  "memory ran out, by tenant.", tag_keys=tags)
+
+    def record(self, tags: dict[str, str], stats: EngineStats,
+               last: EngineStats | None) -> None:
+        before = {t.tenant: t for t in last.tenants} if last is not None else {}
+        for now in stats.tenants:
+            was = before.get(now.tenant)
+            tenant = {**tags, "tenant": now.tenant}
+            for counter, value, previous in (
+                    (self._admitted, now.admitted, was.admitted if was else 0),
+                    (self._waited, now.waited_s, was.waited_s if was else 0.0),
+                    (self._preempted, now.preempted, was.preempted if was else 0)):
+                if value > previous:  # Ray refuses inc(0)
+                    counter.inc(value - previous, tenant)
 
 
 class EnginePoller:

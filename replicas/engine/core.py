@@ -183,6 +183,7 @@ class Engine:
             cancel_latency_steps=tuple(self._cancel_latency),
             memory=memory,
             decode=self._batch.decode_counts() if self._batch else None,
+            tenants=waiting.tally.snapshot() if waiting is not None else (),
             **({} if cache is None else cache.engine_fields()),
         )
 

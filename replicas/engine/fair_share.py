@@ -10,11 +10,15 @@ value goes first (vLLM's convention), then the oldest. Preemption is the reverse
 with the highest priority value, and of those the youngest, leaves first.
 
 With no tenancy on any request (no tenants configured) the order is arrival order, as before.
+`TenantTally` counts, per tenant, the requests admitted, their queue waits and the rows
+preempted, for the metrics.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, TypeVar
 
 from replicas.contract import Tenancy
@@ -74,3 +78,36 @@ def victim(rows: Iterable[Item], tenancy: Callable[[Item], Tenancy],
     """The row to preempt: the lowest priority (highest value), and of those the youngest
     (highest join `order`)."""
     return max(rows, key=lambda row: (tenancy(row).priority, order(row)))
+
+
+@dataclass(frozen=True)
+class TenantCounts:
+    """One tenant's totals in this engine since it started (`EngineStats.tenants`)."""
+
+    tenant: str
+    admitted: int  # requests that joined the batch (a preempted one again: not counted)
+    waited_s: float  # their waits in the queue, summed: / admitted is the mean wait
+    preempted: int  # rows that left the batch when KV ran out
+
+
+class TenantTally:
+    """Counts per tenant, written on the engine thread, read by the metrics poll."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, list[float]] = {}
+
+    def admitted(self, tenant: str, waited_s: float) -> None:
+        with self._lock:
+            counts = self._counts.setdefault(tenant, [0, 0.0, 0])
+            counts[0] += 1
+            counts[1] += waited_s
+
+    def preempted(self, tenant: str) -> None:
+        with self._lock:
+            self._counts.setdefault(tenant, [0, 0.0, 0])[2] += 1
+
+    def snapshot(self) -> tuple[TenantCounts, ...]:
+        with self._lock:
+            return tuple(TenantCounts(t, int(c[0]), c[1], int(c[2]))
+                         for t, c in self._counts.items())

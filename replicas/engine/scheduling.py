@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 from replicas.contract import ErrorKind, Failed, Tenancy
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
-from replicas.engine.fair_share import FairShare, tenanted, victim
+from replicas.engine.fair_share import FairShare, TenantTally, tenanted, victim
 from replicas.engine.kv.budget import Bound, KvBudget
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
 from replicas.engine.batch.local import Prefill, Row
@@ -100,6 +100,7 @@ class Waiting:
         self._growth = _STEP_GROWTH + (spec.num_speculative_tokens if spec else 0)
         self.queue: deque[Queued] = deque()
         self._share = FairShare()
+        self.tally = TenantTally()  # per tenant: admitted, queue waits, preempted
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -128,6 +129,9 @@ class Waiting:
             refused.append(self.queue.pop())
             self.kv.refused += 1
         self._share.admitted(q.sub.request.tenancy for q in admitted)
+        for q in admitted:
+            if q.resumed is None:
+                self.tally.admitted(q.sub.request.tenancy.tenant, now - q.since)
         deliver([(q.sub.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
                  for q in refused])
         return admitted
@@ -169,6 +173,7 @@ class Waiting:
                                   lambda a: a.order)
                 preempt(youngest)
                 self.kv.preempted += 1
+                self.tally.preempted(youngest.sub.request.tenancy.tenant)
                 log.info("request %s preempted after %d tokens (KV memory): it resumes by "
                          "prefill", youngest.request_id, len(youngest.tokens))
                 self.queue.appendleft(preempted(youngest))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replicas.engine.fair_share import TenantCounts
 from replicas.engine.kv.budget import KvBudget, MemoryStats
 from replicas.engine.kv.prefix_cache import PromptCache, PromptCacheStats
 
@@ -30,6 +31,7 @@ class EngineStats:
     disk_entries: int = 0
     memory: MemoryStats | None = None  # KV admission (None until the model has loaded)
     decode: DecodeCounts | None = None  # None until the model has loaded
+    tenants: tuple[TenantCounts, ...] = ()  # per tenant: admitted, queue waits, preempted
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,14 @@ def test_without_tenancy_nothing_waits_for_a_row() -> None:
                              lambda _: False, lambda _: None)
     assert [q.request_id for q in admitted] == [f"r{i}" for i in range(6)]
     assert len(waiting) == 0
+
+
+def test_the_tally_counts_waits_and_preemptions_per_tenant() -> None:
+    waiting = _waiting(max_batch_size=8)
+    waiting.admit([_submitted("a", Tenancy("ci", 0, 1)), _submitted("b", Tenancy("ci", 0, 1)),
+                   _submitted("c", Tenancy("agents", 0, 3))], lambda _: False, lambda _: None)
+    counts = {c.tenant: c for c in waiting.tally.snapshot()}
+    assert counts["ci"].admitted == 2 and counts["agents"].admitted == 1
+    assert counts["ci"].waited_s >= 0 and counts["ci"].preempted == 0
+    waiting.tally.preempted("ci")
+    assert {c.tenant: c.preempted for c in waiting.tally.snapshot()} == {"ci": 1, "agents": 0}

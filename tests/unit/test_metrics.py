@@ -11,6 +11,7 @@ import pytest
 import deployments.metrics as metrics
 from ingress.observe import RequestRecord
 from replicas.contract import ErrorKind, FinishReason, Usage
+from replicas.engine.fair_share import TenantCounts
 from replicas.engine.stats import DecodeCounts, EngineStats
 from replicas.engine.kv.layout import KvLayout
 from replicas.engine.kv.budget import MemoryStats
@@ -205,3 +206,20 @@ def test_tenant_metrics_only_with_tenants_labelled_by_tenant(
         ("inc", 4, {**ci, "kind": "output"})]
     assert recorders["orchard_tenant_refusals_total"].calls == [
         ("inc", 1, {**ci, "reason": "rate_limited"})]
+
+
+def test_engine_tenant_counters_as_deltas_only_with_tenants(
+        recorders: dict[str, _Recorder]) -> None:
+    engine = metrics.EngineMetrics("m")
+    none = TimingSamples((), ())
+    engine.record(_stats(tenants=(TenantCounts("default", 4, 1.0, 0),)), none)
+    assert not set(metrics.ENGINE_TENANT_METRICS) & set(recorders)
+    engine.record(_stats(tenants=(TenantCounts("ci", 2, 0.5, 0),)), none)
+    engine.record(_stats(tenants=(TenantCounts("ci", 5, 2.0, 1),
+                                  TenantCounts("agents", 1, 0.25, 0))), none)
+    ci, agents = {"model": "m", "tenant": "ci"}, {"model": "m", "tenant": "agents"}
+    assert recorders["orchard_tenant_admitted_total"].calls == [
+        ("inc", 2, ci), ("inc", 3, ci), ("inc", 1, agents)]
+    assert recorders["orchard_tenant_queue_wait_seconds_total"].calls == [
+        ("inc", 0.5, ci), ("inc", 1.5, ci), ("inc", 0.25, agents)]
+    assert recorders["orchard_tenant_preemptions_total"].calls == [("inc", 1, ci)]
