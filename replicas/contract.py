@@ -254,6 +254,7 @@ class Usage:
     completion_tokens: int
     reasoning_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    preemptions: int = 0  # times the replica took it out of the batch for KV memory
 
     @property
     def total_tokens(self) -> int:

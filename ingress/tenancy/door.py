@@ -156,7 +156,8 @@ class TenantClient(WrappedClient):
             usage = finished.usage if finished is not None else None
             counts = UsageCounts(1, usage.prompt_tokens if usage else 0,
                                  usage.cached_tokens if usage else 0,
-                                 usage.completion_tokens if usage else spent)
+                                 usage.completion_tokens if usage else spent,
+                                 usage.preemptions if usage else 0)
             self._record(name, model, counts)
             aclose = getattr(events, "aclose", None)
             if aclose is not None:  # closing us cancels the generation, as closing it would

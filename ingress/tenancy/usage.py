@@ -1,4 +1,4 @@
-"""Usage per tenant and model: requests, prompt, cached and completion tokens.
+"""Usage per tenant and model: requests, prompt, cached and completion tokens, preemptions.
 
 Kept in the Responses store's database (`deployments/responses/usage.py`: SQLite by
 default, Redis on a cluster) so it survives restarts; `MemoryUsageStore` is the default of an
@@ -25,6 +25,7 @@ class UsageCounts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    preemptions: int = 0  # times the replica took its requests out of the batch for KV
 
     def __add__(self, other: "UsageCounts") -> "UsageCounts":
         return UsageCounts(*(getattr(self, f.name) + getattr(other, f.name)

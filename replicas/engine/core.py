@@ -312,7 +312,8 @@ class Engine:
             if q.resumed is None:
                 self._submitted += 1  # also each request's `order`: when it first joined
             active = Active(uid, q.sub, guard, q.resumed.cached if q.resumed else cached,
-                            q.resumed.order if q.resumed else self._submitted)
+                            q.resumed.order if q.resumed else self._submitted,
+                            preemptions=q.resumed.preemptions if q.resumed else 0)
             self._by_uid[uid] = active
             self._by_rid[q.request_id] = active
 
@@ -403,7 +404,8 @@ class Engine:
         if active.sub.request.logprobs is not None and logprob is None:
             raise RuntimeError("no logprobs for this token")  # fails this request alone
         return active.output.generated(
-            Generated(response.token, response.finish_reason, logprob, active.cached))
+            Generated(response.token, response.finish_reason, logprob, active.cached,
+                      active.preemptions))
 
     def _logprobs(self, responses: list[Any]) -> dict[int, Picked] | None:
         """The step's numbers for the tokens whose requests asked, by their place in

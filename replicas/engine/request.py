@@ -64,6 +64,7 @@ class Generated:
     ended_by: EndedBy
     logprob: Picked | None  # when the request asked for logprobs
     cached_tokens: int  # prompt tokens the prefix cache served
+    preemptions: int = 0  # times it left the batch for KV memory so far
 
 
 class RequestOutput(Protocol):

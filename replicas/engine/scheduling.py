@@ -46,6 +46,7 @@ class Active:
     guard: GuardedProcessors | None
     cached: int  # prompt tokens the prefix cache served, for its usage
     order: int  # when it first joined: the highest is the youngest, preempted first
+    preemptions: int = 0  # times it left the batch for KV memory (its usage reports them)
     # Tokens generated since it (re)joined: a preempted request's prompt grows by them.
     tokens: list[int] = field(default_factory=list)
 
@@ -86,7 +87,7 @@ def preempted(active: Active) -> Queued:
                       max_tokens=request.max_tokens - done,
                       sampled_before=request.sampled_before + done, score_prompt=False)
     return Queued(Submitted(resumed, active.sub.output), time.monotonic(),
-                  replace(active, tokens=[]))
+                  replace(active, tokens=[], preemptions=active.preemptions + 1))
 
 
 class Waiting:

@@ -95,8 +95,9 @@ class RequestDecoder:
         return events
 
     def finish(self, reason: FinishReason, stop: str | int | None = None,
-               cached_tokens: int = 0) -> list[OutputEvent]:
-        """`cached_tokens`: prompt tokens the prefix cache served (the engine knows)."""
+               cached_tokens: int = 0, preemptions: int = 0) -> list[OutputEvent]:
+        """`cached_tokens`: prompt tokens the prefix cache served, `preemptions`: times the
+        request left the batch for KV memory (the engine knows both)."""
         events: list[OutputEvent] = []
         if self._stops.matched is None and reason is not FinishReason.CANCELLED:
             tracker = self._tracker
@@ -117,7 +118,7 @@ class RequestDecoder:
         elif self.tool_calls and reason in _CALL_ENDINGS:
             reason = FinishReason.TOOL_CALLS
         usage = Usage(self._prompt_tokens, self.completion_tokens, self.reasoning_tokens,
-                      cached_tokens)
+                      cached_tokens, preemptions)
         events.append(Finished(reason, usage, stop))
         return _merge(events)
 

@@ -85,7 +85,8 @@ class OutputProcessor:
         cached = min(step.cached_tokens, len(self._prompt_ids))
 
         def end(reason: FinishReason, stop: int | None = None) -> list[OutputEvent]:
-            return decoder.finish(reason, stop, cached_tokens=cached)
+            return decoder.finish(reason, stop, cached_tokens=cached,
+                                  preemptions=step.preemptions)
 
         if step.ended_by == "stop":  # an EOS or stop token id: it ends generation, no text
             decoder.count(token)

@@ -73,5 +73,9 @@ def test_the_low_priority_row_is_preempted_and_resumes_exactly(
         assert preempted and set(preempted) == {"batch-job"}, preempted
         memory = rep.stats().memory
         assert memory is not None and memory.preempted == len(preempted)
+        # Each request's usage says how often it left the batch: only the batch job's.
+        ends = [e[-1] for e in results]
+        assert [e.usage.preemptions for e in ends if isinstance(e, Finished)] == \
+            [len(preempted), 0]
     finally:
         rep.shutdown()

@@ -27,7 +27,8 @@ from tests.fakes import FakeClient
 
 CI, AGENT, ADMIN = "sk-ci-0123456789", "sk-agent-0123456789", "sk-admin-0123456789"
 ANSWER: list[OutputEvent] = [TextDelta(Channel.ANSWER, "Hi"), TextDelta(Channel.ANSWER, "!"),
-                             Finished(FinishReason.EOS, Usage(30, 2, cached_tokens=4))]
+                             Finished(FinishReason.EOS, Usage(30, 2, cached_tokens=4,
+                                                              preemptions=0))]
 CHAT = {"model": "orchard-tiny", "max_tokens": 8,
         "messages": [{"role": "user", "content": "hello"}]}
 ROUTES = [("/v1/chat/completions", CHAT), ("/v1/messages", CHAT),
@@ -167,7 +168,8 @@ def test_usage_is_counted_per_tenant_and_model_for_admins_only() -> None:
     assert report.status_code == 200
     rows = {row["tenant"]: row for row in report.json()["data"]}
     assert rows["agents"] == {"tenant": "agents", "model": "orchard-tiny", "requests": 2,
-                              "prompt_tokens": 60, "cached_tokens": 8, "completion_tokens": 4}
+                              "prompt_tokens": 60, "cached_tokens": 8, "completion_tokens": 4,
+                              "preemptions": 0}
     assert rows["ci"]["requests"] == 1
 
 

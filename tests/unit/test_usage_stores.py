@@ -14,7 +14,8 @@ from deployments.responses.usage import RedisUsageStore, SqliteUsageStore
 from ingress.tenancy.usage import UsageCounts
 from tests.redis_server import RedisServer
 
-ONE = UsageCounts(requests=1, prompt_tokens=30, cached_tokens=4, completion_tokens=7)
+ONE = UsageCounts(requests=1, prompt_tokens=30, cached_tokens=4, completion_tokens=7,
+                  preemptions=1)
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_sqlite_usage_adds_up_and_survives_a_restart(tmp_path: Path) -> None:
 
     asyncio.run(before())
     assert asyncio.run(after()) == {
-        ("ci", "tiny"): UsageCounts(5, 150, 20, 35), ("agents", "tiny"): ONE}
+        ("ci", "tiny"): UsageCounts(5, 150, 20, 35, 5), ("agents", "tiny"): ONE}
 
 
 def test_redis_usage_adds_up_and_survives_a_server_restart(server: RedisServer) -> None:
@@ -64,4 +65,4 @@ def test_redis_usage_adds_up_and_survives_a_server_restart(server: RedisServer) 
     asyncio.run(add())
     server.kill()
     server.start()
-    assert asyncio.run(report()) == {("ci", "org/model"): UsageCounts(3, 90, 12, 21)}
+    assert asyncio.run(report()) == {("ci", "org/model"): UsageCounts(3, 90, 12, 21, 3)}
