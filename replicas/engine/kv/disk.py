@@ -6,12 +6,16 @@ Each entry is two files under `<directory>/<model fingerprint>/`: the KV in mlx-
 cache format (`mlx_lm.models.cache.load_prompt_cache` reads it), and a JSON sidecar with the
 tokens it holds, its size and its SHA-256. A file is used only when its sidecar parses, names
 this model's fingerprint (`replicas.engine.kv.fingerprint`: config, tokenizer, weights,
-dtype) and the sum matches; anything else is
-dropped with a warning, never loaded. The directory is bounded by bytes, least recently used
-first (a hit touches the file, so the order survives restarts).
+dtype) and the sum matches; anything else is dropped with a warning, never loaded. The
+directory is bounded by bytes, least recently used first (a hit touches the file, so the
+order survives restarts), and held by one process at a time (a lock file).
 
-Writes go through one writer thread: writing a long prefix's gigabytes must not stall the
-batch. What waits for it is bounded by bytes (`QUEUE_BYTES`): a spill past that is dropped. The engine thread hands it arrays it has already evaluated (`snapshot`), so the
+Entries are written as the memory tier saves them (a replica stopped without its shutdown
+keeps what was written), and looked at again at eviction and shutdown. Writes go through
+one writer thread: writing a long prefix's gigabytes must not stall the batch. What waits
+for it is bounded by bytes (`QUEUE_BYTES`): a spill past that is dropped. Reads are the
+caller's, off the engine thread (`replicas.disk_reads`). The engine thread hands the writer
+arrays it has already evaluated (`snapshot`), so the
 writer only copies bytes (MLX evaluation stays on the engine thread). mlx-lm's own
 `save_prompt_cache` is not called for that reason: it builds the state's slices lazily,
 which the writer would then evaluate on its own thread.
