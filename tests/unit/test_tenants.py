@@ -216,3 +216,15 @@ def test_usage_store_adds_up() -> None:
         return await store.report()
 
     assert asyncio.run(run()) == {("a", "m"): UsageCounts(2, 11, 2, 6)}
+
+
+def test_a_key_is_never_logged(caplog: pytest.LogCaptureFixture) -> None:
+    client, _ = app()
+    with caplog.at_level(logging.DEBUG):
+        client.post("/v1/chat/completions", json=CHAT, headers=auth(AGENT))
+        client.post("/v1/chat/completions", json=CHAT, headers=auth("sk-stranger-0123456789"))
+        for _ in range(5):  # past `ci`'s tokens per minute: a 429 names the tenant only
+            client.post("/v1/messages", json=CHAT, headers={"x-api-key": CI})
+    for key in (AGENT, CI, "sk-stranger-0123456789"):
+        assert key not in caplog.text
+    assert CI not in repr(client.app.state.tenants)  # type: ignore[attr-defined]
