@@ -174,7 +174,11 @@ def assemble(seen: Sequence[_Seen], nodes: Sequence[Mapping[str, Any]],
             node["shards"].append({
                 "replica": r.replica, "model": r.model, "role": r.role, "rank": rank.rank,
                 "state": state, "kv_budget_bytes": rank.kv_budget_bytes})
-    return {"at": now, "nodes": list(boxes.values()), "models": _models(seen),
+    for box in boxes.values():  # a stable order, so a page redrawn every 2 s stays put
+        box["replicas"].sort(key=lambda r: (r["model"], r["id"]))
+        box["shards"].sort(key=lambda s: (s["model"], s["replica"], s["rank"]))
+    return {"at": now, "nodes": list(boxes.values()),
+            "models": sorted(_models(seen), key=lambda m: m["id"]),
             "faults": [dataclasses.asdict(f) for f in faults]}
 
 

@@ -102,4 +102,26 @@ def test_the_page_shows_the_cluster_live_with_faults_and_a_playground(
         page.wait_for(f"{faults}.some(f => f.includes('{VICTIM}') && "
                       f"(f.includes('lost') || f.includes('replacement')))", timeout_s=60)
         page.screenshot(SCREENSHOT)
+
+        # Readable in light and dark: the text on the boxes keeps WCAG's AA contrast (4.5).
+        contrast = {}
+        for scheme in ("light", "dark"):
+            page.call("Emulation.setEmulatedMedia", features=[
+                {"name": "prefers-color-scheme", "value": scheme}])
+            contrast[scheme] = page.evaluate(CONTRAST)
+        page.screenshot(SCREENSHOT.with_name("dashboard-dark.png"))
     assert SCREENSHOT.stat().st_size > 10_000
+    assert min(contrast.values()) >= 4.5, contrast
+    assert contrast["light"] != contrast["dark"]  # the scheme did change the colours
+
+
+# The contrast ratio of a node box's text on its background (WCAG 2's formula).
+CONTRAST = """(() => {
+  const rgb = c => c.match(/[0-9.]+/g).slice(0, 3).map(Number);
+  const lum = c => { const [r, g, b] = rgb(c).map(v => { v /= 255;
+    return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+  const style = getComputedStyle(document.querySelector('.node'));
+  const [a, b] = [lum(style.color), lum(style.backgroundColor)].sort((x, y) => y - x);
+  return Math.round((a + 0.05) / (b + 0.05) * 100) / 100;
+})()"""
