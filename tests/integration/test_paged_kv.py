@@ -30,10 +30,11 @@ from replicas.sources import resolve_source
 GREEDY = SamplingParams(temperature=0.0)
 # (step it joins at, tokens it decodes): rows of mixed lengths join and leave mid-stream.
 ARRIVALS = [(0, 24), (0, 9), (3, 20), (5, 16), (5, 12), (11, 18), (14, 6)]
-_QWEN3: dict[str, Any] = dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-              vocab_size=512, rope_theta=10000.0, tie_word_embeddings=False,
-              max_position_embeddings=32768)
+_QWEN3: dict[str, Any] = dict(
+    model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+    vocab_size=512, rope_theta=10000.0, tie_word_embeddings=False,
+    max_position_embeddings=32768)
 
 
 def _random(module: nn.Module, seed: int) -> nn.Module:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 
@@ -117,6 +117,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._layers: dict[int, LayerBlocks] = {}
+        # The last index arrays a paged batch built, by kind, with the shape they are for
+        # (`PagedBatchKVCache._shared`): the other layers of the step reuse them.
+        self.memo: dict[str, tuple[tuple[Any, ...], mx.array]] = {}
 
     @classmethod
     def sized(cls, nbytes: int, bytes_per_token: int, block_size: int = BLOCK_SIZE,

@@ -18,7 +18,7 @@ models qualify); a model with any other cache kind stays on mlx-lm's padded batc
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,7 +99,6 @@ class PagedBatchKVCache(_BaseCache):
         # While a right-padded prefill runs: where each row's real tokens end (its pad
         # columns write to the scratch slot, so they take no blocks).
         self._ends: list[int] | None = None
-        self._gather: mx.array | None = None  # the view's slot ids, until the batch changes
 
     # ---- the batch's shape ------------------------------------------------------------
 
@@ -120,9 +119,6 @@ class PagedBatchKVCache(_BaseCache):
     @property
     def _scratch(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
-
-    def _changed(self) -> None:
-        self._gather = None
 
     def _fit(self, i: int, tokens: int) -> None:
         """Row i's table holds exactly the blocks `tokens` positions need."""
@@ -148,21 +144,15 @@ class PagedBatchKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         B, H, n, _ = keys.shape
         prev, end = self._idx, self._idx + n
-        slots = np.full((B, n), self._scratch, dtype=np.int64)
+        bs = self.pool.block_size
         for i, pad in enumerate(self._pads):
-            stop = end if self._ends is None else min(end, pad + self._ends[i])
-            self._fit(i, max(len(self.tables[i]) * self.pool.block_size, stop - pad))
-            first = max(prev, pad)
-            if first < stop:
-                slots[i, first - prev:stop - prev] = self._slots(i, np.arange(first, stop) - pad)
+            self._fit(i, max(len(self.tables[i]) * bs, self._stop(i, end) - pad))
         store_k, store_v = self._blocks.storage(keys, values)
-        heads = np.arange(H)[None, :, None] * self._blocks.slots
-        at = mx.array((heads + slots[:, None, :]).reshape(-1).astype(np.int32))
+        at = self._shared("write", self._key(prev, n), lambda: self._write_index(prev, n))
         store_k[at] = keys.reshape(B * H * n, keys.shape[3])
         store_v[at] = values.reshape(B * H * n, values.shape[3])
         self._idx = end
         self.offset = self.offset + n
-        self._changed()
         return self.view()
 
     def view(self) -> tuple[mx.array, mx.array]:
@@ -170,25 +160,58 @@ class PagedBatchKVCache(_BaseCache):
         (rows left-padded; padding reads the scratch slot, which the mask hides)."""
         keys, values = self._blocks.keys, self._blocks.values
         assert keys is not None and values is not None
-        at = mx.arange(self._blocks.heads)[None, :, None] * self._blocks.slots + \
-            self._view()[:, None, :]
+        at = self._shared("view", self._key(self._idx), self._view_index)
         return keys[at], values[at]
 
-    def _view(self) -> mx.array:
-        """The slot each view column reads, `[B, _idx]` (padding reads the scratch slot)."""
-        if self._gather is None:
-            bs, B = self.pool.block_size, len(self._pads)
-            width = max((len(t) for t in self.tables), default=0)
-            tables = np.zeros((B, max(1, width)), dtype=np.int32)
-            for i, t in enumerate(self.tables):
-                tables[i, :len(t)] = t
-            pos = mx.arange(self._idx)[None, :] - mx.array(self._pads)[:, None]
-            held = mx.array(self._stored())[:, None]
-            valid = (pos >= 0) & (pos < held)
-            block = mx.take_along_axis(mx.array(tables),
-                                       mx.where(valid, pos, 0) // bs, axis=1)
-            self._gather = mx.where(valid, block * bs + pos % bs, self._scratch)
-        return self._gather
+    def _stop(self, i: int, end: int) -> int:
+        """The view column row i's real positions end at, writing up to `end`."""
+        return end if self._ends is None else min(end, self._pads[i] + self._ends[i])
+
+    def _write_index(self, prev: int, n: int) -> mx.array:
+        """The storage rows columns `[prev, prev + n)` are written to, `[B * H * n]`
+        (padding and a right-padded prefill's pad columns to the scratch slot)."""
+        slots = np.full((len(self._pads), n), self._scratch, dtype=np.int64)
+        for i, pad in enumerate(self._pads):
+            first, stop = max(prev, pad), self._stop(i, prev + n)
+            if first < stop:
+                slots[i, first - prev:stop - prev] = self._slots(i, np.arange(first, stop) - pad)
+        heads = np.arange(self._blocks.heads)[None, :, None] * self._blocks.slots
+        return mx.array((heads + slots[:, None, :]).reshape(-1).astype(np.int32))
+
+    def _view_index(self) -> mx.array:
+        """The storage rows the view reads, `[B, H, _idx]`: row i's column c holds its
+        position c - left_padding[i]; padding reads the scratch slot."""
+        bs, B = self.pool.block_size, len(self._pads)
+        width = max((len(t) for t in self.tables), default=0)
+        tables = np.zeros((B, max(1, width)), dtype=np.int32)
+        for i, t in enumerate(self.tables):
+            tables[i, :len(t)] = t
+        pos = mx.arange(self._idx)[None, :] - mx.array(self._pads)[:, None]
+        held = mx.array(self._stored())[:, None]
+        valid = (pos >= 0) & (pos < held)
+        block = mx.take_along_axis(mx.array(tables), mx.where(valid, pos, 0) // bs, axis=1)
+        slot = mx.where(valid, block * bs + pos % bs, self._scratch)
+        return mx.arange(self._blocks.heads)[None, :, None] * self._blocks.slots + \
+            slot[:, None, :]
+
+    def _key(self, *at: int) -> tuple[Any, ...]:
+        return (*at, self._blocks.heads, self._blocks.slots, self._pads, self._ends,
+                self.tables)
+
+    def _shared(self, kind: str, key: tuple[Any, ...], make: Callable[[], mx.array]
+                ) -> mx.array:
+        """An index array every layer of the batch would build alike (their tables grow in
+        step): the first layer builds it, the others reuse it while the batch's shape is
+        equal by value, so a step builds each once, not once a layer."""
+        memo = self.pool.memo
+        got = memo.get(kind)
+        if got is not None and got[0] == key:
+            return got[1]
+        value = make()
+        *at, heads, slots, pads, ends, tables = key
+        memo[kind] = ((*at, heads, slots, list(pads), None if ends is None else list(ends),
+                       [list(t) for t in tables]), value)
+        return value
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding,
@@ -204,7 +227,6 @@ class PagedBatchKVCache(_BaseCache):
                 raise ValueError("Left padding can only be added to an empty cache")
             self._pads = [p + int(q) for p, q in zip(self._pads, left_padding)]
             self.offset = self.offset - mx.array(list(left_padding))
-            self._changed()
         if right_padding is not None and max(right_padding) > 0:
             self._right = [int(r) for r in right_padding]
             if lengths is not None:
@@ -220,7 +242,6 @@ class PagedBatchKVCache(_BaseCache):
         self.offset = self.offset - mx.array(right)
         for i, length in enumerate(self.lengths()):
             self._fit(i, length)
-        self._changed()
 
     # ---- joins, leaves, speculation's rollback ------------------------------------------
 
@@ -242,7 +263,6 @@ class PagedBatchKVCache(_BaseCache):
         if shift > 0:  # columns every row pads: gone from the view
             self._pads = [p - shift for p in self._pads]
             self._idx -= shift
-        self._changed()
 
     def extend(self, other: Any) -> None:
         """Append `other`'s rows: their block tables join, no KV moves (another kind of
@@ -258,7 +278,6 @@ class PagedBatchKVCache(_BaseCache):
         self._idx = top
         other.tables, other._pads = [], []  # its blocks are this batch's now
         other.offset = mx.array([], dtype=mx.int32)
-        self._changed()
 
     def _adopt(self, other: Any) -> PagedBatchKVCache:
         rows = int(other.offset.shape[0]) if isinstance(other.offset, mx.array) else 1
@@ -277,7 +296,6 @@ class PagedBatchKVCache(_BaseCache):
         self.offset = self.offset - n
         for i, length in enumerate(self.lengths()):
             self._fit(i, length)
-        self._changed()
         return n
 
     # ---- rows in and out ----------------------------------------------------------------
