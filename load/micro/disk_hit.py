@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -64,9 +65,16 @@ def on_engine_thread(rep: ModelReplica) -> Callable[..., Any]:
         cache = reads._cache
         tokens = list(prompt)
         found = await reads._on_engine(lambda: cache.disk_wanted(tokens))
-        if found is not None:
-            await reads._on_engine(lambda: cache.take_disk(found, cache.read_disk(found)))
-        return 0 if found is None else int(found.length)
+        if found is None:
+            return 0
+
+        def read_and_take() -> None:
+            layers = cache.read_disk(found)
+            if layers is not None:
+                cache.take_disk(found, layers)
+
+        await reads._on_engine(read_and_take)
+        return int(found.length)
 
     return before
 
@@ -125,6 +133,13 @@ def main() -> None:
     args = parser.parse_args()
     at_least_three(args.rounds, "--rounds")
     directory = Path(tempfile.mkdtemp(prefix="disk-hit-"))
+    try:
+        run(args.tokens, args.rounds, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # gigabytes of entries
+
+
+def run(tokens: int, rounds: int, directory: Path) -> None:
     first = replica(directory)
     assert first.model is not None
     fingerprint = kv_fingerprint(first.options, first.model)
@@ -133,12 +148,12 @@ def main() -> None:
     tier = DiskTier(directory, 1 << 40, fingerprint)
     prompts: dict[str, list[tuple[int, ...]]] = {"worker": [], "engine": []}
     for way, prompts_of in prompts.items():
-        for r in range(args.rounds):
-            ids = [random.randrange(5, vocab) for _ in range(args.tokens)]
-            tier.put(ids, entry(args.tokens), wait_s=600)
+        for r in range(rounds):
+            ids = [random.randrange(5, vocab) for _ in range(tokens)]
+            tier.put(ids, entry(tokens), wait_s=600)
             prompts_of.append((*ids, 7))
     assert tier.flush(600)
-    print(f"{2 * args.rounds} entries of {args.tokens} tokens, {tier.nbytes / 2**20:.0f} MiB "
+    print(f"{2 * rounds} entries of {tokens} tokens, {tier.nbytes / 2**20:.0f} MiB "
           f"on disk", flush=True)
     rep = replica(directory)
     results: dict[str, list[tuple[float, float]]] = {}
