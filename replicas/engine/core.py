@@ -261,8 +261,7 @@ class Engine:
         # batch; the rest join in order while their KV fits.
         assert self._waiting is not None
         admitted = self._waiting.admit(commands.submits, commands.cancels.__contains__,
-                                       self._batch.bound_cache,
-                                       [a.sub.request.tenancy for a in self._by_uid.values()])
+                                       self._batch.bound_cache, self._by_uid, self._preempt)
         if admitted:
             self._insert(admitted)
         self._prefills.cancel(commands.cancels.__contains__, self._waiting.kv)

@@ -7,7 +7,9 @@ decoding a token a step, get its tokens 3:1), while a tenant alone gets every ro
 weighted fair queuing with the batch row as the resource; ties go to the tenant served least
 so far per unit of share, then to the oldest request. Within a tenant the lowest `priority`
 value goes first (vLLM's convention), then the oldest. Preemption is the reverse: the row
-with the highest priority value, and of those the youngest, leaves first.
+with the highest priority value, and of those the youngest, leaves first. When the batch is
+full and a waiting tenant is below its share, a row of the tenant furthest above its own is
+preempted for it (`displace`): a light tenant waits a step, not until a long row ends.
 
 With no tenancy on any request (no tenants configured) the order is arrival order, as before.
 `TenantTally` counts, per tenant, the requests admitted, their queue waits and the rows
@@ -66,6 +68,38 @@ class FairShare:
             if heads[name] == len(queues[name]):
                 del heads[name]
         return ordered
+
+    def displace(self, waiting: Iterable[Tenancy], in_batch: Iterable[Tenancy]) -> list[str]:
+        """With the batch full: the tenants to take a row from, one name per row, so that
+        waiting tenants below their share get one now rather than when a row ends. A row
+        moves from the tenant with the most rows per share to the waiting one with the
+        fewest, while that leaves the taker still below the giver (no row moves back and
+        forth between equals)."""
+        rows: Counter[str] = Counter()
+        shares: dict[str, float] = {}
+        for t in in_batch:
+            rows[t.tenant] += 1
+            shares[t.tenant] = max(t.share, 1e-9)
+        wanting: Counter[str] = Counter()
+        for t in waiting:
+            wanting[t.tenant] += 1
+            shares[t.tenant] = max(t.share, 1e-9)
+        donors: list[str] = []
+        while wanting and rows:
+            taker = min(wanting, key=lambda n: rows[n] / shares[n])
+            giver = max(rows, key=lambda n: rows[n] / shares[n])
+            if giver == taker or \
+                    (rows[taker] + 1) / shares[taker] >= rows[giver] / shares[giver] - 1e-9:
+                break
+            donors.append(giver)
+            rows[giver] -= 1
+            if not rows[giver]:
+                del rows[giver]
+            rows[taker] += 1
+            wanting[taker] -= 1
+            if not wanting[taker]:
+                del wanting[taker]
+        return donors
 
     def admitted(self, tenancies: Iterable[Tenancy]) -> None:
         """Count rows given, for the tie-break."""

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from replicas.contract import ErrorKind, Failed, Tenancy
 from replicas.engine.config import EngineConfig
@@ -107,19 +107,24 @@ class Waiting:
         return len(self.queue)
 
     def admit(self, submits: Iterable[Submitted], cancelled: Callable[[str], bool],
-              bound: Bound, in_batch: Sequence[Tenancy] = ()) -> list[Queued]:
+              bound: Bound, active: Mapping[int, Active] | None = None,
+              preempt: Callable[[Active], None] | None = None) -> list[Queued]:
         """Those that join the batch now, in order: the preempted first, then the rest while
         each fits. A cancelled one is dropped; past the waiting bound or the waiting time,
         new ones get the overloaded error (a preempted one has streamed: it keeps its place).
-        Requests with a tenancy (`in_batch`: the rows' now) wait here for a free row and
-        join in fair-share order (`fair_share`), not in mlx-lm's first-come queue."""
+        Requests with a tenancy wait here for a free row of the batch (`active`) and join in
+        fair-share order (`fair_share`), not in mlx-lm's first-come queue; with the batch
+        full, a tenant below its share gets a row `preempt`ed from one above its own."""
         now = time.monotonic()
         pending = [q for q in (*self.queue, *(Queued(s, now) for s in submits))
                    if not cancelled(q.request_id)]
         pending = self._expire(pending, now)
         later: list[Queued] = []
         if tenanted(q.sub.request.tenancy for q in pending):
-            pending, later = self._fair(pending, in_batch)
+            rows = dict(active or {})
+            if preempt is not None:
+                pending += self._displace(pending, rows, preempt)
+            pending, later = self._fair(pending, [a.sub.request.tenancy for a in rows.values()])
         admitted, queue, refused = self.kv.take(
             pending, lambda q: q.request_id,
             lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole,
@@ -139,13 +144,34 @@ class Waiting:
 
     def _fair(self, pending: list[Queued],
               in_batch: Sequence[Tenancy]) -> tuple[list[Queued], list[Queued]]:
-        """(those that may join now, in order; those that wait for a row)."""
-        resumed = [q for q in pending if q.resumed is not None]  # they have streamed: first
-        fresh = self._share.order([q for q in pending if q.resumed is None],
-                                  lambda q: q.sub.request.tenancy, in_batch)
-        ordered = resumed + fresh
+        """(those that may join now, in order; those that wait for a row). Within a tenant
+        its preempted requests go first: they have streamed."""
+        resumed = [q for q in pending if q.resumed is not None]
+        ordered = self._share.order(resumed + [q for q in pending if q.resumed is None],
+                                    lambda q: q.sub.request.tenancy, in_batch)
         free = max(0, self._config.max_batch_size - len(in_batch))
         return ordered[:free], ordered[free:]
+
+    def _displace(self, pending: list[Queued], rows: dict[int, Active],
+                  preempt: Callable[[Active], None]) -> list[Queued]:
+        """With the batch full, the rows preempted for waiting tenants below their share
+        (taken out of `rows`), queued again."""
+        if len(rows) < self._config.max_batch_size:
+            return []
+        donors = self._share.displace((q.sub.request.tenancy for q in pending),
+                                      (a.sub.request.tenancy for a in rows.values()))
+        queued = []
+        for donor in donors:
+            row = victim([a for a in rows.values() if a.sub.request.tenancy.tenant == donor],
+                         lambda a: a.sub.request.tenancy, lambda a: a.order)
+            preempt(row)
+            del rows[row.uid]
+            self.kv.preempted += 1
+            self.tally.preempted(donor)
+            log.info("request %s preempted after %d tokens (fair share): it resumes by "
+                     "prefill", row.request_id, len(row.tokens))
+            queued.append(preempted(row))
+        return queued
 
     def _expire(self, pending: list[Queued], now: float) -> list[Queued]:
         limit = self._config.max_memory_wait_s

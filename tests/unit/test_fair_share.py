@@ -12,7 +12,7 @@ from replicas.engine.fair_share import FairShare, tenanted, victim
 from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.layout import KvLayout
 from replicas.engine.request import EngineRequest, Submitted
-from replicas.engine.scheduling import Waiting
+from replicas.engine.scheduling import Active, Waiting
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,11 @@ def _waiting(max_batch_size: int) -> Waiting:
     return Waiting(kv, EngineConfig(max_batch_size=max_batch_size))
 
 
+def _rows(*tenancies: Tenancy) -> dict[int, Active]:
+    return {uid: Active(uid, _submitted(f"row{uid}", t), None, 0, uid)
+            for uid, t in enumerate(tenancies)}
+
+
 def test_waiting_admits_tenants_by_share_up_to_the_free_rows() -> None:
     waiting = _waiting(max_batch_size=4)
     heavy = [_submitted(f"h{i}", Tenancy("heavy", 0, 3)) for i in range(8)]
@@ -95,9 +100,35 @@ def test_waiting_admits_tenants_by_share_up_to_the_free_rows() -> None:
     assert tenants == {"heavy": 3, "light": 1}
     assert len(waiting) == 12  # the rest wait for a row, in Orchard's queue
     # A light row leaves: its place goes to light again (3:1 held), not to the older heavy.
-    in_batch = [Tenancy("heavy", 0, 3)] * 3
-    again = waiting.admit([], lambda _: False, lambda _: None, in_batch)
+    again = waiting.admit([], lambda _: False, lambda _: None,
+                          _rows(*[Tenancy("heavy", 0, 3)] * 3))
     assert [q.sub.request.tenancy.tenant for q in again] == ["light"]
+
+
+def test_displace_moves_rows_to_a_tenant_below_its_share_only() -> None:
+    share = FairShare()
+    heavy, light = Tenancy("heavy", 0, 3), Tenancy("light", 0, 1)
+    assert share.displace([light, light], [heavy] * 4) == ["heavy"]  # to 3:1, not past it
+    assert share.displace([Tenancy("b")] * 3, [Tenancy("a")] * 16) == ["a"] * 3
+    assert share.displace([Tenancy("a")], [Tenancy("a"), Tenancy("b")]) == []
+    assert share.displace([Tenancy("b")], [Tenancy("a"), Tenancy("b")]) == []  # equals
+
+
+def test_a_full_batch_preempts_a_row_for_a_tenant_below_its_share() -> None:
+    waiting = _waiting(max_batch_size=4)
+    rows = _rows(*[Tenancy("heavy")] * 4)
+    out: list[Active] = []
+    admitted = waiting.admit([_submitted("light", Tenancy("light"))], lambda _: False,
+                             lambda _: None, rows, out.append)
+    assert [a.uid for a in out] == [3]  # the youngest heavy row
+    assert [q.request_id for q in admitted] == ["light"]
+    # The preempted row waits first among the heavy tenant's, and resumes when a row frees.
+    assert [q.request_id for q in waiting.queue] == ["row3"] and waiting.queue[0].resumed
+    assert {c.tenant: c.preempted for c in waiting.tally.snapshot()}["heavy"] == 1
+    rows = _rows(*[Tenancy("heavy")] * 3)
+    assert [q.request_id for q in waiting.admit([], lambda _: False, lambda _: None,
+                                                 rows, out.append)] == ["row3"]
+    assert len(out) == 1
 
 
 def test_without_tenancy_nothing_waits_for_a_row() -> None:
