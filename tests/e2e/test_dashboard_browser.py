@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-from typing import Any, Iterator
+from typing import Iterator
 
-import httpx
 import pytest
 
 from tests.browser import browser, chromium
+from tests.cluster_view import decoding, snapshot
 from tests.e2e.conftest import ROOT
 from tests.serve_process import ServeProcess, _descendants, private_serve
 
@@ -36,13 +35,6 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     with private_serve(tmp_path_factory.mktemp("dashboard"), MODELS, ("tiny",),
                        ingress={"colocate": False}) as running:
         yield running
-
-
-def snapshot(base_url: str) -> dict[str, Any]:
-    response = httpx.get(f"{base_url}/v1/cluster", timeout=10)
-    assert response.status_code == 200, response.text
-    result: dict[str, Any] = response.json()
-    return result
 
 
 def replica_pid(serve: ServeProcess, model: str) -> int:
@@ -66,25 +58,8 @@ def test_the_page_shows_the_cluster_live_with_faults_and_a_playground(
         assert page.evaluate("document.querySelectorAll('#models tbody tr').length") == 2
 
         # Load: the tokens/s on the page move off zero.
-        stop = threading.Event()
-
-        def load() -> None:
-            body = {"model": "orchard-tiny", "prompt": "count:", "max_tokens": 300,
-                    "stream": True}
-            while not stop.is_set():
-                with httpx.stream("POST", f"{base}/v1/completions", json=body,
-                                  timeout=120) as r:
-                    for _ in r.iter_lines():
-                        if stop.is_set():
-                            break
-
-        thread = threading.Thread(target=load, daemon=True)
-        thread.start()
-        try:
+        with decoding(base, "orchard-tiny"):
             page.wait_for(f"{RATES_SHOWN}.some(rate => rate > 0)", timeout_s=40)
-        finally:
-            stop.set()
-            thread.join(timeout=60)
 
         # The playground streams an answer from the model picked.
         page.wait_for("document.querySelectorAll('#play-model option').length >= 2")

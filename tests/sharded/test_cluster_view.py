@@ -6,26 +6,15 @@ tests/unit/test_cluster_view.py; every layout of one Mac: tests/e2e/test_cluster
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
 import time
 from typing import Any
 
-import httpx
-
-from tests.cluster.conftest import BASE_URL, ROOT, LocalCluster
+from tests.cluster.conftest import BASE_URL, LocalCluster
+from tests.cluster_view import decoding, snapshot, status_replicas
 from tests.sharded.conftest import app_args
 
 SHARDED = "tiny-x2"
 WAIT_S = 60.0
-
-
-def snapshot() -> dict[str, Any]:
-    response = httpx.get(f"{BASE_URL}/v1/cluster", timeout=10)
-    assert response.status_code == 200, response.text
-    result: dict[str, Any] = response.json()
-    return result
 
 
 def placed(snap: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -41,7 +30,7 @@ def test_every_replica_and_shard_is_on_its_node(sharded_cluster: LocalCluster) -
     models = app_args()["models"]
     # Every model entry (a split model's prefill and decode replicas are two) has reported.
     deadline = time.monotonic() + WAIT_S
-    while len(placed(snap := snapshot())[0]) < len(models):
+    while len(placed(snap := snapshot(BASE_URL))[0]) < len(models):
         assert time.monotonic() < deadline, placed(snap)[0].keys()
         time.sleep(1)
     replicas, shards = placed(snap)
@@ -56,40 +45,17 @@ def test_every_replica_and_shard_is_on_its_node(sharded_cluster: LocalCluster) -
         assert shard["kv_budget_bytes"] > 0 and replica["kv_budget_bytes"] > 0
     assert len(shards) == len(sharded)
 
-    result = subprocess.run([sys.executable, "-m", "deployments.status", "status",
-                             "--url", BASE_URL], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
-    # The node table: one row per replica and one per shard, each naming its replica last.
-    lines = result.stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("NODE"))
-    rows = [line.split() for line in lines[start + 1:lines.index("", start)]]
-    listed = sorted(row[-1] for row in rows if "#" in row[-1])
-    assert listed == sorted([*replicas, *(s["replica"] for s in shards)])
+    # One row per replica and one per shard, each naming its replica.
+    assert sorted(status_replicas(BASE_URL)) == \
+        sorted([*replicas, *(s["replica"] for s in shards)])
 
 
 def test_a_sharded_models_numbers_move_under_load(sharded_cluster: LocalCluster) -> None:
-    done = threading.Event()
-
-    def decode() -> None:
-        body = {"model": SHARDED, "prompt": "count:", "max_tokens": 300, "stream": True}
-        while not done.is_set():
-            with httpx.stream("POST", f"{BASE_URL}/v1/completions", json=body,
-                              timeout=120) as response:
-                for _ in response.iter_lines():
-                    if done.is_set():
-                        break
-
-    thread = threading.Thread(target=decode, daemon=True)
-    thread.start()
     deadline = time.monotonic() + WAIT_S
-    try:
+    with decoding(BASE_URL, SHARDED):
         while True:
-            model = next(m for m in snapshot()["models"] if m["id"] == SHARDED)
+            model = next(m for m in snapshot(BASE_URL)["models"] if m["id"] == SHARDED)
             if model["tokens_per_s"] > 0 and model["ranks"] == 2:
                 break
             assert time.monotonic() < deadline, model
             time.sleep(0.5)
-    finally:
-        done.set()
-        thread.join(timeout=60)
