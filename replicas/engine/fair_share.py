@@ -9,7 +9,9 @@ so far per unit of share, then to the oldest request. Within a tenant the lowest
 value goes first (vLLM's convention), then the oldest. Preemption is the reverse: the row
 with the highest priority value, and of those the youngest, leaves first. When the batch is
 full and a waiting tenant is below its share, a row of the tenant furthest above its own is
-preempted for it (`displace`): a light tenant waits a step, not until a long row ends.
+preempted for it (`displace`): a light tenant waits a step, not until a long row ends. To
+spare most of those preemptions, the batch's last row is kept free while another tenant
+that was here in the last `RESERVE_S` has none (`holds_last_row`).
 
 With no tenancy on any request (no tenants configured) the order is arrival order, as before.
 `TenantTally` counts, per tenant, the requests admitted, their queue waits and the rows
@@ -28,6 +30,8 @@ from replicas.contract import Tenancy
 Item = TypeVar("Item")
 
 NO_TENANCY = Tenancy()
+# How long a tenant that was here keeps a row held back for it (`holds_last_row`).
+RESERVE_S = 2.0
 
 
 def tenanted(tenancies: Iterable[Tenancy]) -> bool:
@@ -41,6 +45,19 @@ class FairShare:
 
     def __init__(self) -> None:
         self._given: Counter[str] = Counter()
+        self._seen: dict[str, float] = {}  # tenant -> when it last had a request here
+
+    def seen(self, tenancies: Iterable[Tenancy], now: float) -> None:
+        for t in tenancies:
+            self._seen[t.tenant] = now
+
+    def holds_last_row(self, taker: str, in_batch: set[str], now: float) -> bool:
+        """Whether the batch's last free row is kept from `taker` for another tenant that
+        had a request here within `RESERVE_S` and has no row now: a light tenant between
+        two requests finds a row free instead of preempting one. A tenant alone (none
+        other seen lately) fills the batch."""
+        return any(name != taker and name not in in_batch and now - when <= RESERVE_S
+                   for name, when in self._seen.items())
 
     def order(self, waiting: Sequence[Item], tenancy: Callable[[Item], Tenancy],
               in_batch: Iterable[Tenancy]) -> list[Item]:

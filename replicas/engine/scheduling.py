@@ -124,7 +124,8 @@ class Waiting:
             rows = dict(active or {})
             if preempt is not None:
                 pending += self._displace(pending, rows, preempt)
-            pending, later = self._fair(pending, [a.sub.request.tenancy for a in rows.values()])
+            pending, later = self._fair(pending, [a.sub.request.tenancy for a in rows.values()],
+                                        now)
         admitted, queue, refused = self.kv.take(
             pending, lambda q: q.request_id,
             lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole,
@@ -142,14 +143,21 @@ class Waiting:
                  for q in refused])
         return admitted
 
-    def _fair(self, pending: list[Queued],
-              in_batch: Sequence[Tenancy]) -> tuple[list[Queued], list[Queued]]:
+    def _fair(self, pending: list[Queued], in_batch: Sequence[Tenancy],
+              now: float) -> tuple[list[Queued], list[Queued]]:
         """(those that may join now, in order; those that wait for a row). Within a tenant
         its preempted requests go first: they have streamed."""
         resumed = [q for q in pending if q.resumed is not None]
         ordered = self._share.order(resumed + [q for q in pending if q.resumed is None],
                                     lambda q: q.sub.request.tenancy, in_batch)
+        self._share.seen((q.sub.request.tenancy for q in pending), now)
         free = max(0, self._config.max_batch_size - len(in_batch))
+        if free and len(ordered) >= free:  # the last row would be taken: may it be?
+            holders = {t.tenant for t in in_batch} | \
+                {q.sub.request.tenancy.tenant for q in ordered[:free - 1]}
+            if self._share.holds_last_row(ordered[free - 1].sub.request.tenancy.tenant,
+                                          holders, now):
+                free -= 1
         return ordered[:free], ordered[free:]
 
     def _displace(self, pending: list[Queued], rows: dict[int, Active],

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from replicas.contract import SamplingParams, Tenancy
 from replicas.engine.config import EngineConfig
-from replicas.engine.fair_share import FairShare, tenanted, victim
+from replicas.engine.fair_share import RESERVE_S, FairShare, tenanted, victim
 from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.layout import KvLayout
 from replicas.engine.request import EngineRequest, Submitted
@@ -125,10 +125,22 @@ def test_a_full_batch_preempts_a_row_for_a_tenant_below_its_share() -> None:
     # The preempted row waits first among the heavy tenant's, and resumes when a row frees.
     assert [q.request_id for q in waiting.queue] == ["row3"] and waiting.queue[0].resumed
     assert {c.tenant: c.preempted for c in waiting.tally.snapshot()}["heavy"] == 1
-    rows = _rows(*[Tenancy("heavy")] * 3)
+    # Light holds a row now: the free one goes to heavy's preempted request.
+    rows = _rows(Tenancy("heavy"), Tenancy("heavy"), Tenancy("light"))
     assert [q.request_id for q in waiting.admit([], lambda _: False, lambda _: None,
                                                  rows, out.append)] == ["row3"]
     assert len(out) == 1
+
+
+def test_the_last_row_is_held_for_a_tenant_seen_lately_not_for_a_lone_one() -> None:
+    share = FairShare()
+    share.seen([Tenancy("heavy")], now=100.0)
+    assert not share.holds_last_row("heavy", set(), now=100.0)  # alone: the whole batch
+    share.seen([Tenancy("light")], now=100.0)
+    assert share.holds_last_row("heavy", {"heavy"}, now=101.0)  # light has no row
+    assert not share.holds_last_row("heavy", {"heavy", "light"}, now=101.0)  # it has one
+    assert not share.holds_last_row("light", {"heavy"}, now=101.0)  # light may take it
+    assert not share.holds_last_row("heavy", {"heavy"}, now=100.0 + RESERVE_S + 0.1)
 
 
 def test_without_tenancy_nothing_waits_for_a_row() -> None:
