@@ -245,3 +245,41 @@ def test_peak_memory_stays_within_budget_plus_reserve() -> None:
           f"{budget}, gathered view {view}")
     assert paged_peak <= budget + view + SLACK, (paged_peak, budget + view + SLACK)
     assert padded_peak > budget + view + SLACK, (padded_peak, budget + view + SLACK)
+
+
+def test_prefix_hits_and_boundaries_on_the_paged_batch() -> None:
+    """With the prefix cache on: a conversation's second turn is served from its first
+    turn's KV (copied into blocks, this slice) and its message boundary's KV is kept; the
+    text is mlx-lm's for the whole prompt, token for token."""
+    m = model("builtin:tiny")
+    batch = LocalBatch(m, EngineConfig(prompt_cache_bytes=16 * 1024**2, paged_kv="on"))
+    kv = KvBudget(64 * 1024**2, measure_kv(m), 64)
+    batch.page(kv, 32768)
+    assert kv.paging is not None and batch.cache is not None
+    first = [prompt(i) for i in range(4)]
+
+    def generate(prompts: list[list[int]], boundaries: list[int]) -> tuple[list[list[int]],
+                                                                           list[int]]:
+        rows = [Row(tuple(p), b, 10, frozenset(), make_request_sampler(GREEDY))
+                for p, b in zip(prompts, boundaries)]
+        served = batch.insert(rows)
+        out: dict[int, list[int]] = {u: [] for u, _ in served}
+        while not batch.empty:
+            for r in batch.step():
+                out[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    batch.finish([Done(r.uid, keep=True)])
+        return [out[u] for u, _ in served], [n for _, n in served]
+
+    answers, _ = generate(first, [0] * 4)
+    second = [p + a + [(5 * i + 9) % 500 + 3 for i in range(7)] for p, a in zip(first, answers)]
+    got, served = generate(second, [len(p) + len(a) for p, a in zip(first, answers)])
+    assert all(n > 0 for n in served), served  # every second turn hit its first's KV
+    gen = BatchGenerator(m, completion_batch_size=32, prefill_batch_size=8)
+    uids = gen.insert(second, max_tokens=[10] * len(second))
+    want: dict[int, list[int]] = {u: [] for u in uids}
+    while any(len(v) < 10 for v in want.values()):
+        for r in gen.next()[1]:
+            want[r.uid].append(r.token)
+    assert got == [want[u] for u in uids]
+    assert kv.blocks is not None and kv.blocks().used == 0
