@@ -17,6 +17,8 @@ import yaml
 
 from deployments.serve_options import serving_on
 from replicas.builtin import ensure_builtin
+from tests.e2e.shared_app import shared_app as start_shared_app
+from tests.observability.test_observability_http import App
 from tests.serve_process import ready, serve_exe, stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,6 +126,14 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             _RUNNING.remove(proc)
         stop(proc)  # Ctrl-C: serve run shuts the app and Ray down
         log.close()
+
+
+@pytest.fixture(scope="package")
+def shared_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+    """One `serve run` of every extra built-in model the embeddings, vision and MTP modules
+    use (`tests/e2e/shared_app.py`), for the whole package."""
+    with start_shared_app(tmp_path_factory.mktemp("shared")) as app:
+        yield app
 
 
 @dataclass(frozen=True)

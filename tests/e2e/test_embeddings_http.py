@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import math
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,7 +21,8 @@ import pytest
 
 from replicas.engine.model.embedding import PoolingSpec, embed_rows
 from replicas.sources import load_source
-from tests.serve_process import private_serve
+from tests.e2e.shared_app import shared_models
+from tests.observability.test_observability_http import App
 
 pytestmark = pytest.mark.e2e
 
@@ -41,9 +41,9 @@ TEXTS = ["The weather in Paris is sunny.", "hi",
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with private_serve(tmp_path_factory.mktemp("embeddings"), MODELS, ("tiny", "embed", "embed-bert")) as serve:
-        yield serve.base_url
+def base_url(shared_app: App) -> str:
+    """MODELS, served with the other modules' extra models by one app (conftest)."""
+    return shared_app.serve.base_url
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +160,11 @@ def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
 
 def test_models_say_what_each_model_does(client: openai.OpenAI) -> None:
     listed = {m.id: m.model_extra["capabilities"] for m in client.models.list()}  # type: ignore[index]
-    assert listed == {"orchard-embed": ["embeddings"], "orchard-tiny": ["text"],
-                      "orchard-bert": ["embeddings"]}
+    # Every model the shared app serves is listed, these three exactly so.
+    assert set(listed) == {m["id"] for m in shared_models()[0]}
+    assert {str(m["id"]): listed[str(m["id"])] for m in MODELS} == {
+        "orchard-embed": ["embeddings"], "orchard-tiny": ["text"],
+        "orchard-bert": ["embeddings"]}
     chat = client.chat.completions.create(model="orchard-tiny", max_tokens=4,
                                           messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].message.content is not None  # the chat model still chats

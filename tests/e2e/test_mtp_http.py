@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -26,13 +22,12 @@ import jsonschema
 import openai
 import pytest
 
-from replicas.builtin import ensure_builtin, script
+from replicas.builtin import script
 from tests.e2e.test_features_http import SCHEMA as PROFILE_SCHEMA
 from tests.e2e.test_openai_http import stream_chat
 from tests.e2e.test_speculative_http import claude, oai
 from tests.e2e.test_tools_http import UNIT_TOOL, calls_of
 from tests.observability.test_observability_http import App, _total
-from tests.serve_process import config_copy, free_port, serve_run
 
 pytestmark = pytest.mark.e2e
 SOURCE = "builtin:mtp-agree"
@@ -42,29 +37,17 @@ SCRIPTS = ("cities", "sum-think", "tea-steps", "unicode")
 __all__ = ["claude", "oai"]  # the SDK clients' fixtures, over this module's `app`
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
-    from replicas.builtin.build import default_cache_root
+# Served with the other modules' extra models by one app (conftest, `shared_app.py`): the
+# metrics below are this module's models' own (by their `model` label).
+MODELS: list[dict[str, Any]] = [
+    {"id": PLAIN, "source": SOURCE},
+    {"id": FAST, "source": SOURCE, "speculative": {"method": "mtp", "num_speculative_tokens": 3,
+                                                   "disable_when_slower": False}}]
 
-    ensure_builtin(SOURCE.removeprefix("builtin:"))
-    tmp = tmp_path_factory.mktemp("mtp")
-    cache = tmp / "cache"
-    cache.mkdir()
-    (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
-    models = [{"id": PLAIN, "source": SOURCE},
-              {"id": FAST, "source": SOURCE,
-               "speculative": {"method": "mtp", "num_speculative_tokens": 3,
-                               "disable_when_slower": False}}]
-    port = free_port()
-    path = config_copy(tmp, port, models=models)
-    ray_tmp = Path(tempfile.mkdtemp(prefix="orm-", dir="/tmp"))
-    env = {"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp),
-           "RAY_metrics_report_interval_ms": "1000"}
-    try:
-        with serve_run(path, port, tmp / "serve.log", model=FAST, env=env) as serve:
-            yield App(serve, ray_tmp)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+@pytest.fixture(scope="module")
+def app(shared_app: App) -> App:
+    return shared_app
 
 
 def chat(sid: str, **extra: Any) -> dict[str, Any]:

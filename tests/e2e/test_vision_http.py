@@ -11,7 +11,6 @@ or not, alone or batched with text requests. The replica-level tests
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 from PIL import Image
 
 from tests.images import b64, data_url, truncated_png
-from tests.serve_process import private_serve
+from tests.observability.test_observability_http import App
 
 pytestmark = pytest.mark.e2e
 
@@ -45,9 +44,10 @@ def picture(color: str, size: tuple[int, int] = (48, 40)) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with private_serve(tmp_path_factory.mktemp("vision"), MODELS, ("tiny", "vision"), ingress={"images": {"max_count": MAX_IMAGES}}) as serve:
-        yield serve.base_url
+def base_url(shared_app: App) -> str:
+    """MODELS, with `images.max_count: MAX_IMAGES`, served with the other modules' extra
+    models by one app (conftest)."""
+    return shared_app.serve.base_url
 
 
 @pytest.fixture(scope="module")
