@@ -10,15 +10,16 @@ from typing import Iterator
 
 import pytest
 
-from replicas.contract import (Finished, GenerationRequest, SamplingParams, Tenancy, TextDelta,
-                               TokenPrompt)
+from replicas.contract import (Finished, GenerationRequest, OutputEvent, SamplingParams, Tenancy,
+                               TextDelta, TokenPrompt, merge_deltas)
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.layout import CACHE_STEP
 from replicas.replica import ModelReplica, ReplicaOptions
 from tests.streams import collect
 
 CONTEXT = 320  # each request decodes to here (end of text banned, no max_tokens)
-# The two rows need two cache steps each by the end: three make one of them leave.
+# The two rows need two cache steps each by the end: three make one of them leave, when the
+# second crosses into its second step (they start a token apart, so both are in the batch).
 BUDGET_STEPS = 3
 
 
@@ -49,9 +50,19 @@ def _requests(rep: ModelReplica) -> list[GenerationRequest]:
 
 async def _run(rep: ModelReplica) -> list[list[object]]:
     first, second = _requests(rep)
-    older = asyncio.create_task(collect(rep.stream(first)))
-    await asyncio.sleep(0.5)  # it joins the batch first
-    return [*await asyncio.gather(older, collect(rep.stream(second)))]
+    stream = rep.stream(first)
+    seen: list[OutputEvent] = []
+    async for batch in stream:
+        seen.extend(batch)
+        if any(isinstance(e, TextDelta) for e in batch):
+            break  # it decodes: the agent's request joins beside it, both grow together
+
+    async def rest() -> list[OutputEvent]:
+        async for batch in stream:
+            seen.extend(batch)
+        return merge_deltas(seen)
+
+    return [*await asyncio.gather(rest(), collect(rep.stream(second)))]
 
 
 def _text(events: list[object]) -> str:
