@@ -112,12 +112,11 @@ class ReplicaOwner:
                                      lambda: (replica.stats(), replica.drain_timings()),
                                      shards=config.shards)
         # What the cluster snapshot shows of this replica (`GET /v1/cluster`), pushed.
-        context = serve.get_replica_context()
+        shards = self._shards
         try:
             context = serve.get_replica_context()
         except RayServeException:  # built outside Serve (a test's direct call): no board
             return
-        shards = self._shards
         self._reporter = Reporter(context.app_name, context.replica_id.to_full_id_str(),
                                   config.id, config.role, self.stats,
                                   (lambda: (shards.nodes, shards.node_facts))
