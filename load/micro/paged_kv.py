@@ -14,6 +14,9 @@ the paged/padded ratio of their medians:
 - join: the step in which a short row joins a batch of long rows, over the median steady
   step before it (mlx-lm's padded `extend` copies the whole batch's KV).
 
+Each ratio is the median of the rounds' paged/padded ratios (min-max), each round's pair
+run back to back, in alternating order.
+
 Decode rates are timed after every row has its first token (prefill excluded: it is the
 same code on both paths). On this CPU the model is `builtin:tiny` (2 layers, float32):
 `builtin:bench` (bf16) prefills 2k tokens in about 100 s here.
@@ -140,10 +143,13 @@ def _pair(name: str, run: Callable[[bool], float], rounds: int,
     for r in range(rounds):
         for paged in ((True, False) if r % 2 == 0 else (False, True)):
             got[paged].append(run(paged))
+    # Each round's pair ran back to back: their ratio drifts less with the machine's load
+    # than either figure alone.
+    ratios = spread(a / b for a, b in zip(got[True], got[False]))
     p, q = spread(got[True]), spread(got[False])
-    results[name] = (p, q, p.median / q.median)
-    print(f"{name:<28} paged {p.text('.2f'):<24} padded {q.text('.2f'):<24} "
-          f"ratio {p.median / q.median:.2f}", flush=True)
+    results[name] = (p, q, ratios.median)
+    print(f"{name:<30} paged {p.text('.2f'):<26} padded {q.text('.2f'):<26} "
+          f"ratio {ratios.text('.2f')}", flush=True)
 
 
 def main() -> None:
@@ -179,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--long", type=int, default=4096, help="a long history's tokens")
     parser.add_argument("--short", type=int, default=256, help="a short call's tokens")
     parser.add_argument("--uniform", type=int, default=512, help="uniform prompt length")
-    parser.add_argument("--steps", type=int, default=24, help="decode steps timed")
+    parser.add_argument("--steps", type=int, default=48, help="decode steps timed")
     return parser
 
 
