@@ -128,6 +128,20 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         log.close()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by the layouts' params
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on `shared_app` last in this package, in their order: the app, package-
+    scoped, then starts late and never idles beside the other modules' servers."""
+    here = Path(__file__).parent
+    mine = [i for i, item in enumerate(items) if here in item.path.parents]
+    if not mine:
+        return
+    block = items[mine[0]:mine[-1] + 1]
+    shared = [item for item in block if "shared_app" in getattr(item, "fixturenames", ())]
+    ids = {id(item) for item in shared}
+    items[mine[0]:mine[-1] + 1] = [item for item in block if id(item) not in ids] + shared
+
+
 @pytest.fixture(scope="package")
 def shared_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     """One `serve run` of every extra built-in model the embeddings, vision and MTP modules

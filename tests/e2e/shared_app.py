@@ -1,6 +1,7 @@
 """One `serve run` for the modules that each need built-in models beyond the config's own
-(embeddings, vision, MTP): each talks to its own models only, by id, so one app serving
-the union of their models (one Ray start and one shutdown instead of three) proves the same.
+(embeddings, vision, MTP, every tool format's family model): each talks to its own models
+only, by id, so one app serving the union of their models (one Ray start and one shutdown
+instead of four) proves the same.
 
 Each module still declares its models; this app serves them all side by side, with the
 images limit the vision module tests and a Ray temp dir of its own (its metrics discovery
@@ -23,16 +24,24 @@ import yaml
 from replicas.builtin import ensure_builtin
 from replicas.builtin.build import default_cache_root
 from tests.observability.test_observability_http import App
-from tests.serve_process import STARTUP_TIMEOUT_S, config_copy, free_port, ready, serve_run
+from tests.serve_process import config_copy, free_port, ready, serve_run
+
+# Some 20 replicas load side by side on two cores.
+STARTUP_TIMEOUT_S = 600
 
 
 def shared_models() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The union of the modules' models (one entry per id: the modules agree on shared
     ones, e.g. `orchard-tiny`) and the ingress settings they need."""
-    from tests.e2e import test_embeddings_http, test_mtp_http, test_vision_http
+    from tests.e2e import (
+        test_embeddings_http,
+        test_mtp_http,
+        test_tool_format_models,
+        test_vision_http,
+    )
 
     wanted: list[dict[str, Any]] = [*test_embeddings_http.MODELS, *test_vision_http.MODELS,
-                                    *test_mtp_http.MODELS]
+                                    *test_mtp_http.MODELS, *test_tool_format_models.MODELS]
     models: dict[str, dict[str, Any]] = {}
     for model in wanted:
         assert models.setdefault(model["id"], model) == model, f"two settings for {model['id']}"
@@ -68,7 +77,8 @@ def shared_app(tmp: Path) -> Iterator[App]:
     env = {"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp),
            "RAY_metrics_report_interval_ms": "1000"}
     try:
-        with serve_run(path, port, tmp / "serve.log", env=env) as serve:
+        with serve_run(path, port, tmp / "serve.log", env=env,
+                       timeout_s=STARTUP_TIMEOUT_S) as serve:
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             with httpx.Client() as client:
                 for model in models:  # every model up, not only the first

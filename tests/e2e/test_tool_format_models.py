@@ -6,22 +6,16 @@ all three APIs, streamed and not, then go back in the history with their result.
 The weights are random, so each call is forced (`tool_choice` naming `set_mode`, whose
 parameters are single-value enums: the grammar fixes every byte but optional JSON blanks)
 with parallel calls off. One `serve run` serves every format's model (the two-hop layout
-of several models). A format in `TOOL_FORMATS` without a built-in model fails here.
+of several models): the package's shared app (conftest), beside other modules' models. A format in `TOOL_FORMATS` without a built-in model fails here.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
@@ -29,13 +23,11 @@ from mlx_lm.utils import load_tokenizer
 from replicas.builtin import BUILTIN_NAMES, ensure_builtin, family_model_name
 from replicas.builtin.family_models import FAMILY_MODELS, SAMPLE_TOOLS, tool_markers
 from replicas.families.registry import TOOL_FORMATS, detect_tool_format
-from tests.serve_process import config_copy, ready, serve_run
+from tests.observability.test_observability_http import App
 
 pytestmark = pytest.mark.e2e
 
 FORMATS = [name for name in TOOL_FORMATS if name != "none"]
-PORTS = range(8720, 8750)  # this suite's share of 8700-8749
-STARTUP_TIMEOUT_S = 600
 
 # The forced tool and a decoy: the call must name set_mode and say exactly this.
 FORCED = "set_mode"
@@ -72,43 +64,17 @@ def no_markers(fmt: str, text: str | None) -> None:
     assert not leaked, (fmt, leaked, text)
 
 
-def _free_port() -> int:
-    for port in PORTS:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+# Every format's model, served with the other modules' extra models by one app (conftest,
+# `shared_app.py`): each test talks to its format's model only, by id.
+SERVED = [family_model_name(f) for f in FORMATS if family_model_name(f) in BUILTIN_NAMES]
+MODELS: list[dict[str, Any]] = [{"id": name, "source": f"builtin:{name}", "num_replicas": 1,
+                                 "max_ongoing_requests": 16} for name in SERVED]
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    served = [family_model_name(f) for f in FORMATS if family_model_name(f) in BUILTIN_NAMES]
-    assert served, "no family model to serve"
-    for name in served:  # built here, not in the replicas' constructors
-        ensure_builtin(name)
-    models = [{"id": name, "source": f"builtin:{name}", "num_replicas": 1,
-               "max_ongoing_requests": 16} for name in served]
-    port = _free_port()
-    config = config_copy(tmp_path_factory.mktemp("serve"), port, models)
-    # A private Ray temp dir: a Ray of its own, whatever else runs on this machine.
-    ray_tmp = Path(tempfile.mkdtemp(prefix="orf-", dir="/tmp"))
-    log_path = tmp_path_factory.mktemp("log") / "serve_run.log"
-    try:
-        with serve_run(config, port, log_path, model=served[0], env={"RAY_TMPDIR": str(ray_tmp)},
-                       timeout_s=STARTUP_TIMEOUT_S) as serve:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            with httpx.Client() as client:
-                for name in served[1:]:
-                    while not ready(client, serve.base_url, name):
-                        assert serve.proc.poll() is None and time.monotonic() < deadline, \
-                            f"{name} did not come up; log:\n{serve.log()[-5000:]}"
-                        time.sleep(1)
-            yield serve.base_url
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+def base_url(shared_app: App) -> str:
+    assert SERVED, "no family model to serve"
+    return shared_app.serve.base_url
 
 
 @pytest.fixture(scope="module")
