@@ -1,4 +1,4 @@
-"""The layer rules of docs/architecture.md section 1: import-linter's contracts, plus two
+"""The layer rules of docs/architecture.md (Layers): import-linter's contracts, plus two
 rules checked on grimp's import graph (import-linter's own), which the contracts cannot
 state: ingress's allow-list of replica modules, and no import cycle inside a package."""
 
