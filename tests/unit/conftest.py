@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
 from tests.harmony_vocab import load_gpt_oss_encoding
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +19,14 @@ def harmony_encoding() -> Any:
     the only proof that our text-level format matches the real tokens.
     """
     return load_gpt_oss_encoding()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real Redis of the test's own (the Responses and usage stores' tests)."""
+    local = RedisServer(tmp_path)
+    local.start()
+    try:
+        yield local
+    finally:
+        local.kill()

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -21,16 +20,6 @@ from ingress.responses.store import StoredResponse, encode
 from replicas.contract import Channel, ErrorKind, Finished, FinishReason, TextDelta, Usage
 from tests.fakes import FakeClient
 from tests.redis_server import RedisServer
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    local = RedisServer(tmp_path)
-    local.start()
-    try:
-        yield local
-    finally:
-        local.kill()
 
 
 def stored(text: str) -> StoredResponse:

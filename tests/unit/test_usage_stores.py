@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Iterator
 
-import pytest
 
 from deployments.responses.usage import RedisUsageStore, SqliteUsageStore
 from ingress.tenancy.usage import UsageCounts
@@ -16,16 +14,6 @@ from tests.redis_server import RedisServer
 
 ONE = UsageCounts(requests=1, prompt_tokens=30, cached_tokens=4, completion_tokens=7,
                   preemptions=1)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    local = RedisServer(tmp_path)
-    local.start()
-    try:
-        yield local
-    finally:
-        local.kill()
 
 
 def test_sqlite_usage_adds_up_and_survives_a_restart(tmp_path: Path) -> None:
