@@ -98,7 +98,8 @@ class RedisUsageStore:
             raise store_unavailable(error) from error
         values: dict[tuple[str, str], dict[str, int]] = {}
         for field, value in fields.items():
-            tenant, model, name = field.decode().split(_SEP)
+            text = field.decode() if isinstance(field, bytes) else field
+            tenant, model, name = text.split(_SEP)
             values.setdefault((tenant, model), {})[name] = int(value)
         return {key: UsageCounts(**{n: v.get(n, 0) for n in COUNTS})
                 for key, v in values.items()}

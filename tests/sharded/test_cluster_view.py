@@ -9,12 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from tests.cluster.conftest import BASE_URL, LocalCluster
 from tests.cluster_view import decoding, snapshot, status_replicas
 from tests.sharded.conftest import app_args
 
 SHARDED = "tiny-x2"
 WAIT_S = 60.0
+
+pytestmark = pytest.mark.cluster
 
 
 def placed(snap: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
