@@ -347,7 +347,7 @@ class Engine:
         if not request.score_prompt or request.logprobs is None:
             return None
         assert self._batch is not None
-        return self._batch.score(request.prompt_ids, request.logprobs)
+        return self._batch.score(request.prompt_ids, request.logprobs, request.adapter)
 
     def _step(self) -> None:
         assert self._batch is not None

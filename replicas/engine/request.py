@@ -50,6 +50,7 @@ class EngineRequest:
     embeddings: PromptEmbeddings | None = None
     # Its tenant's share and its priority: the order it joins the batch in (`fair_share`).
     tenancy: Tenancy = Tenancy()
+    adapter: str | None = None  # the LoRA adapter it runs with, by name; None: the base
 
 
 # mlx-lm's word for why a row ended: "stop" is an EOS or stop token id (not text).

@@ -228,7 +228,7 @@ def row_for(request: EngineRequest, eos: frozenset[int]) -> tuple[Row, GuardedPr
     row = Row(request.prompt_ids, request.boundary, request.max_tokens,
               eos | request.stop_token_ids,
               make_request_sampler(request.sampling, request.sampled_before),
-              processors, request.embeddings)
+              processors, request.embeddings, request.adapter)
     return row, guard
 
 

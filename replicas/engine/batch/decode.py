@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 
+from replicas.engine.model.lora import Slots
 from replicas.engine.model.mtp import hidden_and_logits
 from replicas.engine.sampling.penalties import Penalties, apply, window
 from replicas.engine.sampling.rejection import accepted, judge, verdict
@@ -59,6 +60,7 @@ class Generation(GenerationBatch):
         self.shared: SharedDrafts | None = None  # a sharded replica's
         self.gate: SpeculationGate | None = None  # whether drafting pays at this size
         self.held = False  # `next` steps nothing while set (`replicas.engine.batch.local`)
+        self.slots: Slots | None = None  # the rows' LoRA adapters (`replicas.engine.model.lora`)
         self._joining = joining
         super().__init__(*args, **kwargs)
         self._joining = False
@@ -180,7 +182,13 @@ class Generation(GenerationBatch):
 
     def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         """The model's logits over `inputs`, and its last hidden states where the drafter
-        reads them (MTP)."""
+        reads them (MTP). Each row with its own LoRA adapter, where any has one."""
+        if self.slots is not None and self.slots.by_uid:
+            with self.slots.of(self.uids):
+                return self._forward_rows(inputs)
+        return self._forward_rows(inputs)
+
+    def _forward_rows(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         if self.drafter is not None and self.drafter.wants_hidden:
             hidden, logits = hidden_and_logits(self.model, inputs, self.prompt_cache)
             return logits, hidden

@@ -10,6 +10,7 @@ many ranks there are.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -29,6 +30,8 @@ from replicas.engine.kv.budget import KvBudget, paging_plan
 from replicas.engine.kv.paged import as_paged_rows, make_paged_prompt_cache, paged_layers
 from replicas.engine.kv.prefix_cache import CacheHit, PromptCache, prefix_view, segments
 from replicas.engine.kv.directory import HeldBlocks
+from replicas.engine.kv.namespace import namespaced
+from replicas.engine.model.adapters import AdapterTable
 from replicas.engine.batch.prefill import Prefilling
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.batch.scoring import score_prompt
@@ -54,6 +57,7 @@ class Row:
     sampler: Sampler
     processors: tuple[LogitsProcessor, ...] = ()
     embeddings: PromptEmbeddings | None = None  # the prompt's start, as embeddings
+    adapter: str | None = None  # its LoRA adapter's name; None: the base model
 
     @property
     def key(self) -> list[int]:
@@ -108,7 +112,8 @@ class Batch(Protocol):
     def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]: ...
     def step(self) -> list[Any]: ...
     def finish(self, done: Sequence[Done]) -> None: ...
-    def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]: ...
+    def score(self, prompt_ids: Sequence[int], top: int,
+              adapter: str | None = None) -> list[Picked]: ...
     def page(self, kv: KvBudget, context_length: int) -> None: ...
     def recover(self) -> bool: ...
     def bound_cache(self, nbytes: int) -> None: ...
@@ -121,13 +126,15 @@ class LocalBatch:
     def __init__(self, model: nn.Module, config: EngineConfig, cache_cost_scale: tuple[int, int]
                  = (1, 1), disk: DiskTier | None = None, held: HeldBlocks | None = None,
                  shared_drafts: Callable[[mx.Stream], SharedDrafts] | None = None,
-                 draft: nn.Module | Mtp | None = None, gate: SpeculationGate | None = None
-                 ) -> None:
+                 draft: nn.Module | Mtp | None = None, gate: SpeculationGate | None = None,
+                 adapters: AdapterTable | None = None) -> None:
         """`shared_drafts`: on a sharded replica, how this rank shares speculation's
         decisions with the others, over the batch's stream. `draft`: the draft model
         speculation drafts with (`speculative.draft_model`), or the model's MTP layer.
         `gate`: what an earlier batch measured of drafting's pace (a benchmark's rounds
-        share one); by default a new one where `speculative.disable_when_slower`."""
+        share one); by default a new one where `speculative.disable_when_slower`.
+        `adapters`: the model's LoRA adapters, which rows pick by name (`Row.adapter`)."""
+        self.adapters = adapters
         self._draft = draft
         self._model = model
         self._config = config
@@ -150,6 +157,8 @@ class LocalBatch:
         self._rows: set[int] = set()  # uids in the batch
         # Rows whose prompt starts with embeddings: the prefix cache's key for that start.
         self._keys: dict[int, tuple[int, ...]] = {}
+        # Rows with a LoRA adapter: their key space in the prefix cache (`kv/namespace.py`).
+        self._spaces: dict[int, int] = {}
         # Rows `begin` or `advance` readied (by id), waiting for `insert`: their prefix KV
         # and the prompt tokens the prefix cache served.
         self._prepared: dict[int, tuple[CacheHit, int]] = {}
@@ -176,11 +185,13 @@ class LocalBatch:
         drafter = make_drafter(self._speculative, self._draft, self._config.prefill_step_size)
         decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate)
         decoding.stats = self.decode_stats
+        decoding.slots = self.adapters.slots if self.adapters is not None else None
         gen._generation_batch = decoding
         # And our prefilling batch (`replicas.engine.batch.prefill`): mlx-lm `extend`s it.
         prefilling = Prefilling.empty(self._model, gen.sampler,
                                       prefill_step_size=self._config.prefill_step_size)
         prefilling.in_pass = drafter is None
+        prefilling.slots = decoding.slots
         gen._prompt_batch = prefilling
         self._decoding = decoding
         return gen
@@ -194,7 +205,8 @@ class LocalBatch:
         """Add rows; each reuses the KV of its longest cached prompt prefix. Returns each
         row's (uid, prompt tokens served from the cache)."""
         prepared = [self._prepared.pop(id(r), None) for r in rows]
-        hits = [p[0] if p else self._cache.fetch(r.key) if self._cache else None
+        slots = [self.slot(r.adapter) for r in rows]  # an adapter unknown here fails them all
+        hits = [p[0] if p else self._cache.fetch(self.row_key(r)) if self._cache else None
                 for r, p in zip(rows, prepared)]
         served = [p[1] if p else h.length if h else 0 for p, h in zip(prepared, hits)]
         uids = self._gen.insert_segments(
@@ -213,7 +225,33 @@ class LocalBatch:
         self._rows.update(uids)
         self._keys.update((uid, r.embeddings.key) for uid, r in zip(uids, rows)
                           if r.embeddings is not None)
+        if self.adapters is not None:
+            for uid, r, slot in zip(uids, rows, slots):
+                if slot:
+                    self.adapters.slots.by_uid[uid] = slot
+                    self._spaces[uid] = self.adapters.namespace(r.adapter)
         return list(zip(uids, served))
+
+    def slot(self, adapter: str | None) -> int:
+        """An adapter's slot (0: None, the base); a KeyError for one not loaded."""
+        if adapter is None:
+            return 0
+        if self.adapters is None:
+            raise KeyError(f"adapter '{adapter}': this model has no adapters")
+        return self.adapters.slot(adapter)
+
+    def row_key(self, row: Row) -> list[int]:
+        """The row's prompt as the prefix cache keys it: images by content, in its
+        adapter's key space."""
+        if row.adapter is None or self.adapters is None:
+            return row.key
+        return namespaced(row.key, self.adapters.namespace(row.adapter))
+
+    def cache_ids(self, tokens: Sequence[int], adapter: str | None) -> list[int]:
+        """Prompt ids as the prefix cache, its disk tier, the directory and pulls key them."""
+        if adapter is None or self.adapters is None:
+            return list(tokens)
+        return namespaced(tokens, self.adapters.namespace(adapter))
 
     def _paged(self, cache: list[Any]) -> list[Any]:
         """A prefix hit as rows the batch merges: paged rows where the batch pages."""
@@ -260,8 +298,11 @@ class LocalBatch:
         """Before `insert`: a row whose prompt starts with embeddings takes that prefix's KV
         from the prefix cache, or gets a `Prefill` to `advance` until done (None: nothing
         to prefill). A failure on the way fails its request alone, never the batch."""
+        self.slot(row.adapter)  # an adapter not loaded fails its request here, alone
         if row.embeddings is None:
             return None
+        if row.adapter is not None:
+            raise ValueError("a prompt with images cannot use a LoRA adapter yet")
         hit = self._cache.fetch(row.key) if self._cache else None
         if hit is not None and hit.length >= len(row.embeddings.key):
             self._prepared[id(row)] = (hit, hit.length)
@@ -328,12 +369,14 @@ class LocalBatch:
     def _key(self, uid: int, tokens: Sequence[int]) -> list[int]:
         """Row `uid`'s tokens as the prefix cache keys them (its images by content)."""
         start = self._keys.get(uid, ())
-        return [*start, *tokens[len(start):]]
+        return namespaced([*start, *tokens[len(start):]], self._spaces.get(uid, 0))
 
     def _forget(self, uids: Iterable[int]) -> None:
         for uid in list(uids):
             self._rows.discard(uid)
             self._keys.pop(uid, None)
+            if self._spaces.pop(uid, None) is not None and self.adapters is not None:
+                self.adapters.slots.by_uid.pop(uid, None)
 
     def _save(self, ended: list[tuple[list[int], list[Any]]], batched: list[int]) -> None:
         assert self._cache is not None
@@ -346,14 +389,17 @@ class LocalBatch:
         except Exception:  # noqa: BLE001
             log.exception("saving a prompt cache entry failed")
 
-    def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
+    def score(self, prompt_ids: Sequence[int], top: int,
+              adapter: str | None = None) -> list[Picked]:
         """The prompt's token logprobs from one prefill (`replicas.engine.batch.scoring`); its KV
         goes into the prefix cache, for the generation that follows."""
-        picked, cache = score_prompt(self._model, prompt_ids, top,
-                                     self._config.prefill_step_size, self.stream,
-                                     self._make_cache)
+        slot = self.slot(adapter)
+        with self.adapters.slots.rows([slot]) if self.adapters else nullcontext():
+            picked, cache = score_prompt(self._model, prompt_ids, top,
+                                         self._config.prefill_step_size, self.stream,
+                                         self._make_cache)
         if self._cache is not None:
-            self._cache.save(list(prompt_ids), cache)
+            self._cache.save(self.cache_ids(prompt_ids, adapter), cache)
         return picked
 
     def recover(self) -> bool:
@@ -362,6 +408,9 @@ class LocalBatch:
         self._ended = {}
         self._rows = set()
         self._keys = {}
+        self._spaces = {}
+        if self.adapters is not None:
+            self.adapters.slots.by_uid.clear()
         return True
 
     def held_length(self, tokens: Sequence[int]) -> int:

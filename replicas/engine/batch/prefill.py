@@ -16,12 +16,14 @@ test process segfaulted with it (load/RESULTS.md, "Rows join the batch's pass").
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ContextManager
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from replicas.engine.batch.decode import Generation
+from replicas.engine.model.lora import Slots
 
 
 class Prefilling(PromptProcessingBatch):
@@ -29,15 +31,26 @@ class Prefilling(PromptProcessingBatch):
     decoding batch's next pass (mlx-lm 0.32.2's attributes, as `generate` reads them)."""
 
     in_pass = True
+    slots: Slots | None = None  # the rows' LoRA adapters (`replicas.engine.model.lora`)
 
     def _copy(self) -> Prefilling:
         new: Prefilling = super()._copy()  # `split`'s copy: mlx-lm copies its own fields
         new.in_pass = self.in_pass
+        new.slots = self.slots
         return new
 
+    def _adapted(self) -> ContextManager[None]:
+        """Each row's adapter for the passes built meanwhile."""
+        return self.slots.of(self.uids) if self.slots is not None else nullcontext()
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        with self._adapted():
+            super().prompt(tokens)
+
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
-        if not self.in_pass:
-            return super().generate(tokens)
+        if not self.in_pass:  # mlx-lm's new batch runs the joining rows' pass at once
+            with self._adapted():
+                return super().generate(tokens)
         if any(len(t) > 1 for t in tokens):
             self.prompt([t[:-1] for t in tokens])
         joining: Any = Generation(

@@ -275,7 +275,10 @@ class LockstepBatch:
         self._local.bound_cache(nbytes)
         self._log.append(_Bound(nbytes))
 
-    def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
+    def score(self, prompt_ids: Sequence[int], top: int,
+              adapter: str | None = None) -> list[Picked]:
+        if adapter is not None:  # a sharded replica loads no adapters (`replicas.replica`)
+            raise ValueError("a sharded replica serves no LoRA adapters")
         self._send_now(_Score(tuple(prompt_ids)))
         picked = self._local.score(prompt_ids, top)
         self._idle_if_empty()
