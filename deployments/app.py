@@ -82,10 +82,25 @@ def _capabilities(model: ModelSettings) -> tuple[str, ...]:
 
     if model.shards > 1:  # a sharded replica serves neither (embedder.py, vision.py)
         return ("text",)
+    reranks = _reranks(model)
+    if reranks is not None:
+        return reranks
     directory = model_files(model.source, SENTENCE_TRANSFORMERS_FILES, fetch=False)
     support = embedding_support(directory, model.embeddings, model.embedding_dimensions)
     found = capabilities(support, opted_in=model.embeddings is not None)
     return (*found, "vision") if _sees(model) and "text" in found else found
+
+
+def _reranks(model: ModelSettings) -> tuple[str, ...] | None:
+    """A reranker's capabilities (replicas/reranker.py): a decoder with `kind: rerank` also
+    generates; a cross-encoder only reranks. None: not a reranker."""
+    from replicas.reranker import is_cross_encoder
+    from replicas.sources import model_config
+
+    if model.kind == "rerank":
+        return ("text", "rerank")
+    config = model_config(model.source, fetch=False)
+    return ("rerank",) if config is not None and is_cross_encoder(config) else None
 
 
 def _sees(model: ModelSettings) -> bool:

@@ -71,11 +71,13 @@ class ModelSettings(_Strict):
         "normalized: opts a chat model in, or overrides an embedding checkpoint's own "
         "sentence-transformers files. Unset: only a checkpoint whose files name a pooling "
         "(Qwen3-Embedding's) serves embeddings; any other model answers 400.")
-    kind: Literal["auto", "text", "vision"] = Field(
+    kind: Literal["auto", "text", "vision", "rerank"] = Field(
         "auto", description="`auto`: a vision-language checkpoint of a type Orchard serves "
         "with images (replicas/vision.py) takes them, any other model reads text (images "
         "become placeholders); `text`: always text; `vision`: must take images (the replica "
-        "fails to load otherwise).")
+        "fails to load otherwise); `rerank`: a decoder that also serves `/v1/rerank` by its "
+        "\"yes\"/\"no\" logits, as Qwen3-Reranker (replicas/reranker.py; a cross-encoder "
+        "with a classification head reranks without it).")
     embedding_dimensions: bool = Field(
         False, description="The model was trained Matryoshka-style (Qwen3-Embedding): a "
         "request's `dimensions` keeps the first N values and re-normalizes. False: "
@@ -202,6 +204,8 @@ class ModelSettings(_Strict):
                              "ranks keep their caches in lockstep, in memory only)")
         if self.kind == "vision" and self.shards > 1:
             raise ValueError("kind: vision needs shards: 1 (a sharded replica reads text only)")
+        if self.kind == "rerank" and self.shards > 1:
+            raise ValueError("kind: rerank needs shards: 1 (a sharded replica does not rerank)")
         return self
 
     @property

@@ -33,6 +33,8 @@ from replicas.contract import (
     Failed,
     GenerationRequest,
     OutputEvent,
+    RerankRequest,
+    RerankResult,
     TokenIds,
     TokenLogprob,
     TokenizerInfo,
@@ -72,6 +74,7 @@ class LocalReplica(Protocol):
     async def detokenize(self, token_ids: tuple[int, ...]) -> str | Failed: ...
     def tokenizer_info(self) -> TokenizerInfo: ...
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | Failed: ...
+    async def rerank(self, request: RerankRequest) -> RerankResult | Failed: ...
 
 
 class LocalModelClient:
@@ -127,6 +130,15 @@ class LocalModelClient:
         self._live += 1
         try:
             return _answer(await self._replica.embed(request))
+        finally:
+            self._live -= 1
+
+    async def rerank(self, request: RerankRequest) -> RerankResult:
+        if self._live >= self._max_ongoing:  # the same admission as a generation
+            raise OverloadedError(at_capacity(request.model))
+        self._live += 1
+        try:
+            return _answer(await self._replica.rerank(request))
         finally:
             self._live -= 1
 
@@ -266,8 +278,21 @@ class RayModelClient:
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         """One replica's vectors. Streamed like a generation, so the wait for a replica is
         bounded on its "accepted" marker and not on the forwards that follow it."""
-        model = request.model
-        gen = cast(DeploymentResponseGenerator, self._streams[model].embed.remote(request))
+        answer = await self._forwards(request.model, "embed", request)
+        assert isinstance(answer, EmbeddingResult)
+        return answer
+
+    async def rerank(self, request: RerankRequest) -> RerankResult:
+        """One replica's scores, streamed as `embed`'s vectors are."""
+        answer = await self._forwards(request.model, "rerank", request)
+        assert isinstance(answer, RerankResult)
+        return answer
+
+    async def _forwards(self, model: str, method: str, request: Any) -> Any:
+        """A replica's answer to a forwards-only call (`embed`, `rerank`): its "accepted"
+        marker awaited within the replica wait, then the answer."""
+        gen = cast(DeploymentResponseGenerator,
+                   getattr(self._streams[model], method).remote(request))
         done = False
         try:
             if not await self._accepted(gen, self._replica_wait_s):
@@ -279,14 +304,12 @@ class RayModelClient:
             raise OverloadedError(_overloaded(model, exc)) from exc
         except RayError as exc:
             done = True
-            _log_call_failure("embed", model, exc)
+            _log_call_failure(method, model, exc)
             raise InternalError(f"the replica serving '{model}' failed") from exc
         finally:
             if not done:
                 gen.cancel()  # refused, or the client left: the replica stops its forwards
-        answer = _answer(result)
-        assert isinstance(answer, EmbeddingResult)
-        return answer
+        return _answer(result)
 
     async def _call(self, model: str, method: str, *args: Any) -> Any:
         """One call of a replica's `method` (no stream): its answer, Serve's and Ray's

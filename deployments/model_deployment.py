@@ -32,6 +32,8 @@ from replicas.contract import (
     Failed,
     GenerationRequest,
     OutputEvent,
+    RerankRequest,
+    RerankResult,
     TokenizerInfo,
 )
 from replicas.engine.config import EngineConfig
@@ -240,3 +242,9 @@ class ModelDeployment(ReplicaOwner):
         wait for a replica on it, not on the forwards), then the vectors or why not."""
         yield None
         yield await self._replica.embed(request)
+
+    async def rerank(self, request: RerankRequest
+                     ) -> AsyncGenerator[RerankResult | Failed | None, None]:
+        """As `embed`: None first (accepted), then the scores or why not."""
+        yield None
+        yield await self._replica.rerank(request)

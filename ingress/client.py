@@ -6,7 +6,7 @@ adapters are testable with FastAPI's TestClient and no model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Protocol, Sequence
 
 from replicas.contract import (
@@ -14,6 +14,8 @@ from replicas.contract import (
     EmbeddingResult,
     GenerationRequest,
     OutputEvent,
+    RerankRequest,
+    RerankResult,
     TokenizerInfo,
 )
 
@@ -26,8 +28,17 @@ class ModelCard:
     context_length: int | None = None
     aliases: tuple[str, ...] = ()
     # What `/v1/models` says the model does: `text` (chat, completions), `embeddings`,
-    # `vision` (reads images in chat messages: ingress/media.py).
+    # `vision` (reads images in chat messages: ingress/media.py), `rerank` (/v1/rerank).
     capabilities: tuple[str, ...] = ("text",)
+    # The model's LoRA adapters, each served as `ID:NAME`, and aliases of such a pair
+    # (alias -> adapter name); `adapter`: the one a request named (`require_model`).
+    adapters: tuple[str, ...] = ()
+    adapter_aliases: tuple[tuple[str, str], ...] = ()
+    adapter: str | None = None
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """Every name its adapters are served under: `ID:NAME`, then the aliases."""
+        return (*(f"{self.id}:{a}" for a in self.adapters), *(a for a, _ in self.adapter_aliases))
 
 
 VISION = "vision"  # the capability of a model that is sent images, not placeholders
@@ -68,6 +79,11 @@ class ModelClient(Protocol):
         (a model that serves no embeddings is a 400)."""
         ...
 
+    async def rerank(self, request: RerankRequest) -> RerankResult:
+        """Each document's relevance score, in request order; raises
+        `replicas.errors.ReplicaError` on failure (a model that does not rerank is a 400)."""
+        ...
+
 
 class WrappedClient:
     """A ModelClient around another that forwards everything; a layer at the edge (limits,
@@ -98,14 +114,36 @@ class WrappedClient:
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
         return await self._inner.embed(request)
 
+    async def rerank(self, request: RerankRequest) -> RerankResult:
+        return await self._inner.rerank(request)
+
 
 def require_model(client: ModelClient, name: str) -> ModelCard:
-    """The served model for a request's `model`, or a 404 that lists the valid names."""
-    from replicas.errors import NotFoundError
+    """The served model for a request's `model`, or a 404 that lists the valid names. A
+    LoRA adapter (`BASE:NAME`, or an alias of the pair) is its base model's card with
+    `adapter` set; an adapter the base does not serve is a 400 naming it."""
+    from replicas.errors import InvalidRequestError, NotFoundError
 
     card = client.resolve(name)
     if card is None:
+        for served in client.models():
+            adapter = dict(served.adapter_aliases).get(name)
+            if adapter is not None:
+                return replace(served, adapter=adapter)
+        base, colon, adapter = name.rpartition(":")
+        card = client.resolve(base) if colon else None
+        if card is not None:
+            if adapter in card.adapters:
+                return replace(card, adapter=adapter)
+            known = ", ".join(card.adapters) or "none"
+            raise InvalidRequestError(f"model '{base}' has no adapter '{adapter}'; its "
+                                      f"adapters: {known}", param="model")
         names = ", ".join(c.id for c in client.models())
         raise NotFoundError(f"model '{name}' is not served here; available models: {names}",
                             param="model")
     return card
+
+
+def adapted(request: GenerationRequest, card: ModelCard) -> GenerationRequest:
+    """The request with the LoRA adapter its `model` named (`require_model`), if any."""
+    return replace(request, adapter=card.adapter) if card.adapter else request

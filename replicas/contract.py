@@ -212,6 +212,9 @@ class GenerationRequest:
     # The logprob entries the failed replica still held at the cut (`TokenIds.held`): they
     # ride out with the resumed stream's first text, as they would have.
     resume_logprobs: tuple["TokenLogprob", ...] = ()
+    # The model's LoRA adapter the request runs with (`model: "BASE:NAME"` or an alias of
+    # the pair); None: the base model. Its KV is that adapter's alone.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,26 @@ class EmbeddingRequest:
 class EmbeddingResult:
     vectors: tuple[tuple[float, ...], ...]  # one per input, in order; float32 values
     prompt_tokens: int  # the inputs' tokens, special tokens the tokenizer added included
+
+
+@dataclass(frozen=True)
+class RerankRequest:
+    request_id: str
+    model: str
+    query: str  # not empty (the ingress checks)
+    documents: tuple[str, ...]  # at least one (the ingress checks)
+    # Each document cut to its first N tokens before scoring; None: whole (past the
+    # model's input length is a 400).
+    max_tokens_per_doc: int | None = None
+    # Qwen3-Reranker's `<Instruct>` line; None: its default (web search). Cross-encoders
+    # have none and ignore it.
+    instruction: str | None = None
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    scores: tuple[float, ...]  # one per document, in request order; 0..1
+    prompt_tokens: int  # every scored pair's tokens, the template's included
 
 
 @dataclass(frozen=True)

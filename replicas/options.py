@@ -8,7 +8,8 @@ from typing import Literal
 
 from replicas.engine.config import EngineConfig, Pooling, ShardPlan
 
-ModelKind = Literal["auto", "text", "vision"]
+# `rerank`: a decoder scored as Qwen3-Reranker (replicas/reranker.py); it reads text.
+ModelKind = Literal["auto", "text", "vision", "rerank"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,6 @@ class ReplicaOptions:
     # "auto": a vision-language checkpoint Orchard can serve takes images (`replicas.vision`);
     # "text": never; "vision": must (a load error otherwise).
     kind: ModelKind = "auto"
+    # LoRA adapters in mlx-lm's format, (name, directory), chosen per request by name and
+    # decoded side by side in one batch (`replicas.engine.model.adapters`).
+    adapters: tuple[tuple[str, str], ...] = ()

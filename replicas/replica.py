@@ -24,6 +24,8 @@ from replicas.contract import (
     Finished,
     GenerationRequest,
     OutputEvent,
+    RerankRequest,
+    RerankResult,
     SamplingParams,
     TextPrompt,
     TokenizerInfo,
@@ -32,6 +34,7 @@ from replicas.contract import (
     merge_deltas,
 )
 from replicas.embedder import Embedder
+from replicas.reranker import Reranker
 from replicas.engine.core import Engine, EngineDead
 from replicas.beside_model import kv_fingerprint, load_draft
 from replicas.engine.kv.disk import DiskTier
@@ -99,6 +102,7 @@ class ModelReplica:
         self._tool_format: ToolFormat = get_tool_format("none")
         self._inputs: InputProcessor | None = None
         self._embedder: Embedder | None = None
+        self._reranker: Reranker | None = None  # `/v1/rerank` (replicas/reranker.py)
         self._vision: VisionModel | None = None  # a model that sees: set by `_open`
         self._encoder_only = False  # an encoder (`replicas.encoder`): embeddings only
         self._streams = 0  # streams open now, which share the replica's chunk rate
@@ -176,6 +180,8 @@ class ModelReplica:
                 self.options.model_id, kv_tokens, self.context_length)
         self._embedder = Embedder.open(self.options, model, self.context_length,
                                        self._engine.call, self._timings)
+        self._reranker = Reranker.open(self.options, model, self._encoder_only,
+                                       self.context_length, self._engine.call)
         batch = self._batch
         if batch is not None and batch.cache is not None and batch.cache.disk is not None:
             self._disk_reads = DiskReads(self._engine.call, batch.cache)
@@ -409,6 +415,22 @@ class ModelReplica:
         """`/v1/embeddings`: the vectors, or why not (`replicas.embedder`)."""
         try:
             return await self.embedder.embed(request)
+        except ReplicaError as exc:
+            return exc.as_event()
+        except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
+            return Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}",
+                          replica_fault=True)
+
+    @property
+    def reranker(self) -> Reranker:
+        if self._reranker is None:
+            raise RuntimeError("the replica has not started")
+        return self._reranker
+
+    async def rerank(self, request: RerankRequest) -> RerankResult | Failed:
+        """`/v1/rerank`: each document's score, or why not (`replicas.reranker`)."""
+        try:
+            return await self.reranker.rerank(request)
         except ReplicaError as exc:
             return exc.as_event()
         except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check

@@ -24,6 +24,8 @@ from replicas.contract import (
     Finished,
     GenerationRequest,
     OutputEvent,
+    RerankRequest,
+    RerankResult,
     TextDelta,
     TokenizerInfo,
     ToolCallDelta,
@@ -97,6 +99,7 @@ class FakeClient:
         self._input_tokens = input_tokens
         self.requests: list[GenerationRequest] = []
         self.embedded: list[EmbeddingRequest] = []
+        self.reranked: list[RerankRequest] = []
         self._embed_error = embed_error
         self.counted: list[GenerationRequest] = []
         self.closed_early = 0
@@ -148,6 +151,22 @@ class FakeClient:
         width = request.dimensions or FAKE_WIDTH
         return EmbeddingResult(tuple(fake_vector(i)[:width] for i in range(len(request.inputs))),
                                sum(len(x) for x in request.inputs))
+
+
+    async def rerank(self, request: RerankRequest) -> RerankResult:
+        """`fake_score` per document (`embed_error` is raised instead); a text's tokens
+        are its characters."""
+        self.reranked.append(request)
+        if self._embed_error is not None:
+            raise self._embed_error
+        return RerankResult(tuple(fake_score(request.query, d) for d in request.documents),
+                            sum(len(request.query) + len(d) for d in request.documents))
+
+
+def fake_score(query: str, document: str) -> float:
+    """The share of the query's words the document holds (FakeClient's relevance)."""
+    words = set(query.lower().split())
+    return len(words & set(document.lower().split())) / max(len(words), 1)
 
 
 # FakeClient's vectors: exact in float32 (base64 round-trips them bit for bit).
