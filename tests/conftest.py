@@ -1,0 +1,54 @@
+"""How the suite splits over pytest-xdist's workers (`-n 2 --dist loadgroup` in pyproject).
+
+Tests that share one costly fixture (a `serve run`, a Ray cluster, an npm install) form one
+group, so the fixture starts once, on one worker. Tests that hold fixed ports share a group
+too, so two workers never fight over a port. Everything else is grouped by module (a
+module-scoped model loads once). The heaviest groups go first: two workers end together
+only if the long ones do not start last.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+# Whole folders that are one group: each shares a package-scoped app (reliability: the
+# private Ray cluster; clients: the npm clients, captures and the trained agent model), and
+# cluster + sharded both start `LocalCluster`, whose nodes take fixed ports.
+FOLDER_GROUPS = {"reliability": "reliability", "clients": "clients",
+                 "cluster": "local-cluster", "sharded": "local-cluster"}
+
+# Seconds each heavy group took on the 2-core box (a `--durations=0` run), to start the
+# longest first; groups not named here follow in collection order.
+COST_S = {
+    "e2e-server": 700, "local-cluster": 700, "reliability": 330, "e2e-shared": 250,
+    "clients": 200, "tests/e2e/test_speculative_http.py": 160,
+    "tests/e2e/test_tenants_http.py": 125, "tests/e2e/test_disk_cache_restart.py": 105,
+    "tests/e2e/test_store_restart.py": 185, "tests/integration/test_speculative.py": 110,
+    "tests/observability/test_observability_http.py": 100,
+}
+
+
+def group_of(item: pytest.Item) -> str:
+    path = Path(str(item.path)).resolve().relative_to(TESTS)
+    folder = path.parts[0]
+    fixtures = getattr(item, "fixturenames", ())
+    if folder == "e2e" and "server" in fixtures:
+        return "e2e-server"  # the three layouts' `serve run`s, package-scoped
+    if folder == "e2e" and "shared_app" in fixtures:
+        return "e2e-shared"
+    return FOLDER_GROUPS.get(folder) or f"tests/{path.as_posix()}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    # Marks before every other plugin's hook (xdist reads them in its own); the sort after
+    # them all (the folders' own orderings, which a stable sort keeps within each group).
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    yield
+    items.sort(key=lambda item: -COST_S.get(group_of(item), 0))
