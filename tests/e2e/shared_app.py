@@ -1,7 +1,7 @@
 """One `serve run` for the modules that each need built-in models beyond the config's own
-(embeddings, vision, MTP, every tool format's family model): each talks to its own models
-only, by id, so one app serving the union of their models (one Ray start and one shutdown
-instead of four) proves the same.
+(embeddings, vision, MTP, every tool format's family model, rerankers): each talks to its
+own models only, by id, so one app serving the union of their models (one Ray start and one
+shutdown instead of five) proves the same.
 
 Each module still declares its models; this app serves them all side by side, with the
 images limit the vision module tests and a Ray temp dir of its own (its metrics discovery
@@ -36,12 +36,14 @@ def shared_models() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from tests.e2e import (
         test_embeddings_http,
         test_mtp_http,
+        test_rerank_http,
         test_tool_format_models,
         test_vision_http,
     )
 
     wanted: list[dict[str, Any]] = [*test_embeddings_http.MODELS, *test_vision_http.MODELS,
-                                    *test_mtp_http.MODELS, *test_tool_format_models.MODELS]
+                                    *test_mtp_http.MODELS, *test_tool_format_models.MODELS,
+                                    *test_rerank_http.MODELS]
     models: dict[str, dict[str, Any]] = {}
     for model in wanted:
         assert models.setdefault(model["id"], model) == model, f"two settings for {model['id']}"
@@ -49,7 +51,14 @@ def shared_models() -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def _answers(client: httpx.Client, base_url: str, model: dict[str, Any]) -> bool:
-    """A chat model answers a one-token completion; an embedding-only one an embedding."""
+    """A chat model answers a one-token completion; an embedding-only one an embedding;
+    a cross-encoder a rerank."""
+    if model["source"] == "builtin:cross-encoder":
+        try:
+            return client.post(f"{base_url}/v1/rerank", timeout=30, json={
+                "model": model["id"], "query": "Hi", "documents": ["Hi"]}).status_code == 200
+        except httpx.HTTPError:
+            return False
     if model["source"] not in ("builtin:embed", "builtin:embed-bert"):
         return ready(client, base_url, model["id"])
     try:
