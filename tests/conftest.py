@@ -16,16 +16,17 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-# Whole folders that are one group: each shares a package-scoped app (reliability: the
-# private Ray cluster; clients: the npm clients, captures and the trained agent model), and
-# cluster + sharded both start `LocalCluster`, whose nodes take fixed ports.
-FOLDER_GROUPS = {"reliability": "reliability", "clients": "clients",
-                 "cluster": "local-cluster", "sharded": "local-cluster"}
+# Whole folders that are one group: each shares a package-scoped app or cluster
+# (reliability: the private Ray cluster; clients: the npm clients, captures and the trained
+# agent model; cluster and sharded: a two-node `LocalCluster`, on ports of each worker's own).
+FOLDER_GROUPS = {"reliability": "reliability", "clients": "clients", "cluster": "cluster",
+                 "sharded": "sharded"}
 
 # Seconds each heavy group took on the 2-core box (a `--durations=0` run), to start the
 # longest first; groups not named here follow in collection order.
 COST_S = {
-    "e2e-server": 700, "local-cluster": 700, "reliability": 330, "e2e-shared": 250,
+    "e2e-server-default": 300, "e2e-server-two-hop": 300, "e2e-server-default-haproxy": 300,
+    "sharded": 450, "cluster": 350, "reliability": 330, "e2e-shared": 250,
     "clients": 200, "tests/e2e/test_speculative_http.py": 160,
     "tests/e2e/test_tenants_http.py": 125, "tests/e2e/test_disk_cache_restart.py": 105,
     "tests/e2e/test_store_restart.py": 185, "tests/integration/test_speculative.py": 110,
@@ -38,7 +39,9 @@ def group_of(item: pytest.Item) -> str:
     folder = path.parts[0]
     fixtures = getattr(item, "fixturenames", ())
     if folder == "e2e" and "server" in fixtures:
-        return "e2e-server"  # the three layouts' `serve run`s, package-scoped
+        # One group per layout: each layout's `serve run` (package-scoped) starts once, on
+        # one worker, and the layouts take ports of their own.
+        return f"e2e-server-{item.callspec.params['server']}"  # type: ignore[attr-defined]
     if folder == "e2e" and "shared_app" in fixtures:
         return "e2e-shared"
     return FOLDER_GROUPS.get(folder) or f"tests/{path.as_posix()}"

@@ -27,20 +27,38 @@ from deployments.serve_options import controller_options
 from replicas.builtin import ensure_builtin
 
 ROOT = Path(__file__).resolve().parents[2]
-HTTP_PORT = int(os.environ.get("ORCHARD_CLUSTER_HTTP_PORT", "8300"))
+
+
+def _shift() -> int:
+    """Each pytest-xdist worker ("gwN") gives its nodes ports of their own, so this folder
+    and tests/sharded, both on `LocalCluster`, may run at once."""
+    return 20 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+
+
+SHIFT = _shift()
+HTTP_PORT = int(os.environ.get("ORCHARD_CLUSTER_HTTP_PORT", str(8300 + SHIFT)))
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
-GCS_PORT = 6400
-DASHBOARD = "http://127.0.0.1:8365"
+GCS_PORT = 6400 + SHIFT
+DASHBOARD_PORT = 8365 + SHIFT
+DASHBOARD = f"http://127.0.0.1:{DASHBOARD_PORT}"
+
+
+def _ports(node_manager: int, agent: int, workers: int) -> list[str]:
+    return ["--node-manager-port", str(node_manager + SHIFT),
+            "--object-manager-port", str(node_manager + 1 + SHIFT),
+            "--dashboard-agent-listen-port", str(agent + SHIFT),
+            "--dashboard-agent-grpc-port", str(agent + 1 + SHIFT),
+            "--metrics-export-port", str(agent + 2 + SHIFT),
+            "--runtime-env-agent-port", str(agent + 3 + SHIFT),
+            # Worker port ranges 100 wide, two per xdist worker: 20100-20499 for two.
+            "--min-worker-port", str(workers + 10 * SHIFT),
+            "--max-worker-port", str(workers + 99 + 10 * SHIFT)]
+
+
 # Ports Ray would otherwise pick by default (and clash on with another instance or node).
-HEAD_PORTS = ["--dashboard-host", "127.0.0.1", "--dashboard-port", "8365", "--ray-client-server-port", "10400", "--node-manager-port", "6401",
-              "--object-manager-port", "6402", "--dashboard-agent-listen-port", "52400",
-              "--dashboard-agent-grpc-port", "52401", "--metrics-export-port", "52402",
-              "--runtime-env-agent-port", "52403", "--min-worker-port", "20100",
-              "--max-worker-port", "20199"]
-WORKER_PORTS = ["--node-manager-port", "6411", "--object-manager-port", "6412",
-                "--dashboard-agent-listen-port", "52410", "--dashboard-agent-grpc-port",
-                "52411", "--metrics-export-port", "52412", "--runtime-env-agent-port",
-                "52413", "--min-worker-port", "20200", "--max-worker-port", "20299"]
+HEAD_PORTS = ["--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
+              "--ray-client-server-port", str(10400 + SHIFT), *_ports(6401, 52400, 20100)]
+WORKER_PORTS = _ports(6411, 52410, 20200)
 # Units of apple_silicon on the worker: every replica the tests run, plus a rolling
 # update's new replicas while the old ones drain.
 WORKER_SLOTS = 8

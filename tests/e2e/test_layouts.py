@@ -22,7 +22,7 @@ import ray  # noqa: F401  (first: Ray puts the psutil it ships on the path)
 import psutil  # noqa: E402
 
 from deployments.serve_options import SERVE_ENV, direct_ingress_env  # noqa: E402
-from tests.e2e.conftest import PORT, ROOT, Layout  # noqa: E402
+from tests.e2e.conftest import ROOT, Layout  # noqa: E402
 from tests.serve_process import listeners  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -100,8 +100,8 @@ def test_the_layout_is_the_one_claimed(layout: Layout) -> None:
     else:  # colocated: the model's replica serves HTTP itself, nothing in front of it
         assert set(deployments) == {MODEL_DEPLOYMENT}, status
 
-    holders = listeners(layout.pid, PORT)
-    assert holders, f"nothing under serve run listens on {PORT}"
+    holders = listeners(layout.pid, layout.port)
+    assert holders, f"nothing under serve run listens on {layout.port}"
     haproxy = [p for p in family(layout.pid) if p.name() == "haproxy"]
     if layout.name.endswith("-haproxy"):
         # HAProxy in front: it holds the HTTP port, and Serve's proxy actor does not.
@@ -112,7 +112,7 @@ def test_the_layout_is_the_one_claimed(layout: Layout) -> None:
         http = "ServeReplica:orchard:" + (INGRESS_DEPLOYMENT if layout.name == "two-hop"
                                           else MODEL_DEPLOYMENT)
         assert all(http in " ".join(p.cmdline()) for p in holders), names(holders)
-        proxies = listeners(layout.pid, PORT + 1)
+        proxies = listeners(layout.pid, layout.port + 1)
         assert proxies and all("ProxyActor" in " ".join(p.cmdline()) for p in proxies), \
             names(proxies)
 
@@ -136,6 +136,6 @@ def test_serve_runs_with_the_configs_serve_settings(layout: Layout) -> None:
         set() if layout.name.endswith("-haproxy") else {"ProxyActor"})
     assert expected <= kinds, [line for line, _ in serve_procs]
     expected_env = {**SERVE_ENV, **({} if layout.name.endswith("-haproxy")
-                                    else direct_ingress_env(PORT))}
+                                    else direct_ingress_env(layout.port))}
     for line, env in serve_procs:
         assert {k: env.get(k) for k in expected_env} == expected_env, line
