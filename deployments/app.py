@@ -36,7 +36,9 @@ def build_app(args: dict[str, Any]) -> Application:
     created = int(time.time())
     cards = [
         {"id": m.id, "aliases": tuple(m.aliases), "created": created,
-         "context_length": m.max_model_len, "capabilities": _capabilities(m)}
+         "context_length": m.max_model_len, "capabilities": _capabilities(m),
+         "adapters": tuple(m.adapters),
+         "adapter_aliases": tuple((a, n) for n, s in m.adapters.items() for a in s.aliases)}
         for m in config.served_models
     ]
     # Each deployment gets its effective placement, so a replica can check Metal itself.

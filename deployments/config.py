@@ -44,6 +44,15 @@ from deployments.roles import check_roles, served
 from deployments.tenants import TenantSettings
 
 
+class AdapterSettings(_Strict):
+    """One LoRA adapter of a model (`adapters:`), in mlx-lm's format."""
+
+    path: str = Field(min_length=1, description="A directory as `mlx_lm.lora` writes it: "
+                      "adapter_config.json and adapters.safetensors (LoRA or DoRA).")
+    aliases: list[str] = Field(default_factory=list, description="Names a request may send "
+                               "as `model` for this model with this adapter.")
+
+
 class ModelSettings(_Strict):
     id: str = Field(min_length=1, description="The name clients send as `model`.")
     source: str = Field(min_length=1,
@@ -126,6 +135,34 @@ class ModelSettings(_Strict):
     prefill_min_tokens: int = Field(1024, ge=1, description="On a `decode` model: prompts "
                                     "missing at least this many cached tokens are prefilled "
                                     "on the prefill replicas; shorter ones here.")
+    adapters: dict[str, AdapterSettings] = Field(
+        default_factory=dict, description="LoRA adapters by name, each a directory in "
+        "mlx-lm's format (or {path, aliases}): a request picks one with `model: ID:NAME` "
+        "or an alias; rows with different adapters, or none, decode in one batch "
+        "(docs/architecture/adapters.md).")
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapter_paths(cls, value: Any) -> Any:
+        # `name: path` is the short form of `name: {path: ...}`.
+        if isinstance(value, dict):
+            return {k: {"path": v} if isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_servable(self) -> "ModelSettings":
+        for name in self.adapters:
+            if not name or ":" in name:
+                raise ValueError(f"adapter name '{name}' must be non-empty, without ':'")
+        if self.adapters and (self.shards > 1 or self.role != "both"):
+            raise ValueError(f"model '{self.id}': LoRA adapters are served by whole-model "
+                             "replicas that prefill and decode (shards: 1, role: both)")
+        return self
+
+    def adapter_names(self) -> list[str]:
+        """Every name a request may pick one of its adapters by: `ID:NAME`, then aliases."""
+        return [*(f"{self.id}:{n}" for n in self.adapters),
+                *(a for s in self.adapters.values() for a in s.aliases)]
 
     @field_validator("channel_format", "tool_format")
     @classmethod
@@ -414,7 +451,7 @@ class AppArgs(_Strict):
     def _names_unique(self) -> "AppArgs":
         seen: set[str] = set()
         for model in self.served_models:
-            for name in (model.id, *model.aliases):
+            for name in (model.id, *model.aliases, *model.adapter_names()):
                 if name in seen:
                     raise ValueError(f"model name '{name}' is used twice")
                 seen.add(name)

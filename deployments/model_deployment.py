@@ -76,6 +76,7 @@ def replica_options(settings: ModelSettings,
         embeddings=settings.embeddings,
         embedding_dimensions=settings.embedding_dimensions,
         kind=settings.kind,
+        adapters=tuple((name, a.path) for name, a in settings.adapters.items()),
     )
 
 

@@ -93,7 +93,7 @@ def _install_routes(app: FastAPI) -> None:
         cards = client.models()
         lengths = await _served_lengths(request.app, cards)
         data = [_model_entry(card, name, lengths[card.id]) for card in cards
-                for name in (card.id, *card.aliases)]
+                for name in (card.id, *card.aliases, *card.adapter_names())]
         return {"object": "list", "data": data}
 
     # `:path`: Hub ids hold a slash (`mlx-community/Qwen3-4B`), which the OpenAI SDK sends

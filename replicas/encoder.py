@@ -109,7 +109,8 @@ class NoGeneration:
     def finish(self, done: Sequence[Done]) -> None:
         return None
 
-    def score(self, prompt_ids: Sequence[int], top: int) -> list[Picked]:
+    def score(self, prompt_ids: Sequence[int], top: int,
+              adapter: str | None = None) -> list[Picked]:
         raise InvalidRequestError("this model serves embeddings only (/v1/embeddings)")
 
     def recover(self) -> bool:

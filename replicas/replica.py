@@ -46,6 +46,7 @@ from replicas.versions import MODEL_STACK, check as check_versions
 from replicas.engine.sharded.lockstep import LockstepBatch
 from replicas.engine.kv.quantized import cache_maker
 from replicas.engine.kv.budget import RankMemory, plan_memory
+from replicas.engine.model.adapters import AdapterTable, load_adapters
 from replicas.options import ReplicaOptions
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
@@ -127,15 +128,20 @@ class ModelReplica:
             model = load_model(self.options.source, resolve_source(self.options.source))
             if sees(model.config, self.options.kind):
                 self._vision = VisionModel.load(model.path, model.model, self._timings)
+            adapters = self._load_adapters(model)
             engine = self.options.engine
             draft = load_draft(self.options, model)
+            # The adapters' tables are weights beside the model's, counted by admission.
             memory = plan_memory(model.model, budget, self.options.model_id,
-                                 self._vision.nbytes if self._vision else 0,
+                                 (self._vision.nbytes if self._vision else 0)
+                                 + (adapters.nbytes if adapters else 0),
                                  cache_maker(engine.kv_bits, engine.kv_group_size), draft)
             self._batch = LocalBatch(model.model, self.options.engine,
                                      disk=self._disk_tier(model), held=self._directory.held,
-                                     draft=draft)
+                                     draft=draft, adapters=adapters)
             return model, self._batch, (memory,)
+        if self.options.adapters:
+            raise ValueError("LoRA adapters are served by whole-model replicas: set shards: 1")
         if self.options.kind == "vision":
             raise VisionUnsupported("a sharded replica reads text only: set shards: 1")
         from replicas.engine.sharded.rank import open_shard  # only sharded replicas join a group
@@ -145,6 +151,30 @@ class ModelReplica:
             self._directory.held, draft=lambda target: load_draft(self.options, target))
         self._batch = LockstepBatch(local, group, self._wake_shards, on_sync=self._timings.sync)
         return model, self._batch, ranks
+
+    def _load_adapters(self, model: LoadedModel) -> AdapterTable | None:
+        """The configured LoRA adapters, each read and checked (`AdapterError` names the
+        one that is wrong); None without any."""
+        if not self.options.adapters:
+            return None
+        if self._vision is not None:
+            raise ValueError("LoRA adapters on a model that sees images are not served yet: "
+                             "set kind: text to serve the adapters on its text")
+        return load_adapters(model.model, dict(self.options.adapters))
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters this replica serves now."""
+        batch = self._batch
+        table = batch.adapters if isinstance(batch, LocalBatch) else None
+        return table.names if table is not None else ()
+
+    def _cache_ids(self, request: GenerationRequest, prompt_ids: tuple[int, ...]) -> list[int]:
+        """The prompt as the prefix cache, its disk tier, the directory and pulls key it:
+        a LoRA adapter's in that adapter's key space (`replicas.engine.kv.namespace`)."""
+        batch = self._batch
+        if request.adapter is None or not isinstance(batch, LocalBatch):
+            return list(prompt_ids)
+        return batch.cache_ids(prompt_ids, request.adapter)
 
     def _disk_tier(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, under the model's fingerprint, where configured."""
@@ -279,6 +309,11 @@ class ModelReplica:
             yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' is an "
                           "embedding encoder: it serves /v1/embeddings only")]
             return
+        if request.adapter is not None and request.adapter not in self.adapter_names():
+            yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' has no adapter "
+                          f"'{request.adapter}'; its adapters: "
+                          f"{', '.join(self.adapter_names()) or 'none'}")]
+            return
         loop = asyncio.get_running_loop()
         buffer = EventBuffer(loop)
         try:
@@ -288,11 +323,12 @@ class ModelReplica:
             return
         warnings = prepared.warnings
         ready = prepared.request
+        cache_ids = self._cache_ids(request, ready.prompt_ids)  # an adapter's key space
         if self._disk_reads is not None and ready.embeddings is None:
-            await self._disk_reads.before(ready.prompt_ids)  # off the engine thread
+            await self._disk_reads.before(cache_ids)  # off the engine thread
         if source is not None and self._puller is not None and ready.embeddings is None \
                 and ready.sampled_before == 0:
-            result = await self._puller.before(ready.prompt_ids, source)
+            result = await self._puller.before(tuple(cache_ids), source)
             if result is not None:
                 self._on_pull(result)
         submitted = loop.time()
@@ -365,7 +401,7 @@ class ModelReplica:
         if self.options.engine.prompt_cache_bytes and ready.embeddings is None:
             prompt = len(ready.prompt_ids) - ready.sampled_before  # a resume's ids end it
             self._directory.learn(token_spans(request, prompt, ready.boundary),
-                                  ready.prompt_ids)
+                                  self._cache_ids(request, ready.prompt_ids))
         return prepared
 
     def held_prefixes(self) -> frozenset[bytes]:

@@ -72,6 +72,8 @@ def token_spans(request: GenerationRequest, prompt_tokens: int,
 
 def _prefix_chain(request: GenerationRequest) -> list[bytes]:
     seed = digest(b"t", repr(request.tools).encode())
+    if request.adapter is not None:  # a LoRA adapter's KV is its own: another key space
+        seed = digest(seed, b"adapter", request.adapter.encode())
     return list(_chain(seed, _units(request)))
 
 

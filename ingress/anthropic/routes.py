@@ -22,7 +22,7 @@ from ingress.anthropic.models import (
     anthropic_validation_message,
 )
 from ingress.anthropic.render import MessageRenderer
-from ingress.client import ModelClient, require_model
+from ingress.client import ModelClient, adapted, require_model
 from ingress.errors import ANTHROPIC_ERRORS
 from ingress.media import MediaParts
 from ingress.protocol import WireProtocol
@@ -57,7 +57,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     client = _client(request)
     card = require_model(client, body.model)
     media = MediaParts.for_model(card, request.app.state.image_limits)
-    generation = await media.resolve(to_generation_request(body, card, media))
+    generation = adapted(await media.resolve(to_generation_request(body, card, media)), card)
     renderer = MessageRenderer(generation.request_id, card.id, omit_thinking=omits_thinking(body))
     return await respond(client, generation, renderer, ANTHROPIC, body.stream,
                          warnings=media.warnings())

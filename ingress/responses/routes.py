@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ingress.client import ModelClient, require_model
+from ingress.client import ModelClient, adapted, require_model
 from ingress.errors import OPENAI_ERRORS, CodedError
 from ingress.media import MediaParts
 from ingress.protocol import WARNING_HEADER, WireProtocol
@@ -67,7 +67,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         history = previous.conversation()
     media = MediaParts.for_model(card, request.app.state.image_limits)
     plan = to_plan(body, card, history, media)
-    plan = dataclasses.replace(plan, generation=await media.resolve(plan.generation))
+    plan = dataclasses.replace(plan, generation=adapted(await media.resolve(plan.generation),
+                                                        card))
     renderer = ResponseRenderer(plan.generation.request_id, body.model, plan.echo,
                                 reasoning_summary=plan.reasoning_summary, warnings=plan.warnings)
     headers = {WARNING_HEADER: "; ".join(plan.warnings)} if plan.warnings else {}

@@ -176,6 +176,7 @@ class InputProcessor:
             score_prompt=echo is not None and top is not None and request.resume is None,
             embeddings=rendered.embeddings,
             tenancy=request.tenancy,
+            adapter=request.adapter,
         )
         output = OutputProcessor(
             sink, decoder, controller, prompt_ids=rendered.token_ids,

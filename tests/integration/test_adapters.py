@@ -6,6 +6,7 @@ are random-weight, made with mlx-lm's own tuner classes (`replicas.builtin.adapt
 
 from __future__ import annotations
 
+import asyncio
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,14 +17,17 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
 from replicas.builtin.adapters import make_adapter
-from replicas.contract import SamplingParams
+from replicas.contract import ErrorKind, Failed, Finished, GenerationRequest, OutputEvent, \
+    SamplingParams, TokenIds, TokenPrompt
 from replicas.engine.batch.local import Done, LocalBatch, Row
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.namespace import namespaced
 from replicas.engine.model.adapters import AdapterError, load_adapters, read_adapter
 from replicas.engine.model.loading import load_model
 from replicas.engine.sampling.samplers import make_request_sampler
+from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
+from tests.streams import collect
 
 SOURCE = "builtin:tiny"
 GREEDY = SamplingParams(temperature=0.0)
@@ -182,3 +186,43 @@ def test_an_unknown_adapter_fails_its_row_alone(adapters: dict[str, Path]) -> No
     with pytest.raises(KeyError, match="adapter 'nope'"):
         batch.begin(Row((1, 2, 3), 0, 2, frozenset(), make_request_sampler(GREEDY),
                         adapter="nope"))
+
+
+def test_a_replica_streams_sixteen_mixed_requests(adapters: dict[str, Path]) -> None:
+    """Through the replica's production path (config -> load -> prepare -> engine): 16
+    concurrent streams over 3 adapters and the base, each equal to mlx-lm alone; an adapter
+    the model does not serve is a 400-kind failure of that request alone."""
+    options = ReplicaOptions(model_id="tiny", source=SOURCE,
+                             adapters=tuple((n, str(p)) for n, p in adapters.items()))
+    replica = ModelReplica(options)
+    replica.start()
+    eos = replica.model.eos_token_ids
+    choice = [None, *NAMES]
+    try:
+        def request(i: int, adapter: str | None) -> GenerationRequest:
+            return GenerationRequest(f"r{i}", "tiny", TokenPrompt(tuple(prompt(i))),
+                                     SamplingParams(temperature=0.0, max_tokens=8),
+                                     report_tokens=True, adapter=adapter)
+
+        async def together() -> list[list[OutputEvent]]:
+            return await asyncio.gather(*(collect(replica.stream(request(i, choice[i % 4])))
+                                          for i in range(16)))
+
+        results = asyncio.run(together())
+        lengths = []
+        for i, events in enumerate(results):
+            assert isinstance(events[-1], Finished), events[-1]
+            ours = [t for e in events if isinstance(e, TokenIds) for t in e.ids]
+            name = choice[i % 4]
+            ref = reference(reference_model(name, str(adapters[name]) if name else None, None),
+                            prompt(i), 8)
+            ended = next((n + 1 for n, t in enumerate(ref) if t in eos), len(ref))
+            assert ours == ref[:ended][:len(ours)] and len(ours) >= ended - 1, (i, name)
+            lengths.append(len(ours))
+        assert max(lengths) == 8  # not all cut short by an early EOS
+        bad = asyncio.run(collect(replica.stream(request(99, "nope"))))
+        assert isinstance(bad[-1], Failed) and bad[-1].kind == ErrorKind.INVALID_REQUEST
+        assert "adapter 'nope'" in bad[-1].message
+        assert replica.adapter_names() == NAMES
+    finally:
+        replica.shutdown()
