@@ -49,3 +49,18 @@ def make_adapter(model_dir: str | Path, out: str | Path, seed: int, rank: int = 
               "lora_parameters": params}
     (where / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return where
+
+
+def builtin_adapter(model: str, name: str, seed: int, dora: bool = False,
+                    build: bool = True) -> Path:
+    """A random adapter for built-in model `model`, cached beside the built-in models
+    (made once, safe across processes); `build=False`: its path only."""
+    from replicas.builtin import ensure_builtin
+    from replicas.builtin.build import cached_build, default_cache_root
+
+    key = f"adapter-{model}-{name}-{seed}{'-dora' if dora else ''}-v1"
+    if not build:
+        return default_cache_root() / key
+    return cached_build(default_cache_root(), key,
+                        lambda where: make_adapter(ensure_builtin(model), where, seed,
+                                                   dora=dora))

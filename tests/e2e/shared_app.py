@@ -34,6 +34,7 @@ def shared_models() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The union of the modules' models (one entry per id: the modules agree on shared
     ones, e.g. `orchard-tiny`) and the ingress settings they need."""
     from tests.e2e import (
+        test_adapters_http,
         test_embeddings_http,
         test_mtp_http,
         test_rerank_http,
@@ -43,7 +44,7 @@ def shared_models() -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
     wanted: list[dict[str, Any]] = [*test_embeddings_http.MODELS, *test_vision_http.MODELS,
                                     *test_mtp_http.MODELS, *test_tool_format_models.MODELS,
-                                    *test_rerank_http.MODELS]
+                                    *test_rerank_http.MODELS, *test_adapters_http.MODELS]
     models: dict[str, dict[str, Any]] = {}
     for model in wanted:
         assert models.setdefault(model["id"], model) == model, f"two settings for {model['id']}"
@@ -73,6 +74,9 @@ def shared_app(tmp: Path) -> Iterator[App]:
     models, ingress = shared_models()
     for model in models:  # built here, not in the replicas' constructors
         ensure_builtin(model["source"].removeprefix("builtin:"))
+    from tests.e2e.test_adapters_http import ensure_adapters
+
+    ensure_adapters()  # the LoRA adapters its model names, on disk before it loads
     cache = tmp / "cache"  # an Orchard cache of its own, the built-in models linked in
     cache.mkdir()
     (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)

@@ -1,0 +1,125 @@
+"""LoRA adapters over a real `serve run` on loopback, through the official `openai` and
+`anthropic` SDKs: a model served with two adapters (random-weight, made with mlx-lm's own
+tuner classes: `replicas.builtin.adapters`), picked by `model: "BASE:NAME"` or an alias;
+`/v1/models` lists each; an adapter the model does not serve is a 400 in each API's shape,
+and the server keeps serving. Served by the shared app (`shared_app.py`) beside the other
+modules' models.
+
+Greedy output is checked against mlx-lm's own generation with that adapter loaded alone
+(`mlx_lm.load(path, adapter_path=...)`), on the same token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
+
+from replicas.builtin import ensure_builtin
+from replicas.builtin.adapters import builtin_adapter
+from tests.observability.test_observability_http import App
+
+pytestmark = pytest.mark.e2e
+
+BASE = "orchard-lora"
+ADAPTERS = {"alpha": (1, False), "beta": (2, True)}  # name: (seed, DoRA)
+MODELS = [
+    {"id": BASE, "source": "builtin:tiny", "max_ongoing_requests": 16,
+     "adapters": {
+         "alpha": {"path": str(builtin_adapter("tiny", "alpha", 1, build=False)),
+                   "aliases": ["tiny-alpha"]},
+         "beta": str(builtin_adapter("tiny", "beta", 2, dora=True, build=False)),
+     }},
+]
+PROMPT = [9, 30, 41, 52, 63, 74, 85]
+MAX_TOKENS = 8
+
+
+def ensure_adapters() -> None:
+    """The adapters MODELS names, built before the app starts (`shared_app.py`)."""
+    for name, (seed, dora) in ADAPTERS.items():
+        builtin_adapter("tiny", name, seed, dora=dora)
+
+
+@pytest.fixture(scope="module")
+def base_url(shared_app: App) -> str:
+    return shared_app.serve.base_url
+
+
+@pytest.fixture(scope="module")
+def oai(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(base_url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0,
+                               timeout=120)
+
+
+def reference_text(adapter: str | None) -> str:
+    """mlx-lm alone: the model with that adapter loaded, greedy on PROMPT, to EOS."""
+    path = ensure_builtin("tiny")
+    model, tokenizer = mlx_load(str(path), adapter_path=str(
+        builtin_adapter("tiny", adapter, *ADAPTERS[adapter])) if adapter else None)[:2]
+    tokens = []
+    for token, _ in generate_step(mx.array(PROMPT), model, max_tokens=MAX_TOKENS):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        tokens.append(int(token))
+    return str(tokenizer.decode(tokens))
+
+
+def complete(oai: openai.OpenAI, model: str) -> str:
+    answer = oai.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                    temperature=0.0)
+    return answer.choices[0].text
+
+
+def test_models_lists_every_adapter(base_url: str) -> None:
+    listed = {m["id"]: m for m in httpx.get(f"{base_url}/v1/models").json()["data"]}
+    for name in (f"{BASE}:alpha", f"{BASE}:beta", "tiny-alpha"):
+        assert listed[name]["root"] == BASE, name
+
+
+def test_each_adapter_equals_mlx_lm_alone(oai: openai.OpenAI) -> None:
+    texts = {name: complete(oai, f"{BASE}:{name}") for name in ADAPTERS}
+    texts[None] = complete(oai, BASE)  # type: ignore[index]
+    for name, text in texts.items():
+        assert text == reference_text(name), name
+    assert len(set(texts.values())) == 3  # each adapter changes the output
+    assert complete(oai, "tiny-alpha") == texts["alpha"]  # the alias is the pair
+
+
+def test_anthropic_picks_an_adapter(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Hi"}]
+    reply = claude.messages.create(model=f"{BASE}:beta", max_tokens=MAX_TOKENS,
+                                   temperature=0.0, messages=messages)
+    chat = oai.chat.completions.create(model=f"{BASE}:beta", max_tokens=MAX_TOKENS,
+                                       temperature=0.0, messages=messages)
+    text = "".join(b.text for b in reply.content if b.type == "text")
+    assert text == chat.choices[0].message.content
+
+
+def test_an_unknown_adapter_is_a_400_in_each_shape(oai: openai.OpenAI,
+                                                    claude: anthropic.Anthropic) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(oai, f"{BASE}:nope")
+    assert caught.value.status_code == 400
+    body: Any = caught.value.body
+    assert "adapter 'nope'" in body["message"] and body["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=f"{BASE}:nope", max_tokens=4,
+                               messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.status_code == 400
+    error: Any = refused.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "adapter 'nope'" in error["error"]["message"]
+    assert complete(oai, f"{BASE}:alpha")  # still serving
