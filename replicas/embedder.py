@@ -5,9 +5,11 @@ Everything that can refuse a request runs before any engine time: a model that s
 embeddings, `dimensions` it does not allow, an empty input, one past the model's input
 length, a token id outside the vocabulary. Accepted inputs join one queue for the replica,
 and each engine `call` runs one forward over what is queued then, whichever requests it
-came from (`plan_batches`: sorted by length, bounded by rows and padded bytes), so many
-small requests at once share forwards, and the decode steps of running generations come
-between the forwards of a large one. The pooling itself is `replicas.engine.model.embedding`'s.
+came from (`replicas.embedding_queue`: the oldest request's inputs first, the room left
+to later ones, bounded by rows and padded bytes), so many small requests at once share
+forwards, no request waits behind later ones, and the decode steps of running generations
+come between the forwards of a large one. A request cancelled while it waits (its client
+left) takes its queued inputs with it. The pooling is `replicas.engine.model.embedding`'s.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import Any, Callable, Sequence
 from replicas.contract import EmbeddingInput, EmbeddingRequest, EmbeddingResult
 from replicas.embedding_files import SENTENCE_TRANSFORMERS_FILES, EmbeddingSpec, \
     NotEmbedding, embedding_support
-from replicas.engine.model.embedding import PoolingSpec, bytes_per_token, embed_rows, hidden_size, \
-    plan_batches
+from replicas.embedding_queue import EmbeddingQueue, Queued
+from replicas.engine.model.embedding import PoolingSpec, bytes_per_token, embed_rows, hidden_size
 from replicas.engine.core import EngineDead
 from replicas.engine.model.loading import LoadedModel
 from replicas.errors import ContextLengthError, InternalError, InvalidRequestError
@@ -53,19 +55,11 @@ class _Job:
             self.done.set_result([v for v in self.vectors if v is not None])
 
 
-@dataclass(frozen=True)
-class _Queued:
-    job: _Job
-    index: int  # the input's place in its request
-    ids: tuple[int, ...]
-
-
 class Embedder:
     def __init__(self, model: LoadedModel, support: EmbeddingSpec | NotEmbedding,
                  context_length: int, call: EngineCall,
                  timings: Timings) -> None:
         self._lock = threading.Lock()  # the queue: requests add, the engine thread takes
-        self._queue: list[_Queued] = []
         self.forwards = 0  # forwards run so far (tests see requests share them)
         # The model's pooling (unused where it serves no embeddings: `_spec` refuses first).
         self._pooling = PoolingSpec(support.pooling, support.normalize) \
@@ -75,7 +69,7 @@ class Embedder:
         self._call = call
         self._timings = timings
         self._width = hidden_size(model.config) or 0  # known wherever `support` is a spec
-        self._bytes_per_token = bytes_per_token(self._width)
+        self._queue: EmbeddingQueue[_Job] = EmbeddingQueue(bytes_per_token(self._width))
         limit = support.max_tokens if isinstance(support, EmbeddingSpec) else None
         # The model's input length: its context, or less where its files say so.
         self.max_tokens = context_length if limit is None else min(limit, context_length)
@@ -93,9 +87,15 @@ class Embedder:
         self._check(rows)
         job = _Job(request.request_id, request.dimensions, [None] * len(rows))
         with self._lock:
-            self._queue.extend(_Queued(job, index, row) for index, row in enumerate(rows))
+            self._queue.add(job, rows)
         self._run_one()
-        vectors = await asyncio.wrap_future(job.done)
+        try:
+            vectors = await asyncio.wrap_future(job.done)
+        except asyncio.CancelledError:  # the client left (Serve cancels the call): drop it
+            with self._lock:
+                dropped = self._queue.drop(job)
+            log.debug("request %s cancelled: %d queued inputs dropped", job.request_id, dropped)
+            raise
         tokens = sum(len(r) for r in rows)
         self._timings.embedded(len(rows), tokens)
         return EmbeddingResult(tuple(tuple(v) for v in vectors), tokens)
@@ -115,8 +115,8 @@ class Embedder:
 
     def _fail_queued(self, exc: BaseException) -> None:
         with self._lock:
-            queued, self._queue = self._queue, []
-        for job in {id(q.job): q.job for q in queued}.values():
+            jobs = self._queue.clear()
+        for job in jobs:
             if not job.done.done():
                 job.done.set_exception(exc)
 
@@ -124,13 +124,10 @@ class Embedder:
         """On the engine thread: a forward over the first planned batch of the queue, each
         vector to its request; another call queued if inputs remain."""
         with self._lock:
-            if not self._queue:
-                return  # an earlier call took these inputs
-            plan = plan_batches([len(q.ids) for q in self._queue], self._bytes_per_token)
-            taken = [self._queue[i] for i in plan[0]]
-            chosen = set(plan[0])
-            self._queue = [q for i, q in enumerate(self._queue) if i not in chosen]
-            more = bool(self._queue)
+            taken: list[Queued[_Job]] = self._queue.take()
+            if not taken:
+                return  # an earlier call took these inputs, or their requests left
+            more = len(self._queue) > 0
         if more:
             self._run_one()
         self.forwards += 1
@@ -140,6 +137,8 @@ class Embedder:
         except Exception:  # noqa: BLE001 - these requests fail alone
             for job in {id(q.job): q.job for q in taken}.values():
                 log.exception("request %s: embedding failed", job.request_id)
+                with self._lock:
+                    self._queue.drop(job)  # its other inputs would be forwards for nothing
                 if not job.done.done():
                     job.done.set_exception(InternalError("embedding failed for this request"))
             return

@@ -32,8 +32,12 @@ from replicas.contract import (
     TextPrompt,
     GenerationRequest,
 )
+from replicas import embedder as embedder_module
+from replicas.embedder import Embedder
 from replicas.engine.core import EngineDead
+from replicas.engine.model.embedding import MAX_ROWS
 from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.timings import Timings
 from tests.streams import collect
 
 # Max abs difference between a vector embedded in a batch and the same input alone.
@@ -258,3 +262,138 @@ def test_requests_at_once_share_forwards(embedder: ModelReplica) -> None:
     for result, expected in zip(results, alone):
         assert isinstance(result, EmbeddingResult)
         assert max_diff(result.vectors[0], expected) <= TOLERANCE
+
+
+class Gate:
+    """An `Engine.call` the test steps: each call waits here until `step` runs it on the
+    replica's engine thread, so the test decides what is queued before each forward."""
+
+    def __init__(self, replica: ModelReplica) -> None:
+        self._engine = replica._engine
+        self.pending: list[tuple[Any, Future[Any]]] = []  # appended from the engine thread too
+
+    def __call__(self, fn: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        self.pending.append((fn, done))
+        return done
+
+    async def step(self) -> None:
+        fn, done = self.pending.pop(0)
+        done.set_result(await asyncio.wrap_future(self._engine.call(fn)))
+
+
+async def until(check: Any, timeout_s: float = 10.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def gated_embedder(replica: ModelReplica, gate: Gate) -> Embedder:
+    return Embedder.open(replica.options, replica.model, replica.context_length, gate,
+                         Timings())
+
+
+def test_the_oldest_request_leads_the_next_forward(embedder: ModelReplica) -> None:
+    """A long input, then a full forward's worth of one-token requests before every forward:
+    sorted by length, the short ones would take every forward while they keep coming."""
+    long_ids = (11,) * 40  # longer than the others; 64 rows of it fit one forward's bytes
+    (alone,) = vectors(embedder, long_ids)
+    short_alone = vectors(embedder, "hi")[0]
+
+    async def scenario() -> tuple[int, list[EmbeddingResult]]:
+        gate = Gate(embedder)
+        gated = gated_embedder(embedder, gate)
+        old = asyncio.create_task(gated.embed(EmbeddingRequest("old", "e", (long_ids,))))
+        assert await until(lambda: len(gate.pending) == 1)
+        shorts: list[asyncio.Task[EmbeddingResult]] = []
+        forwards = 0
+        while not old.done() and forwards < 4:
+            before = len(gate.pending)  # each request queues one call once it is queued
+            shorts += [asyncio.create_task(gated.embed(EmbeddingRequest(
+                f"s{forwards}.{i}", "e", ("hi",)))) for i in range(MAX_ROWS)]
+            assert await until(lambda: len(gate.pending) == before + MAX_ROWS)
+            await gate.step()
+            forwards += 1
+            await until(old.done, timeout_s=1.0)
+        assert old.done(), "the first request's input waited behind later short ones"
+        while gate.pending:  # the rest, to check them too
+            await gate.step()
+        return forwards, [await old, *[await t for t in shorts]]
+
+    forwards, results = run(scenario())
+    assert forwards == 1
+    assert max_diff(results[0].vectors[0], alone) <= TOLERANCE
+    assert all(max_diff(r.vectors[0], short_alone) <= TOLERANCE for r in results[1:])
+
+
+def test_a_cancelled_request_leaves_the_queue(embedder: ModelReplica,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    forwarded: list[int] = []  # rows per forward
+    real = embedder_module.embed_rows
+
+    def counting(model: Any, rows: Any, *args: Any) -> Any:
+        forwarded.append(len(rows))
+        return real(model, rows, *args)
+
+    monkeypatch.setattr(embedder_module, "embed_rows", counting)
+
+    async def scenario() -> EmbeddingResult:
+        gate = Gate(embedder)
+        gated = gated_embedder(embedder, gate)
+        left = asyncio.create_task(gated.embed(EmbeddingRequest("left", "e", TEXTS * 30)))
+        assert await until(lambda: len(gate.pending) == 1)
+        stays = asyncio.create_task(gated.embed(EmbeddingRequest("stays", "e", TEXTS[:1])))
+        assert await until(lambda: len(gate.pending) == 2)
+        left.cancel()  # as Serve cancels the call when the client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        while gate.pending:
+            await gate.step()
+        return await stays
+
+    result = run(scenario())
+    assert forwarded == [1]  # the cancelled request's 90 inputs never ran
+    assert max_diff(result.vectors[0], vectors(embedder, TEXTS[0])[0]) <= TOLERANCE
+
+
+def test_a_client_leaving_through_the_replica_stops_its_forwards(
+        embedder: ModelReplica, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real path: `ModelReplica.embed` on its engine thread, the caller's task cancelled
+    while its inputs wait behind a running forward (a held engine thread here)."""
+    forwarded: list[int] = []
+    real = embedder_module.embed_rows
+
+    def counting(model: Any, rows: Any, *args: Any) -> Any:
+        forwarded.append(len(rows))
+        return real(model, rows, *args)
+
+    monkeypatch.setattr(embedder_module, "embed_rows", counting)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait(60)
+
+    async def scenario() -> EmbeddingResult | Failed:
+        held = embedder._engine.call(hold)
+        assert holding.wait(60)
+        left = asyncio.create_task(embedder.embed(EmbeddingRequest("left", "e", TEXTS * 50)))
+        await asyncio.sleep(0.5)  # tokenized and queued behind the held engine
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        stays = asyncio.create_task(embedder.embed(EmbeddingRequest("stays", "e", TEXTS)))
+        await asyncio.sleep(0.5)
+        release.set()
+        await asyncio.wrap_future(held)
+        return await stays
+
+    try:
+        result = run(scenario())
+    finally:
+        release.set()
+    assert isinstance(result, EmbeddingResult) and len(result.vectors) == len(TEXTS)
+    assert forwarded == [len(TEXTS)]  # 150 inputs would have been 3 forwards of 64 first
