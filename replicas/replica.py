@@ -40,13 +40,14 @@ from replicas.beside_model import kv_fingerprint, load_draft
 from replicas.engine.kv.disk import DiskTier
 from replicas.engine.kv.directory import DIRECTORY_FILE, PrefixDirectory
 from replicas.engine.stats import EngineStats
-from replicas.errors import ReplicaError
+from replicas.errors import InvalidRequestError, ReplicaError
 from replicas.engine.model.loading import LoadedModel, load_model
 from replicas.versions import MODEL_STACK, check as check_versions
 from replicas.engine.sharded.lockstep import LockstepBatch
 from replicas.engine.kv.quantized import cache_maker
 from replicas.engine.kv.budget import RankMemory, plan_memory
-from replicas.engine.model.adapters import AdapterTable, load_adapters
+from replicas.engine.model.adapters import AdapterError, AdapterTable, load_adapters, \
+    read_adapter
 from replicas.options import ReplicaOptions
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
@@ -169,6 +170,35 @@ class ModelReplica:
         return table.names if table is not None else ()
 
     def _cache_ids(self, request: GenerationRequest, prompt_ids: tuple[int, ...]) -> list[int]:
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve LoRA adapter `name` from `path` (mlx-lm's format) from the next step on,
+        beside the rows decoding now: read and checked on a worker thread, installed on the
+        engine thread between steps. `InvalidRequestError`: a bad adapter, a replica that
+        cannot serve adapters, or one in use under that name."""
+        batch = self._batch
+        if not isinstance(batch, LocalBatch) or self._vision is not None or self._encoder_only:
+            raise InvalidRequestError(f"model '{self.options.model_id}' cannot serve LoRA "
+                                      "adapters (a sharded, vision or encoder replica)")
+        try:
+            files = await asyncio.to_thread(read_adapter, self.model.model, name, path)
+            await asyncio.wrap_future(self._engine.call(lambda: batch.load_adapter(files)))
+        except (AdapterError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter `name`; `InvalidRequestError` if it is not loaded or
+        rows use it now."""
+        batch = self._batch
+        if not isinstance(batch, LocalBatch):
+            raise InvalidRequestError(f"model '{self.options.model_id}' has no adapters")
+        try:
+            await asyncio.wrap_future(self._engine.call(lambda: batch.unload_adapter(name)))
+        except KeyError as exc:
+            raise InvalidRequestError(f"model '{self.options.model_id}' has no adapter "
+                                      f"'{name}'") from exc
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
         """The prompt as the prefix cache, its disk tier, the directory and pulls key it:
         a LoRA adapter's in that adapter's key space (`replicas.engine.kv.namespace`)."""
         batch = self._batch
