@@ -25,6 +25,7 @@ from replicas.engine.kv.namespace import namespaced
 from replicas.engine.model.adapters import AdapterError, load_adapters, read_adapter
 from replicas.engine.model.loading import load_model
 from replicas.engine.sampling.samplers import make_request_sampler
+from replicas.errors import InvalidRequestError
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
 from tests.streams import collect
@@ -226,3 +227,54 @@ def test_a_replica_streams_sixteen_mixed_requests(adapters: dict[str, Path]) -> 
         assert replica.adapter_names() == NAMES
     finally:
         replica.shutdown()
+
+
+def test_adapters_load_and_unload_under_traffic(adapters: dict[str, Path]) -> None:
+    """A replica started with alpha alone: beta is loaded while alpha and base streams
+    decode, and its streams then join them; alpha cannot be unloaded while its rows run,
+    and once they end it is, and a request for it is refused. Every stream equals mlx-lm
+    with its adapter alone, those that overlapped a load included."""
+    replica = ModelReplica(ReplicaOptions(model_id="tiny", source=SOURCE,
+                                          adapters=(("alpha", str(adapters["alpha"])),)))
+    replica.start()
+    eos = replica.model.eos_token_ids
+
+    def request(i: int, adapter: str | None, n: int) -> GenerationRequest:
+        return GenerationRequest(f"h{i}-{adapter}", "tiny", TokenPrompt(tuple(prompt(i))),
+                                 SamplingParams(temperature=0.0, max_tokens=n),
+                                 report_tokens=True, adapter=adapter)
+
+    async def scenario() -> tuple[list[list[OutputEvent]], list[str]]:
+        notes = []
+        first = [asyncio.create_task(collect(replica.stream(request(i, name, 24))))
+                 for i, name in enumerate(["alpha", None, "alpha", None])]
+        await asyncio.sleep(0.05)
+        await replica.load_adapter("beta", str(adapters["beta"]))
+        later = [asyncio.create_task(collect(replica.stream(request(i, name, 8))))
+                 for i, name in enumerate(["beta", "beta", None], start=4)]
+        try:
+            await replica.unload_adapter("alpha")
+            notes.append("unloaded alpha while in use")
+        except InvalidRequestError as exc:
+            notes.append(str(exc))
+        done = await asyncio.gather(*first, *later)
+        await replica.unload_adapter("alpha")
+        done.append(await collect(replica.stream(request(9, "alpha", 4))))
+        return done, notes
+
+    try:
+        results, notes = asyncio.run(scenario())
+    finally:
+        replica.shutdown()
+    assert "in use" in notes[0], notes
+    names = ["alpha", None, "alpha", None, "beta", "beta", None]
+    for i, (events, name) in enumerate(zip(results, names)):
+        assert isinstance(events[-1], Finished), (i, events[-1])
+        ours = [t for e in events if isinstance(e, TokenIds) for t in e.ids]
+        n = 24 if i < 4 else 8
+        ref = reference(reference_model(name, str(adapters[name]) if name else None, None),
+                        prompt(i), n)
+        ended = next((k + 1 for k, t in enumerate(ref) if t in eos), len(ref))
+        assert ours == ref[:ended][:len(ours)] and len(ours) >= ended - 1, (i, name)
+    refused = results[-1][-1]
+    assert isinstance(refused, Failed) and "adapter 'alpha'" in refused.message

@@ -10,7 +10,6 @@ many ranks there are.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -31,7 +30,7 @@ from replicas.engine.kv.paged import as_paged_rows, make_paged_prompt_cache, pag
 from replicas.engine.kv.prefix_cache import CacheHit, PromptCache, prefix_view, segments
 from replicas.engine.kv.directory import HeldBlocks
 from replicas.engine.kv.namespace import namespaced
-from replicas.engine.model.adapters import AdapterTable
+from replicas.engine.model.adapters import AdapterFiles, AdapterTable
 from replicas.engine.batch.prefill import Prefilling
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.batch.scoring import score_prompt
@@ -133,8 +132,9 @@ class LocalBatch:
         speculation drafts with (`speculative.draft_model`), or the model's MTP layer.
         `gate`: what an earlier batch measured of drafting's pace (a benchmark's rounds
         share one); by default a new one where `speculative.disable_when_slower`.
-        `adapters`: the model's LoRA adapters, which rows pick by name (`Row.adapter`)."""
-        self.adapters = adapters
+        `adapters`: the model's LoRA adapters, which rows pick by name (`Row.adapter`);
+        by default none, until `load_adapter`."""
+        self.adapters = adapters if adapters is not None else AdapterTable(model)
         self._draft = draft
         self._model = model
         self._config = config
@@ -185,7 +185,7 @@ class LocalBatch:
         drafter = make_drafter(self._speculative, self._draft, self._config.prefill_step_size)
         decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate)
         decoding.stats = self.decode_stats
-        decoding.slots = self.adapters.slots if self.adapters is not None else None
+        decoding.slots = self.adapters.slots
         gen._generation_batch = decoding
         # And our prefilling batch (`replicas.engine.batch.prefill`): mlx-lm `extend`s it.
         prefilling = Prefilling.empty(self._model, gen.sampler,
@@ -225,33 +225,40 @@ class LocalBatch:
         self._rows.update(uids)
         self._keys.update((uid, r.embeddings.key) for uid, r in zip(uids, rows)
                           if r.embeddings is not None)
-        if self.adapters is not None:
-            for uid, r, slot in zip(uids, rows, slots):
-                if slot:
-                    self.adapters.slots.by_uid[uid] = slot
-                    self._spaces[uid] = self.adapters.namespace(r.adapter)
+        for uid, r, slot in zip(uids, rows, slots):
+            if slot:
+                self.adapters.slots.by_uid[uid] = slot
+                self._spaces[uid] = self.adapters.namespace(r.adapter)
         return list(zip(uids, served))
 
     def slot(self, adapter: str | None) -> int:
         """An adapter's slot (0: None, the base); a KeyError for one not loaded."""
-        if adapter is None:
-            return 0
-        if self.adapters is None:
-            raise KeyError(f"adapter '{adapter}': this model has no adapters")
         return self.adapters.slot(adapter)
 
     def row_key(self, row: Row) -> list[int]:
         """The row's prompt as the prefix cache keys it: images by content, in its
         adapter's key space."""
-        if row.adapter is None or self.adapters is None:
-            return row.key
         return namespaced(row.key, self.adapters.namespace(row.adapter))
 
     def cache_ids(self, tokens: Sequence[int], adapter: str | None) -> list[int]:
         """Prompt ids as the prefix cache, its disk tier, the directory and pulls key them."""
-        if adapter is None or self.adapters is None:
-            return list(tokens)
         return namespaced(tokens, self.adapters.namespace(adapter))
+
+    def load_adapter(self, adapter: AdapterFiles) -> None:
+        """Serve `adapter` from the next step on (read and checked off the engine thread:
+        `read_adapter`); replacing one that rows use now is refused."""
+        if adapter.name in self.adapters.names and self.adapters.rows_using(adapter.name):
+            raise ValueError(f"adapter '{adapter.name}' is in use by "
+                             f"{self.adapters.rows_using(adapter.name)} rows: unload it first")
+        self.adapters.load([adapter])
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (a KeyError if not loaded); refused while rows use
+        it. Its prefix cache entries age out (no new row keys into its space)."""
+        if self.adapters.rows_using(name):
+            raise ValueError(f"adapter '{name}' is in use by "
+                             f"{self.adapters.rows_using(name)} rows: try again when they end")
+        self.adapters.unload(name)
 
     def _paged(self, cache: list[Any]) -> list[Any]:
         """A prefix hit as rows the batch merges: paged rows where the batch pages."""
@@ -375,7 +382,7 @@ class LocalBatch:
         for uid in list(uids):
             self._rows.discard(uid)
             self._keys.pop(uid, None)
-            if self._spaces.pop(uid, None) is not None and self.adapters is not None:
+            if self._spaces.pop(uid, None) is not None:
                 self.adapters.slots.by_uid.pop(uid, None)
 
     def _save(self, ended: list[tuple[list[int], list[Any]]], batched: list[int]) -> None:
@@ -393,8 +400,7 @@ class LocalBatch:
               adapter: str | None = None) -> list[Picked]:
         """The prompt's token logprobs from one prefill (`replicas.engine.batch.scoring`); its KV
         goes into the prefix cache, for the generation that follows."""
-        slot = self.slot(adapter)
-        with self.adapters.slots.rows([slot]) if self.adapters else nullcontext():
+        with self.adapters.slots.rows([self.slot(adapter)]):
             picked, cache = score_prompt(self._model, prompt_ids, top,
                                          self._config.prefill_step_size, self.stream,
                                          self._make_cache)
@@ -409,8 +415,7 @@ class LocalBatch:
         self._rows = set()
         self._keys = {}
         self._spaces = {}
-        if self.adapters is not None:
-            self.adapters.slots.by_uid.clear()
+        self.adapters.slots.by_uid.clear()
         return True
 
     def held_length(self, tokens: Sequence[int]) -> int:

@@ -72,6 +72,7 @@ def read_adapter(model: nn.Module, name: str, path: str | Path) -> AdapterFiles:
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same answer
         raise AdapterError(f"adapter '{name}': {weights_file} cannot be read: {exc}") from exc
     assert isinstance(weights, dict)
+    mx.eval(list(weights.values()))  # read here: it may be a worker thread, not the engine's
     grouped: dict[str, dict[str, mx.array]] = {}
     for key, value in weights.items():
         module, _, leaf = key.rpartition(".")
@@ -154,57 +155,70 @@ def _namespace(name: str, weights: Path) -> int:
 
 class AdapterTable:
     """The adapters loaded into one model, each at a slot of every `SlotLoRA`. Loading and
-    unloading run on the engine thread, between steps."""
+    unloading run on the engine thread, between steps; an adapter keeps its slot while
+    loaded (an unloaded one's slot is reused), so rows of the others never move."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self.slots = Slots()
-        self._loaded: list[AdapterFiles] = []  # slot i + 1
+        self._loaded: list[AdapterFiles | None] = []  # slot i + 1; None: free
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self._loaded)
+        return tuple(a.name for a in self._loaded if a is not None)
 
     def slot(self, name: str | None) -> int:
         """`name`'s slot (0: None, the base); KeyError for an adapter not loaded."""
         if name is None:
             return 0
         for i, adapter in enumerate(self._loaded):
-            if adapter.name == name:
+            if adapter is not None and adapter.name == name:
                 return i + 1
         raise KeyError(f"adapter '{name}' is not loaded")
 
     def namespace(self, name: str | None) -> int:
-        return 0 if name is None else self._loaded[self.slot(name) - 1].namespace
+        if name is None:
+            return 0
+        adapter = self._loaded[self.slot(name) - 1]
+        assert adapter is not None
+        return adapter.namespace
+
+    def rows_using(self, name: str) -> int:
+        """Rows of the batch on adapter `name` now."""
+        slot = self.slot(name)
+        return sum(1 for s in self.slots.by_uid.values() if s == slot)
 
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self._layers().values())
 
     def load(self, adapters: Iterable[AdapterFiles]) -> None:
-        """Add adapters (a name already loaded is replaced in its slot)."""
+        """Add adapters (a name already loaded is replaced in its slot; the caller makes
+        sure no row uses it)."""
         for adapter in adapters:
             if adapter.name in self.names:
                 self._loaded[self.slot(adapter.name) - 1] = adapter
+            elif None in self._loaded:
+                self._loaded[self._loaded.index(None)] = adapter
             else:
                 self._loaded.append(adapter)
         self._rebuild()
 
     def unload(self, name: str) -> None:
-        """Drop an adapter; later ones move down a slot (no row may be using any)."""
-        del self._loaded[self.slot(name) - 1]
+        """Drop an adapter, its slot left free (the caller makes sure no row uses it)."""
+        self._loaded[self.slot(name) - 1] = None
         self._rebuild()
 
     def _rebuild(self) -> None:
         wrapped = self._layers()
-        wanted = {m for a in self._loaded for m in a.layers}
+        wanted = {m for a in self._loaded if a is not None for m in a.layers}
         new = [(m, SlotLoRA(module, self.slots)) for m, module in _base_modules(self._model)
                .items() if m in wanted and m not in wrapped]
         if new:
             self._model.update_modules(tree_unflatten(new))
             wrapped = self._layers()
         for path, layer in wrapped.items():
-            layer.load([a.layers.get(path) for a in self._loaded])
+            layer.load([a.layers.get(path) if a is not None else None for a in self._loaded])
 
     def _layers(self) -> dict[str, SlotLoRA]:
         return {p: m for p, m in self._model.named_modules() if isinstance(m, SlotLoRA)}

@@ -62,7 +62,7 @@ class SlotLoRA(nn.Module):
         super().__init__()
         self.base = base
         self._slots = slots  # shared by every layer of the model (not a parameter)
-        self._set_tables(mx.zeros((1, 1, 1)), mx.zeros((1, 1, 1)), mx.zeros((1,)), None)
+        self.load([])
 
     def _set_tables(self, a: mx.array, b: mx.array, scale: mx.array,
                     dora: mx.array | None) -> None:
@@ -113,9 +113,9 @@ class SlotLoRA(nn.Module):
                 adapted = weight + (p.scale * p.b.T) @ p.a.T
                 factors.append((p.m / mx.linalg.norm(adapted, axis=1)).astype(mx.float32))
         dora = mx.stack(factors) if any_dora else None
-        self._set_tables(mx.stack(a_rows), mx.stack(b_rows), mx.array(scales, dtype=dtype),
-                         dora)
-        mx.eval(self._a, self._b, self._scale, *([dora] if dora is not None else []))
+        tables = (mx.stack(a_rows), mx.stack(b_rows), mx.array(scales, dtype=dtype))
+        mx.eval(*tables, *([dora] if dora is not None else []))  # all or nothing
+        self._set_tables(*tables, dora)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
