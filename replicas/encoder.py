@@ -1,5 +1,6 @@
 """Encoder embedding models (BERT, XLM-RoBERTa, ModernBERT): loaded through mlx-embeddings,
-served by `/v1/embeddings` only.
+served by `/v1/embeddings` only (or, a cross-encoder checkpoint, by `/v1/rerank`:
+`replicas.reranker`).
 
 mlx-lm loads decoders; the sentence encoders many retrieval pipelines still run (BGE,
 E5, all-MiniLM, nomic) are encoders, which mlx-embeddings implements in MLX. Such a replica
@@ -66,11 +67,15 @@ class EncoderModel(nn.Module):
 
 
 def load_encoder(source: str, path: Path, config: dict[str, Any]) -> LoadedModel:
-    """The encoder through mlx-embeddings, and its tokenizer as mlx-lm wraps one."""
+    """The encoder through mlx-embeddings, and its tokenizer as mlx-lm wraps one (a BERT or
+    XLM-RoBERTa cross-encoder: the library's encoder under HF's head, `cross_encoder.py`)."""
     from mlx_embeddings.utils import load_model
 
+    from replicas.cross_encoder import classifier_architecture, load_sequence_classifier
+
     with Progress(f"loading encoder model {source} from {path}"):
-        encoder = load_model(path)
+        encoder = load_sequence_classifier(path, config) \
+            if classifier_architecture(config) is not None else load_model(path)
         tokenizer = load_tokenizer(path)
     return loaded_model(source, path, EncoderModel(encoder), tokenizer, config)
 

@@ -8,9 +8,10 @@ thread, the sole owner of MLX in a replica).
   pad after it and keeps its RoPE positions, so each row scores as it would alone (see
   `replicas.engine.model.embedding`). Only the last real position of each row goes
   through the LM head.
-- A cross-encoder with a sequence-classification head (mlx-embeddings' ModernBERT): the
-  head's output for the pair, which the library already passes through a sigmoid for a
-  one-label head. Its tokens attend both ways, so the padding is masked out of attention.
+- A cross-encoder with a sequence-classification head (mlx-embeddings' ModernBERT, or
+  `replicas.cross_encoder`'s BERT and XLM-RoBERTa): the head's one label through a sigmoid
+  (the library applies it for ModernBERT). Its tokens attend both ways, so the padding is
+  masked out of attention.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ def yes_no_scores(model: Any, rows: Sequence[Sequence[int]], yes: int, no: int,
     return _floats(mx.softmax(pair, axis=-1)[:, 1])
 
 
-def classifier_scores(encoder: Any, rows: Sequence[Sequence[int]], pad: int = 0
-                      ) -> list[float]:
+def classifier_scores(encoder: Any, rows: Sequence[Sequence[int]], pad: int = 0,
+                      types: Sequence[Sequence[int]] | None = None) -> list[float]:
     """The classification head's score per (query, document) pair: one forward, the
-    padding masked out of attention (and out of the head's pooling)."""
+    padding masked out of attention (and out of the head's pooling); `types`: BERT's
+    token type ids, where the model reads them."""
     ids, lengths = _padded(rows, pad)
     mask = (mx.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(mx.float32)
-    out = encoder(ids, attention_mask=mask).pooler_output  # (rows, labels), activated
+    extra = {} if types is None else {"token_type_ids": _padded(types, 0)[0]}
+    out = encoder(ids, attention_mask=mask, **extra).pooler_output  # (rows, 1), activated
     return _floats(out[:, 0].astype(mx.float32))
 
 

@@ -4,9 +4,9 @@ pair's tokens, the checks, and the forwards on the engine thread.
 Two kinds (`replicas.rerank_scores` computes the scores):
 - a decoder configured `kind: rerank` (Qwen3-Reranker and models laid out like it): each
   pair rendered in its prompt template, scored by its "yes"/"no" logits;
-- an encoder checkpoint with a sequence-classification head that mlx-embeddings
-  implements (`ModernBertForSequenceClassification`; mlx-embeddings 0.1.0 has no head for
-  BERT or XLM-RoBERTa, so their cross-encoders are refused, naming why).
+- a cross-encoder: an encoder checkpoint with a one-label sequence-classification head,
+  ModernBERT's as mlx-embeddings implements it, BERT's and XLM-RoBERTa's on mlx-embeddings'
+  encoders (`replicas.cross_encoder`: the library has no head for them).
 
 Everything that can refuse a request runs before any engine time. A request's pairs run in
 forwards planned as embeddings' are (sorted by length, bounded by rows and padded bytes),
@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 from replicas.contract import RerankRequest, RerankResult
+from replicas.cross_encoder import SEQUENCE_CLASSIFIERS, labels
 from replicas.engine.model.embedding import bytes_per_token, hidden_size, plan_batches
 from replicas.engine.model.loading import LoadedModel
 from replicas.errors import ContextLengthError, InternalError, InvalidRequestError
@@ -37,8 +38,10 @@ QWEN3_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requir
                 "\"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 QWEN3_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-# The architectures whose classification head mlx-embeddings 0.1.0 implements.
-CLASSIFIER_ARCHITECTURES = frozenset({"ModernBertForSequenceClassification"})
+# Cross-encoder architectures: ModernBERT's head is mlx-embeddings' own, BERT's and
+# XLM-RoBERTa's `replicas.cross_encoder`'s.
+CLASSIFIER_ARCHITECTURES = frozenset({"ModernBertForSequenceClassification",
+                                      *SEQUENCE_CLASSIFIERS})
 
 
 def qwen3_pair_text(instruction: str | None, query: str, document: str) -> str:
@@ -57,9 +60,18 @@ class YesNo:
 
 @dataclass(frozen=True)
 class Classifier:
-    """A cross-encoder: mlx-embeddings' model with its classification head."""
+    """A cross-encoder: an encoder with its classification head."""
 
     pad: int
+    segments: bool  # BERT reads token type ids: 0 for the query, 1 for the document
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One (query, document) pair as the model reads it."""
+
+    ids: tuple[int, ...]
+    types: tuple[int, ...] | None = None  # a BERT pair's token type ids
 
 
 @dataclass(frozen=True)
@@ -89,10 +101,13 @@ def rerank_kind(options: ReplicaOptions, model: LoadedModel, encoder: bool) -> R
         return NotReranker("a sharded replica (`shards` > 1) does not rerank")
     if encoder and classifier:
         if CLASSIFIER_ARCHITECTURES.isdisjoint(architectures):
-            return NotReranker(f"mlx-embeddings implements no classification head for "
-                               f"{', '.join(architectures)} (only "
-                               f"{', '.join(sorted(CLASSIFIER_ARCHITECTURES))})")
-        return Classifier(int(model.config.get("pad_token_id") or 0))
+            return NotReranker(f"no classification head here for {', '.join(architectures)} "
+                               f"(only {', '.join(sorted(CLASSIFIER_ARCHITECTURES))})")
+        if labels(model.config) != 1:
+            return NotReranker(f"its head has {labels(model.config)} labels; a reranker "
+                               "scores one")
+        return Classifier(int(model.config.get("pad_token_id") or 0),
+                          "BertForSequenceClassification" in architectures)
     if options.kind == "rerank":
         if encoder:
             raise RerankUnsupported("`kind: rerank` on an encoder without a sequence-"
@@ -150,41 +165,46 @@ class Reranker:
         if isinstance(kind, NotReranker):
             raise InvalidRequestError(f"model '{request.model}' does not rerank: "
                                       f"{kind.reason}", param="model")
-        rows = await asyncio.to_thread(self.pair_ids, request)
-        self._check(rows)
-        scores: list[float] = [0.0] * len(rows)
-        for batch in plan_batches([len(r) for r in rows], self._bytes_per_token):
-            taken = [rows[i] for i in batch]
+        pairs = await asyncio.to_thread(self.pairs, request)
+        self._check(pairs)
+        scores: list[float] = [0.0] * len(pairs)
+        for batch in plan_batches([len(p.ids) for p in pairs], self._bytes_per_token):
+            taken = [pairs[i] for i in batch]
             got = await asyncio.wrap_future(self._call(lambda: self._forward(taken)))
             for index, score in zip(batch, got):
                 scores[index] = score
-        return RerankResult(tuple(scores), sum(len(r) for r in rows))
+        return RerankResult(tuple(scores), sum(len(p.ids) for p in pairs))
 
-    def _forward(self, rows: list[tuple[int, ...]]) -> list[float]:
+    def _forward(self, pairs: list[Pair]) -> list[float]:
         """On the engine thread: one forward's scores."""
         self.forwards += 1
         kind = self.kind
+        rows = [p.ids for p in pairs]
         try:
             if isinstance(kind, YesNo):
                 return yes_no_scores(self._model.model, rows, kind.yes, kind.no)
             assert isinstance(kind, Classifier)
-            return classifier_scores(self._model.model.model.encoder, rows, kind.pad)
+            types = [p.types or () for p in pairs] if kind.segments else None
+            return classifier_scores(self._model.model.model.encoder, rows, kind.pad, types)
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             log.exception("rerank forward failed")
             raise InternalError("reranking failed for this request") from exc
 
-    def pair_ids(self, request: RerankRequest) -> list[tuple[int, ...]]:
-        """Each (query, document) pair's token ids, as the model's own code builds them:
+    def pairs(self, request: RerankRequest) -> list[Pair]:
+        """Each (query, document) pair's tokens, as the model's own code builds them:
         Qwen3-Reranker's prefix, pair text and suffix tokenized apart and joined; a
-        cross-encoder's tokenizer encoding the two as a pair."""
+        cross-encoder's tokenizer encoding the two as a pair (with BERT's segment ids)."""
         tok = self._model.hf_tokenizer
         docs = [self._cut(d, request.max_tokens_per_doc) for d in request.documents]
         if isinstance(self.kind, YesNo):
             texts = [qwen3_pair_text(request.instruction, request.query, d) for d in docs]
             encoded = tok(texts, add_special_tokens=False)["input_ids"]
-            return [self._prefix + tuple(ids) + self._suffix for ids in encoded]
-        encoded = tok([request.query] * len(docs), docs, add_special_tokens=True)["input_ids"]
-        return [tuple(ids) for ids in encoded]
+            return [Pair(self._prefix + tuple(ids) + self._suffix) for ids in encoded]
+        encoded = tok([request.query] * len(docs), docs, add_special_tokens=True,
+                      return_token_type_ids=True)
+        types = encoded.get("token_type_ids") or [None] * len(docs)
+        return [Pair(tuple(ids), tuple(t) if t is not None else None)
+                for ids, t in zip(encoded["input_ids"], types)]
 
     def _cut(self, document: str, limit: int | None) -> str:
         """The document's text up to the end of its `limit`-th token (the text, so the
@@ -195,10 +215,10 @@ class Reranker:
                                          return_offsets_mapping=True)["offset_mapping"]
         return document if len(spans) <= limit else document[:spans[limit - 1][1]]
 
-    def _check(self, rows: Sequence[tuple[int, ...]]) -> None:
-        for index, row in enumerate(rows):
-            if len(row) > self.max_tokens:
+    def _check(self, pairs: Sequence[Pair]) -> None:
+        for index, pair in enumerate(pairs):
+            if len(pair.ids) > self.max_tokens:
                 raise ContextLengthError(
-                    f"documents[{index}] with the query is {len(row)} tokens; this model "
+                    f"documents[{index}] with the query is {len(pair.ids)} tokens; this model "
                     f"reads at most {self.max_tokens} (set `max_tokens_per_doc` to cut "
                     "documents)", param="documents")

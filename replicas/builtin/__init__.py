@@ -6,8 +6,8 @@ random weights and about 25M parameters, for throughput benchmarks; `builtin:emb
 embedding model laid out as Qwen3-Embedding (embed_model.py); `builtin:embed-bert` a
 BERT sentence encoder served through mlx-embeddings (encoder_model.py); `builtin:vision` a
 vision-language model laid out as Mistral Small 3.x (vision_model.py); `builtin:rerank` a
-Qwen3-Reranker-style decoder and `builtin:cross-encoder` a ModernBERT cross-encoder
-(rerank_model.py); `builtin:fmt-<format>`
+Qwen3-Reranker-style decoder, `builtin:cross-encoder` a ModernBERT cross-encoder and
+`builtin:cross-encoder-bert` a BERT one (rerank_model.py); `builtin:fmt-<format>`
 has the tokenizer and chat template of a model family that writes that tool format (the
 family's test template, `replicas/families/`), and random weights, for driving each format
 over HTTP (family_models.py). All are built
@@ -26,7 +26,8 @@ from .encoder_model import NAME as ENCODER_NAME
 from .encoder_model import ensure_encoder_model
 from .family_models import FAMILY_MODELS, ensure_family_model, family_model_name
 from .recipe import RECIPES
-from .rerank_model import CROSS_ENCODER_NAME, ensure_cross_encoder_model
+from .rerank_model import BERT_CROSS_ENCODER_NAME, CROSS_ENCODER_NAME, \
+    ensure_bert_cross_encoder_model, ensure_cross_encoder_model
 from .rerank_model import NAME as RERANK_NAME
 from .rerank_model import ensure_rerank_model
 from .vision_model import NAME as VISION_NAME
@@ -36,7 +37,8 @@ from .scripts import Message, Script, load_scripts, script
 # The recipes, the embedding model, then one random-weights model per family with calls
 # (`fmt-<tool format>`, family_models.py).
 BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, EMBED_NAME, ENCODER_NAME, VISION_NAME,
-                                  RERANK_NAME, CROSS_ENCODER_NAME, *FAMILY_MODELS)
+                                  RERANK_NAME, CROSS_ENCODER_NAME, BERT_CROSS_ENCODER_NAME,
+                                  *FAMILY_MODELS)
 
 
 def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
@@ -56,6 +58,8 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
         return ensure_rerank_model(cache_dir)
     if name == CROSS_ENCODER_NAME:
         return ensure_cross_encoder_model(cache_dir)
+    if name == BERT_CROSS_ENCODER_NAME:
+        return ensure_bert_cross_encoder_model(cache_dir)
     recipe = RECIPES.get(name)
     if recipe is None:
         raise ValueError(f"unknown builtin model {name!r}; valid names: {', '.join(BUILTIN_NAMES)}")

@@ -8,6 +8,10 @@
 - `cross-encoder`: mlx-embeddings' own `ModernBertForSequenceClassification` (one label,
   so the library's head ends in a sigmoid), with the built-in tokenizer bracketing a pair
   as BERT does ([CLS] query [SEP] document [SEP], with the built-in special tokens).
+- `cross-encoder-bert`: a `BertForSequenceClassification` checkpoint as transformers saves
+  one (`bert.` encoder weights, mlx-embeddings' `bert` class drawing them, a one-label
+  `classifier`), its tokenizer writing token type ids 1 for the document, as ms-marco
+  MiniLM's does (`replicas.cross_encoder` serves it).
 
 Random weights give distinct, deterministic scores that mean nothing; nothing is trained.
 Each builds in about a second, offline.
@@ -15,6 +19,7 @@ Each builds in about a second, offline.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,8 @@ from mlx.utils import tree_flatten
 
 from ..startup import Progress
 from .build import BUILD_INFO, cached_build, default_cache_root, save_by_layer
+from tokenizers import Tokenizer, processors
+
 from .encoder_model import _bracket
 from .recipe import Architecture, RandomInit, Recipe, cache_key
 from .scripts import parse_scripts, scripts_text
@@ -31,6 +38,7 @@ from .tokenizer_files import EOS_TOKEN, IM_START, PAD_TOKEN, token_id, train_tok
 
 NAME = "rerank"
 CROSS_ENCODER_NAME = "cross-encoder"
+BERT_CROSS_ENCODER_NAME = "cross-encoder-bert"
 RERANK = Recipe(
     name=NAME,
     architecture=Architecture(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
@@ -47,6 +55,7 @@ CROSS_ENCODER = Recipe(
     weights=RandomInit(logit_std=1.0),
     seed=20251206,
 )
+BERT_CROSS_ENCODER = replace(CROSS_ENCODER, name=BERT_CROSS_ENCODER_NAME, seed=20251207)
 # Text the decoder's BPE also learns from: Qwen3-Reranker's turns (without their added
 # tokens, which never go through BPE) and its two answers, each more than `min_frequency`.
 _RERANK_TEXTS = (
@@ -61,6 +70,12 @@ _RERANK_TEXTS = (
 def ensure_rerank_model(cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:rerank`, built first if missing (a second)."""
     return _ensure(RERANK, "qwen3 yes/no reranker", _build_decoder, cache_dir)
+
+
+def ensure_bert_cross_encoder_model(cache_dir: Path | None = None) -> Path:
+    """The cached directory of `builtin:cross-encoder-bert`, built first if missing."""
+    return _ensure(BERT_CROSS_ENCODER, "bert sequence classification", _build_bert,
+                   cache_dir)
 
 
 def ensure_cross_encoder_model(cache_dir: Path | None = None) -> Path:
@@ -142,3 +157,48 @@ def _build_cross_encoder(out_dir: Path, scripts: str, key: str) -> None:
         "name": CROSS_ENCODER_NAME, "cache_key": key,
         "weights": {"source": "random", "seed": CROSS_ENCODER.seed},
         "parameters": sum(w.size for w in weights.values())})
+
+
+def _build_bert(out_dir: Path, scripts: str, key: str) -> None:
+    from mlx_embeddings.models import bert
+
+    arch = BERT_CROSS_ENCODER.architecture
+    tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2)
+    write_tokenizer_files(tokenizer, out_dir, arch.max_position_embeddings)
+    _segments(out_dir / "tokenizer.json", tokenizer)
+    config = {
+        "architectures": ["BertForSequenceClassification"], "model_type": "bert",
+        "vocab_size": tokenizer.get_vocab_size(), "hidden_size": arch.hidden_size,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "intermediate_size": arch.intermediate_size, "hidden_act": "gelu",
+        "max_position_embeddings": arch.max_position_embeddings, "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12, "pad_token_id": token_id(tokenizer, PAD_TOKEN),
+        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+        "torch_dtype": BERT_CROSS_ENCODER.dtype,
+    }
+    write_json(out_dir / "config.json", config)
+    mx.random.seed(BERT_CROSS_ENCODER.seed)
+    encoder = bert.Model(bert.ModelArgs.from_dict(config))
+    drawn: dict[str, mx.array] = dict(tree_flatten(encoder.parameters()))
+    weights = {f"bert.{k}": v for k, v in drawn.items()}
+    # transformers' one-label head over the pooler output, drawn for logits of std ~2
+    weights["classifier.weight"] = mx.random.normal((1, arch.hidden_size)) \
+        * (4.0 / arch.hidden_size**0.5)
+    weights["classifier.bias"] = mx.zeros((1,))
+    save_by_layer(out_dir, weights)
+    write_json(out_dir / BUILD_INFO, {
+        "name": BERT_CROSS_ENCODER_NAME, "cache_key": key,
+        "weights": {"source": "random", "seed": BERT_CROSS_ENCODER.seed},
+        "parameters": sum(w.size for w in weights.values())})
+
+
+def _segments(path: Path, tokenizer: Tokenizer) -> None:
+    """BERT's pair encoding: `[CLS] A [SEP]` with token type 0, `B [SEP]` with type 1 (the
+    built-in special tokens standing for [CLS] and [SEP], as `_bracket` writes them)."""
+    start, end = token_id(tokenizer, IM_START), token_id(tokenizer, PAD_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{IM_START} $A {PAD_TOKEN}",
+        pair=f"{IM_START} $A {PAD_TOKEN} $B:1 {PAD_TOKEN}:1",
+        special_tokens=[(IM_START, start), (PAD_TOKEN, end)])
+    tokenizer.save(str(path))

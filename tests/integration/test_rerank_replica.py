@@ -62,6 +62,15 @@ def decoder() -> Iterator[ModelReplica]:
 
 
 @pytest.fixture(scope="module")
+def bert_cross() -> Iterator[ModelReplica]:
+    rep = ModelReplica(ReplicaOptions(model_id="orchard-bert-cross",
+                                      source="builtin:cross-encoder-bert"))
+    rep.start()
+    yield rep
+    rep.shutdown()
+
+
+@pytest.fixture(scope="module")
 def cross() -> Iterator[ModelReplica]:
     rep = ModelReplica(ReplicaOptions(model_id="orchard-cross", source="builtin:cross-encoder"))
     rep.start()
@@ -111,9 +120,9 @@ def test_decoder_instruction_and_usage(decoder: ModelReplica) -> None:
     assert isinstance(result, RerankResult)
     want = decoder_reference(decoder, DOCS[:2], "Find weather reports")
     assert max(abs(a - b) for a, b in zip(result.scores, want)) <= TOLERANCE
-    rows = decoder.reranker.pair_ids(RerankRequest("r", "m", QUERY, DOCS[:2],
-                                                   instruction="Find weather reports"))
-    assert result.prompt_tokens == sum(len(r) for r in rows)
+    pairs = decoder.reranker.pairs(RerankRequest("r", "m", QUERY, DOCS[:2],
+                                                 instruction="Find weather reports"))
+    assert result.prompt_tokens == sum(len(p.ids) for p in pairs)
 
 
 def test_max_tokens_per_doc_scores_the_cut_document(decoder: ModelReplica) -> None:
@@ -191,3 +200,39 @@ def test_the_colocated_client_over_http(decoder: ModelReplica) -> None:
     again = http.post("/v1/rerank", json={"model": "orchard-rerank", "query": QUERY,
                                           "documents": ["hi"]})
     assert again.status_code == 200
+
+
+def test_bert_cross_encoder_is_mlx_embeddings_bert_under_the_hf_head(
+        bert_cross: ModelReplica) -> None:
+    """The checkpoint's `bert.` weights in mlx-embeddings' own `bert.Model`, its pooler
+    output through the `classifier` weights and a sigmoid, with the tokenizer's token type
+    ids (1 for the document): what transformers' BertForSequenceClassification computes."""
+    from mlx_embeddings.models import bert
+    from transformers import AutoTokenizer
+
+    got = scores(bert_cross, *DOCS)
+    path = bert_cross.model.path
+    tok = AutoTokenizer.from_pretrained(str(path))
+    encoded = tok([QUERY] * len(DOCS), list(DOCS), return_token_type_ids=True)
+    assert set(encoded["token_type_ids"][0]) == {0, 1}  # the document's segment is 1
+
+    def run() -> list[float]:  # on the engine thread, which owns MLX
+        weights: dict[str, mx.array] = {}
+        for file in path.glob("*.safetensors"):
+            weights.update(mx.load(str(file)))  # type: ignore[arg-type]
+        encoder = bert.Model(bert.ModelArgs.from_dict(bert_cross.model.config))
+        encoder.load_weights([(k.removeprefix("bert."), v) for k, v in weights.items()
+                              if k.startswith("bert.")])
+        encoder.eval()  # no dropout (mlx modules start in training mode)
+        out = []
+        for ids, types in zip(encoded["input_ids"], encoded["token_type_ids"]):
+            pooled = encoder(mx.array([ids]), token_type_ids=mx.array([types])).pooler_output
+            logit = pooled @ weights["classifier.weight"].T + weights["classifier.bias"]
+            out.append(mx.sigmoid(logit)[0, 0].item())
+        return out
+
+    want = bert_cross._engine.call(run).result(timeout=120)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOLERANCE
+    assert len({round(s, 4) for s in got}) == len(DOCS)
+    alone = [scores(bert_cross, d)[0] for d in DOCS]
+    assert max(abs(a - b) for a, b in zip(got, alone, strict=True)) <= TOLERANCE
