@@ -169,7 +169,6 @@ class ModelReplica:
         table = batch.adapters if isinstance(batch, LocalBatch) else None
         return table.names if table is not None else ()
 
-    def _cache_ids(self, request: GenerationRequest, prompt_ids: tuple[int, ...]) -> list[int]:
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve LoRA adapter `name` from `path` (mlx-lm's format) from the next step on,
         beside the rows decoding now: read and checked on a worker thread, installed on the
@@ -199,6 +198,7 @@ class ModelReplica:
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
 
+    def _cache_ids(self, request: GenerationRequest, prompt_ids: tuple[int, ...]) -> list[int]:
         """The prompt as the prefix cache, its disk tier, the directory and pulls key it:
         a LoRA adapter's in that adapter's key space (`replicas.engine.kv.namespace`)."""
         batch = self._batch
