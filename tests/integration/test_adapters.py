@@ -20,7 +20,7 @@ from replicas.builtin.adapters import make_adapter
 from replicas.contract import ErrorKind, Failed, Finished, GenerationRequest, OutputEvent, \
     SamplingParams, TokenIds, TokenPrompt
 from replicas.engine.batch.local import Done, LocalBatch, Row
-from replicas.engine.config import EngineConfig
+from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.kv.namespace import namespaced
 from replicas.engine.model.adapters import AdapterError, load_adapters, read_adapter
 from replicas.engine.model.loading import load_model
@@ -122,6 +122,28 @@ def test_sixteen_mixed_rows_equal_mlx_lm_alone(adapters: dict[str, Path],
     for name in NAMES:
         assert any(ours[i] != reference(base, list(r.prompt_ids), r.max_tokens)
                    for i, r in enumerate(rows) if r.adapter == name), name
+
+
+def test_speculative_rows_keep_their_adapter(adapters: dict[str, Path]) -> None:
+    """With prompt-lookup speculation on (and mlx-lm's own join pass, which a speculating
+    batch uses), each row's drafts are verified by the model with its adapter: the output
+    is still mlx-lm's with that adapter alone."""
+    loaded = load_model(SOURCE, resolve_source(SOURCE))
+    table = load_adapters(loaded.model, {n: str(p) for n, p in adapters.items()})
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3,
+                             prompt_lookup_min=1, disable_when_slower=False)
+    batch = LocalBatch(loaded.model, EngineConfig(prompt_cache_bytes=0, speculative=spec),
+                       adapters=table)
+    choice = [None, *NAMES]
+    # Repetitive prompts, so prompt lookup finds drafts.
+    rows = [Row(tuple(prompt(i)[:4] * 3), 0, 12, frozenset(), make_request_sampler(GREEDY),
+                adapter=choice[i % 4]) for i in range(8)]
+    ours = run_batch(batch, rows, stagger=3)
+    assert batch.decode_stats.drafted > 0
+    for i, row in enumerate(rows):
+        name = row.adapter
+        ref = reference_model(name, str(adapters[name]) if name else None, None)
+        assert ours[i] == reference(ref, list(row.prompt_ids), row.max_tokens), (i, name)
 
 
 def test_a_prefix_never_crosses_adapters(adapters: dict[str, Path]) -> None:
