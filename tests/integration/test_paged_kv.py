@@ -21,6 +21,8 @@ from mlx_lm.models import qwen3, qwen3_moe
 from replicas.contract import SamplingParams
 from replicas.engine.batch.local import Done, LocalBatch, Row
 from replicas.engine.config import EngineConfig
+from replicas.engine.kv import attention
+from replicas.engine.kv import paged as paged_module
 from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.layout import measure_kv
 from replicas.engine.model.loading import load_model
@@ -101,6 +103,29 @@ def run(insert: Callable[[list[int], int], int], step: Callable[[], list[Any]],
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_text_is_mlx_lms(name: str) -> None:
+    _greedy_text_is_mlx_lms(name)
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny", "qwen3-moe"])
+def test_greedy_text_is_mlx_lms_with_rows_grouped_by_length(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode step whose rows differ in width attends by groups (a group costing
+    nothing): rows of mixed lengths joining and leaving, the text still mlx-lm's."""
+    monkeypatch.setattr(attention, "GROUP_COST", 0)
+    grouped: list[int] = []
+    real = paged_module.attend_groups
+
+    def attend_groups(*args: Any) -> mx.array:
+        grouped.append(len(args[3]))
+        return real(*args)
+
+    monkeypatch.setattr(paged_module, "attend_groups", attend_groups)
+    _greedy_text_is_mlx_lms(name)
+    assert attention.hooked(model(name))
+    assert max(grouped) >= 3, grouped  # steps with three widths and more went by group
+
+
+def _greedy_text_is_mlx_lms(name: str) -> None:
     m = model(name)
     batch, kv = paged_batch(m, 64 * 1024**2)
 

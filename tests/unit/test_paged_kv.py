@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from replicas.engine.kv import attention
+from replicas.engine.kv.attention import plan_groups
 from replicas.engine.kv.blocks import BlockPool, PoolExhausted
 from replicas.engine.kv.paged import PagedBatchKVCache, PagedRowKVCache
 
@@ -59,8 +61,9 @@ def _pair(lengths: list[int], pool: BlockPool, seed: int = 0
 def _same(ref: BatchKVCache, paged: PagedBatchKVCache, got: tuple[mx.array, mx.array] | None
           = None, want: tuple[mx.array, mx.array] | None = None,
           ends: list[int] | None = None) -> None:
-    """Same shape of batch, and the same KV wherever a row is not padding (`ends`: where
-    each row's real columns end, in a right-padded prefill)."""
+    """Same shape of batch, and the same KV at every position a row holds (`ends`: where
+    each row's real columns end, in a right-padded prefill). The padded batch holds row i's
+    position p in column p + left_padding[i]; the paged view in column p."""
     assert paged._idx == ref._idx
     assert paged.left_padding.tolist() == ref.left_padding.tolist()
     assert paged.offset.tolist() == ref.offset.tolist()
@@ -71,10 +74,20 @@ def _same(ref: BatchKVCache, paged: PagedBatchKVCache, got: tuple[mx.array, mx.a
         got = paged.view()
     pads = cast(list[int], ref.left_padding.tolist())
     for g, w in zip(got, want):
-        assert g.shape == w.shape
+        assert g.shape[:2] == w.shape[:2] and g.shape[3] == w.shape[3]
+        assert g.shape[2] % paged.pool.block_size == 0
         for i, p in enumerate(pads):
-            e = None if ends is None else ends[i]
-            assert np.array_equal(np.array(g[i, :, p:e]), np.array(w[i, :, p:e]))
+            e = w.shape[2] if ends is None else ends[i]
+            assert g.shape[2] >= e - p
+            assert np.array_equal(np.array(g[i, :, :e - p]), np.array(w[i, :, p:e]))
+
+
+def _seen(mask: mx.array, pads: list[int], N: int) -> list[list[set[int]]]:
+    """Per row and query, the positions a mask lets it see (column c of row i is position
+    c - pads[i])."""
+    m = np.broadcast_to(np.array(mask), (len(pads), 1, N, mask.shape[-1]))
+    return [[{int(c) - p for c in np.nonzero(m[i, 0, j])[0]} for j in range(N)]
+            for i, p in enumerate(pads)]
 
 
 def _step(ref: BatchKVCache, paged: PagedBatchKVCache, n: int, seed: int,
@@ -82,7 +95,13 @@ def _step(ref: BatchKVCache, paged: PagedBatchKVCache, n: int, seed: int,
     B = ref.offset.shape[0]
     k = mx.random.normal((B, H, n, D), key=mx.random.key(seed))
     v = mx.random.normal((B, H, n, D), key=mx.random.key(seed + 1))
-    assert np.array_equal(np.array(ref.make_mask(n)), np.array(paged.make_mask(n)))
+    pads = cast(list[int], ref.left_padding.tolist())
+    want = _seen(ref.make_mask(n), pads, n)
+    got = _seen(paged.make_mask(n), [0] * B, n)
+    for i in range(B):  # real queries see what the padded batch lets them (pad queries: garbage)
+        for j in range(n):
+            if ends is None or pads[i] <= ref._idx + j < ends[i]:
+                assert got[i][j] == {p for p in want[i][j] if ends is None or p + pads[i] < ends[i]}
     _same(ref, paged, paged.update_and_fetch(k, v), ref.update_and_fetch(k, v), ends)
     if ends is None:
         _same(ref, paged)
@@ -188,3 +207,44 @@ def test_a_step_writes_in_place() -> None:
         del k, v
     assert mx.get_peak_memory() - base < pool.nbytes // 10, (mx.get_peak_memory() - base,
                                                              pool.nbytes)
+
+
+def test_groups_split_rows_by_width() -> None:
+    assert plan_groups([17] * 32) == [list(range(32))]  # uniform: one group, the whole view
+    long_and_short = [137] + [9] * 15
+    assert plan_groups(long_and_short) == [[0], list(range(1, 16))]
+    assert plan_groups([3, 1, 2, 1], cost=0) == [[0], [2], [1, 3]]  # like widths together
+    assert plan_groups([3, 2, 3, 2], cost=1000) == [[0, 2, 1, 3]]  # a group costs too much
+
+
+def test_grouped_attention_is_the_whole_views(pool: BlockPool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step whose rows split by length attends by group, each over its own
+    blocks: the same output as attention over the whole view and its mask."""
+    monkeypatch.setattr(attention, "GROUP_COST", 0)
+    _, paged = _pair([70, 5, 33, 70, 9, 1], pool)
+    for s in range(3):
+        B, Hq = 6, 4  # two queries a KV head (GQA)
+        q = mx.random.normal((B, Hq, 1, D), key=mx.random.key(100 + s))
+        k = mx.random.normal((B, H, 1, D), key=mx.random.key(200 + s))
+        mask = paged.make_mask(1)
+        keys, values = paged.update_and_fetch(k, k * 2)
+        step = paged._step
+        assert step is not None and step.groups is not None and len(step.groups) == 5
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.3, mask=mask)
+        got = paged.attend_paged(q, keys, values, 0.3, mask)
+        assert np.allclose(np.array(got), np.array(want), atol=1e-6)
+
+
+def test_one_row_in_one_run_is_sliced() -> None:
+    """A row alone whose blocks are one run reads its view as a slice of the pool (no
+    gather); once its blocks are not a run, by gather; the same KV either way."""
+    pool = BlockPool(64, block_size=4)
+    ref, paged = _pair([10], pool)
+    _step(ref, paged, 1, 1)
+    assert isinstance(paged._step.view, int)  # type: ignore[union-attr]
+    _, other = _pair([3], pool, seed=9)  # takes the next block: the row's next is elsewhere
+    for s in range(3):
+        _step(ref, paged, 1, 2 + s)
+    assert not isinstance(paged._step.view, int)  # type: ignore[union-attr]
+    del other

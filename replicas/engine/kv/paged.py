@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, make_prompt_cache
 
+from replicas.engine.kv.attention import Step, attend_groups, install, plan_step
 from replicas.engine.kv.blocks import BlockPool, LayerBlocks
 
 
@@ -63,6 +63,7 @@ def make_paged_prompt_cache(model: nn.Module, pool: BlockPool) -> list[Any]:
         kinds = sorted({type(c).__name__ for c in cache})
         raise ValueError(f"paged KV: this model's cache layers ({', '.join(kinds)}) are not "
                          "all plain attention; serve it with memory.paged_kv off or auto")
+    install(model)  # attention by groups of like length (`replicas.engine.kv.attention`)
     return [PagedRowKVCache(pool, i) for i in range(len(cache))]
 
 
@@ -99,6 +100,7 @@ class PagedBatchKVCache(_BaseCache):
         # While a right-padded prefill runs: where each row's real tokens end (its pad
         # columns write to the scratch slot, so they take no blocks).
         self._ends: list[int] | None = None
+        self._step: Step | None = None  # the last step's plan (`attend_paged` reads it)
 
     # ---- the batch's shape ------------------------------------------------------------
 
@@ -144,78 +146,95 @@ class PagedBatchKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         B, H, n, _ = keys.shape
         prev, end = self._idx, self._idx + n
-        bs = self.pool.block_size
-        for i, pad in enumerate(self._pads):
-            self._fit(i, max(len(self.tables[i]) * bs, self._stop(i, end) - pad))
+        self._grow(end)
         store_k, store_v = self._blocks.storage(keys, values)
-        at = self._shared("write", self._key(prev, n), lambda: self._write_index(prev, n))
-        store_k[at] = keys.reshape(B * H * n, keys.shape[3])
-        store_v[at] = values.reshape(B * H * n, values.shape[3])
+        step = self._shared("step", self._key(prev, n), lambda: self._plan(prev, n))
+        store_k[step.write] = keys.reshape(B * H * n, keys.shape[3])
+        store_v[step.write] = values.reshape(B * H * n, values.shape[3])
         self._idx = end
         self.offset = self.offset + n
-        return self.view()
+        self._step = step
+        return self._gather(step.view, step.width)
 
     def view(self) -> tuple[mx.array, mx.array]:
-        """The batch's keys and values as attention reads them, `[B, H, _idx, D]`, gathered
-        (rows left-padded; padding reads the scratch slot, which the mask hides)."""
-        keys, values = self._blocks.keys, self._blocks.values
-        assert keys is not None and values is not None
-        at = self._shared("view", self._key(self._idx), self._view_index)
-        return keys[at], values[at]
+        """The batch's keys and values as attention reads them, `[B, H, W * block, D]`:
+        row i's position p in column p (its blocks in table order, gathered whole), the
+        columns past its length padding (the scratch block, or the tail of its last
+        block), which `make_mask` hides."""
+        step = self._plan(self._idx, 0)
+        return self._gather(step.view, step.width)
+
+    def _grow(self, end: int) -> None:
+        """Each row's table holds the blocks its positions up to view column `end` need."""
+        bs, blocks, ends = self.pool.block_size, self._blocks, self._ends
+        for i, (table, pad) in enumerate(zip(self.tables, self._pads)):
+            want = (end if ends is None else min(end, pad + ends[i])) - pad
+            if want > len(table) * bs:
+                table += blocks.allocate(-(-want // bs) - len(table))
+
+    def _plan(self, prev: int, n: int) -> Step:
+        """Where a step writing view columns `[prev, prev + n)` writes and what its view
+        reads; every layer's is alike (their tables grow in step): built once a step."""
+        return plan_step(self.tables, self._pads, self._ends, prev, n, self.pool.num_blocks,
+                         self.pool.block_size, self._blocks.heads)
+
+    def _gather(self, view: mx.array | int, width: int) -> tuple[mx.array, mx.array]:
+        keys, values = self._blocks.by_block()
+        cols = width * self.pool.block_size
+        if isinstance(view, int):  # one row in one run of blocks: a slice, no copy
+            H, start = self._blocks.heads, view * self.pool.block_size
+            k, v = (a.reshape(H, -1, a.shape[2]) for a in (keys, values))
+            return k[None, :, start:start + cols], v[None, :, start:start + cols]
+        B, H = view.shape[:2]
+        return (keys[view].reshape(B, H, cols, keys.shape[2]),
+                values[view].reshape(B, H, cols, values.shape[2]))
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        """Which view columns each of the next `N` queries sees, `[B, 1, N, W * block]`
+        (made before the layers write the step): row i's query j is its position
+        `_idx + j - left_padding[i]`, and sees the columns up to it that it holds."""
+        end = self._idx + N
+        stored = [max(0, self._stop(i, end) - p) for i, p in enumerate(self._pads)]
+        width = max(1, self.pool.blocks_for(max(stored, default=0)))
+        cols = mx.arange(width * self.pool.block_size)[None, None, :]
+        query = (self._idx + mx.arange(N))[None, :] - mx.array(self._pads)[:, None]
+        mask = (cols <= query[:, :, None]) & (cols < mx.array(stored)[:, None, None])
+        return mask[:, None]
+
+    def attend_paged(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                     mask: Any) -> mx.array:
+        """This layer's attention (`replicas.engine.kv.attention`'s hook): a decode step
+        whose rows split into groups of like width attends by group, each over its own
+        rows' blocks; otherwise over the whole view (`keys`, `values`)."""
+        step = self._step
+        if step is None or step.groups is None or queries.shape[2] != 1 or \
+                step.order is None or step.order.shape[0] != queries.shape[0]:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                        mask=mask)
+        store_k, store_v = self._blocks.by_block()
+        return attend_groups(queries, store_k, store_v, step.groups, step.order, scale)
 
     def _stop(self, i: int, end: int) -> int:
         """The view column row i's real positions end at, writing up to `end`."""
         return end if self._ends is None else min(end, self._pads[i] + self._ends[i])
 
-    def _write_index(self, prev: int, n: int) -> mx.array:
-        """The storage rows columns `[prev, prev + n)` are written to, `[B * H * n]`
-        (padding and a right-padded prefill's pad columns to the scratch slot)."""
-        slots = np.full((len(self._pads), n), self._scratch, dtype=np.int64)
-        for i, pad in enumerate(self._pads):
-            first, stop = max(prev, pad), self._stop(i, prev + n)
-            if first < stop:
-                slots[i, first - prev:stop - prev] = self._slots(i, np.arange(first, stop) - pad)
-        heads = np.arange(self._blocks.heads)[None, :, None] * self._blocks.slots
-        return mx.array((heads + slots[:, None, :]).reshape(-1).astype(np.int32))
-
-    def _view_index(self) -> mx.array:
-        """The storage rows the view reads, `[B, H, _idx]`: row i's column c holds its
-        position c - left_padding[i]; padding reads the scratch slot."""
-        bs, B = self.pool.block_size, len(self._pads)
-        width = max((len(t) for t in self.tables), default=0)
-        tables = np.zeros((B, max(1, width)), dtype=np.int32)
-        for i, t in enumerate(self.tables):
-            tables[i, :len(t)] = t
-        pos = mx.arange(self._idx)[None, :] - mx.array(self._pads)[:, None]
-        held = mx.array(self._stored())[:, None]
-        valid = (pos >= 0) & (pos < held)
-        block = mx.take_along_axis(mx.array(tables), mx.where(valid, pos, 0) // bs, axis=1)
-        slot = mx.where(valid, block * bs + pos % bs, self._scratch)
-        return mx.arange(self._blocks.heads)[None, :, None] * self._blocks.slots + \
-            slot[:, None, :]
-
     def _key(self, *at: int) -> tuple[Any, ...]:
         return (*at, self._blocks.heads, self._blocks.slots, self._pads, self._ends,
                 self.tables)
 
-    def _shared(self, kind: str, key: tuple[Any, ...], make: Callable[[], mx.array]
-                ) -> mx.array:
-        """An index array every layer of the batch would build alike (their tables grow in
-        step): the first layer builds it, the others reuse it while the batch's shape is
-        equal by value, so a step builds each once, not once a layer."""
+    def _shared(self, kind: str, key: tuple[Any, ...], make: Callable[[], Step]) -> Step:
+        """A step's plan, which every layer of the batch would build alike: the first
+        layer builds it, the others reuse it while the batch's shape is equal by value,
+        so a step builds it once, not once a layer."""
         memo = self.pool.memo
         got = memo.get(kind)
         if got is not None and got[0] == key:
-            return got[1]
+            return cast(Step, got[1])
         value = make()
         *at, heads, slots, pads, ends, tables = key
         memo[kind] = ((*at, heads, slots, list(pads), None if ends is None else list(ends),
                        [list(t) for t in tables]), value)
         return value
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding,
-                                  **kwargs)
 
     # ---- the prefill's padding ----------------------------------------------------------
 
