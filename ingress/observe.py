@@ -30,6 +30,8 @@ from replicas.contract import (
     FinishReason,
     GenerationRequest,
     OutputEvent,
+    RerankRequest,
+    RerankResult,
     Usage,
 )
 from replicas.errors import ReplicaError
@@ -228,6 +230,20 @@ class ObservedClient(WrappedClient):
                 trace.error = exc.kind
             raise
         if trace is not None:  # the tokens it read, as a prompt's
+            trace.usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=0)
+        return result
+
+    async def rerank(self, request: RerankRequest) -> RerankResult:
+        trace = _TRACE.get()
+        if trace is not None:
+            trace.request_id, trace.model = request.request_id, request.model
+        try:
+            result = await self._inner.rerank(request)
+        except ReplicaError as exc:
+            if trace is not None:
+                trace.error = exc.kind
+            raise
+        if trace is not None:  # every scored pair's tokens, as a prompt's
             trace.usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=0)
         return result
 

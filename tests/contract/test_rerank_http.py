@@ -111,3 +111,32 @@ def test_replica_refusals_are_400s(error: Exception) -> None:
                        fake=fake)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == str(error)
+
+
+def test_a_rerank_is_recorded_with_its_tokens() -> None:
+    from ingress.observe import RequestRecord
+    from replicas.contract import ErrorKind, Usage
+
+    class Collect:
+        def __init__(self) -> None:
+            self.records: list[RequestRecord] = []
+
+        def request_finished(self, record: RequestRecord) -> None:
+            self.records.append(record)
+
+    seen = Collect()
+    http = TestClient(create_app(FakeClient(models=CARDS), observer=seen))
+    assert http.post("/v1/rerank", json={"model": "rr", "query": QUERY, "documents": DOCS}
+                     ).status_code == 200
+    refused = FakeClient(models=CARDS, embed_error=InvalidRequestError("no", param="model"))
+    failed = Collect()
+    assert TestClient(create_app(refused, observer=failed)).post("/v1/rerank", json={
+        "model": "rr", "query": QUERY, "documents": DOCS}).status_code == 400
+    (record,) = seen.records
+    assert (record.protocol, record.endpoint, record.status) == ("openai", "/v1/rerank", 200)
+    assert record.model == "orchard-rerank" and record.request_id is not None
+    assert record.request_id.startswith("rerank-") and record.error is None
+    tokens = sum(len(QUERY) + len(d) for d in DOCS)
+    assert record.usage == Usage(prompt_tokens=tokens, completion_tokens=0)
+    assert failed.records[0].status == 400
+    assert failed.records[0].error is ErrorKind.INVALID_REQUEST
