@@ -336,8 +336,9 @@ class ModelReplica:
         `source`: another replica that may give the prompt's prefix KV (`replicas.kv_pull`),
         asked before the request starts where that pays."""
         if self._encoder_only:
-            yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' is an "
-                          "embedding encoder: it serves /v1/embeddings only")]
+            what = "a cross-encoder: it serves /v1/rerank only" if self.reranker.serves \
+                else "an embedding encoder: it serves /v1/embeddings only"
+            yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' is {what}")]
             return
         if request.adapter is not None and request.adapter not in self.adapter_names():
             yield [Failed(ErrorKind.INVALID_REQUEST, f"model '{request.model}' has no adapter "
