@@ -175,6 +175,16 @@ def test_cross_encoder_scores_are_mlx_embeddings_head(cross: ModelReplica) -> No
     assert max(abs(a - b) for a, b in zip(got, alone, strict=True)) <= TOLERANCE
 
 
+def test_cross_encoder_refuses_chat(cross: ModelReplica) -> None:
+    from replicas.contract import GenerationRequest, SamplingParams, TextPrompt
+    from tests.streams import collect
+
+    events = asyncio.run(collect(cross.stream(GenerationRequest(
+        "g1", "orchard-cross", TextPrompt("hi"), SamplingParams(max_tokens=2)))))
+    assert isinstance(events[0], Failed) and events[0].kind == ErrorKind.INVALID_REQUEST
+    assert "cross-encoder: it serves /v1/rerank only" in events[0].message
+
+
 def test_cross_encoder_refuses_a_pair_past_its_positions(cross: ModelReplica) -> None:
     assert cross.reranker.serves
     long = rerank(cross, "ok", "word " * 600)  # 512 positions
