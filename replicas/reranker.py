@@ -87,8 +87,10 @@ class RerankUnsupported(ValueError):
 
 
 def is_cross_encoder(config: dict[str, Any]) -> bool:
-    """A checkpoint with a classification head mlx-embeddings implements."""
-    return not CLASSIFIER_ARCHITECTURES.isdisjoint(config.get("architectures") or ())
+    """A checkpoint with a one-label classification head served here (what `/v1/models`
+    says before a replica loads it)."""
+    return not CLASSIFIER_ARCHITECTURES.isdisjoint(config.get("architectures") or ()) \
+        and labels(config) == 1
 
 
 def rerank_kind(options: ReplicaOptions, model: LoadedModel, encoder: bool) -> RerankKind:
