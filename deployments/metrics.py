@@ -53,6 +53,8 @@ MEMORY_METRICS = ("orchard_kv_budget_bytes", "orchard_kv_projected_bytes",
                   "orchard_waiting_for_memory", "orchard_memory_refusals_total",
                   "orchard_preemptions_total", "orchard_kv_token_bytes",
                   "orchard_kv_sequence_bytes")
+# Paged KV's block pool (`memory.paged_kv`), by `state`: total, used, shared, free.
+PAGED_METRICS = ("orchard_kv_blocks",)
 # A replica's shard count (1 unless `shards`), and its per-step sync, only when sharded.
 SHARD_METRICS = ("orchard_replica_shards", "orchard_shard_sync_seconds")
 # `/v1/embeddings`: the inputs a replica embedded and their tokens.
@@ -265,6 +267,9 @@ class EngineMetrics:
         self._sequence_bytes = Gauge("orchard_kv_sequence_bytes", "Fixed KV state per "
                                      "sequence, measured at load (linear-attention and SSM "
                                      "layers).", tag_keys=tags)
+        self._blocks = Gauge("orchard_kv_blocks", "Paged KV's blocks per layer, by state: "
+                             "total, used, shared (held by more than one owner) and free.",
+                             tag_keys=_keys("model", "state"))
         self._memory_waiting = Gauge("orchard_waiting_for_memory", "Requests waiting for KV "
                                      "memory to join the batch.", tag_keys=tags)
         self._memory_refused = Counter("orchard_memory_refusals_total", "Requests refused as "
@@ -312,6 +317,11 @@ class EngineMetrics:
             layout = memory.layout
             self._token_bytes.set(layout.per_token + sum(b for _, b in layout.windows), tags)
             self._sequence_bytes.set(layout.per_sequence, tags)
+            if memory.blocks is not None:  # paged KV (`memory.paged_kv`)
+                pool = memory.blocks
+                for state, n in (("total", pool.total), ("used", pool.used),
+                                 ("shared", pool.shared), ("free", pool.free)):
+                    self._blocks.set(n, {**tags, "state": state})
             counts += [(self._memory_refused, memory.refused,
                         before_memory.refused if before_memory else 0),
                        (self._preempted, memory.preempted,

@@ -14,6 +14,7 @@ from replicas.contract import ErrorKind, FinishReason, Usage
 from replicas.engine.fair_share import TenantCounts
 from replicas.engine.stats import DecodeCounts, EngineStats
 from replicas.engine.kv.layout import KvLayout
+from replicas.engine.kv.blocks import BlockPool
 from replicas.engine.kv.budget import MemoryStats
 from replicas.timings import TimingSamples
 
@@ -61,7 +62,8 @@ def test_every_metric_name_is_created(recorders: dict[str, _Recorder]) -> None:
     assert set(recorders) == {*metrics.REQUEST_METRICS, *metrics.ENGINE_METRICS,
                               *metrics.MEMORY_METRICS, *metrics.SHARD_METRICS,
                               *metrics.EMBEDDING_METRICS, *metrics.IMAGE_METRICS,
-                              *metrics.DISK_METRICS, *metrics.SPECULATIVE_METRICS}
+                              *metrics.DISK_METRICS, *metrics.SPECULATIVE_METRICS,
+                              *metrics.PAGED_METRICS}
 
 
 def test_a_pull_counts_its_source_and_outcome_and_only_a_pull_moves_tokens(
@@ -166,6 +168,20 @@ def test_samples_and_memory_and_shards(recorders: dict[str, _Recorder]) -> None:
     assert recorders["orchard_preemptions_total"].calls == [("inc", 2, tags)]
     assert recorders["orchard_kv_token_bytes"].calls[-1] == ("set", 110, tags)
     assert recorders["orchard_kv_sequence_bytes"].calls[-1] == ("set", 5000, tags)
+    assert recorders["orchard_kv_blocks"].calls == []  # the padded batch: no blocks
+
+
+def test_paged_kv_blocks_by_state(recorders: dict[str, _Recorder]) -> None:
+    engine = metrics.EngineMetrics("m")
+    pool = BlockPool(8, block_size=4)
+    layer = pool.layer(0)
+    held = layer.allocate(3)
+    layer.share(held[:1])  # one block with two owners
+    memory = MemoryStats(budget_bytes=1000, projected_bytes=400, waiting=0, refused=0,
+                         blocks=pool.stats())
+    engine.record(_stats(memory=memory), TimingSamples((), ()))
+    got = {c[2]["state"]: c[1] for c in recorders["orchard_kv_blocks"].calls}
+    assert got == {"total": 8, "used": 3, "shared": 1, "free": 5}
 
 
 def test_embeddings_are_counted_by_inputs_and_tokens(recorders: dict[str, _Recorder]) -> None:
