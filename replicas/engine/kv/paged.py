@@ -2,12 +2,15 @@
 
 mlx-lm's `BatchKVCache` holds a batch as one `[B, H, longest, D]` array per layer, every
 row left-padded to the longest, and copies all of it when a row joins (`extend`) or leaves
-(`filter`). `PagedBatchKVCache` keeps the same view of the batch (the same `left_padding`,
-`offset` and write index `_idx`, so the model's masks and RoPE positions are unchanged),
-but a row's positions live in blocks of the pool (`replicas.engine.kv.blocks`), listed in
-its block table; the padding exists only in the per-layer transient that
-`update_and_fetch` gathers for attention. A join appends block tables, a leave returns
-the leaving rows' blocks: no other row's KV moves.
+(`filter`). `PagedBatchKVCache` keeps the same bookkeeping of the batch (the same
+`left_padding`, `offset` and write index `_idx`, so RoPE positions and mlx-lm's batch
+logic are unchanged), but a row's positions live in blocks of the pool
+(`replicas.engine.kv.blocks`), listed in its block table. `update_and_fetch` writes the
+step into the rows' blocks and returns the view attention reads, gathered by whole blocks,
+row i's position p in column p (its own mask, `make_mask`, hides the rest); a decode step
+whose rows differ in length attends by groups of like width instead
+(`replicas.engine.kv.attention`), and MLX never computes the unused whole view. A join
+appends block tables, a leave returns the leaving rows' blocks: no other row's KV moves.
 
 `PagedRowKVCache` is one sequence's plain `KVCache` that a batch merges into the paged
 form (mlx-lm's `_merge_caches` asks row 0's class), as `quantized.QuantizedRowKVCache`
@@ -84,10 +87,11 @@ def as_paged_rows(cache: list[Any], pool: BlockPool) -> list[Any]:
 class PagedBatchKVCache(_BaseCache):
     """One layer's KV for a batch, rows in blocks of `pool`.
 
-    Row i is left-padded by `left_padding[i]` in the batch's view: view column c holds its
-    position c - left_padding[i] for c in [left_padding[i], _idx). Its positions live in
-    the slots its block table names; the slot past the last block is scratch, where the
-    view's padding reads from and a right-padded prefill's pad columns write to."""
+    Row i is left-padded by `left_padding[i]` in the batch's columns: column c is its
+    position c - left_padding[i] for c in [left_padding[i], _idx) (what RoPE and mlx-lm
+    see). Its positions live in the slots its block table names; the block past the last is
+    scratch, which the view reads past a row's table and a right-padded prefill's pad
+    columns write to."""
 
     def __init__(self, pool: BlockPool, layer: int, left_padding: Sequence[int]) -> None:
         self.pool, self.layer = pool, layer
@@ -117,10 +121,6 @@ class PagedBatchKVCache(_BaseCache):
         if self._ends is None:
             return self.lengths()
         return [min(n, e) for n, e in zip(self.lengths(), self._ends)]
-
-    @property
-    def _scratch(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
 
     def _fit(self, i: int, tokens: int) -> None:
         """Row i's table holds exactly the blocks `tokens` positions need."""
