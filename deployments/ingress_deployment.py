@@ -15,6 +15,7 @@ from deployments.board import BoardView
 from deployments.config import AppArgs, IngressSettings, ObservabilitySettings, ResponsesSettings
 from deployments.metrics import stream_resumes
 from deployments.model_clients import RayModelClient, ResumePolicy
+from deployments.model_states import ServeModelStates
 from deployments.observability import request_observer
 from deployments.responses.store import response_store
 from deployments.responses.usage import usage_store
@@ -82,10 +83,13 @@ class Ingress:
             if counted is not None:
                 counted(model)
 
+        # Which models have no replica running yet (`build_app` names each `model:ID`).
+        self._states = ServeModelStates(serve.get_replica_context().app_name,
+                                        {card.id: f"model:{card.id}" for card in model_cards})
         self._client = RayModelClient(
             model_cards, by_id, replica_wait_s=settings.replica_wait_s,
             resume=ResumePolicy(settings.resume_attempts, settings.resume_wait_s),
-            on_resume=resumed)
+            on_resume=resumed, states=self._states)
         self._options = edge.options(os.environ)
         self._store = response_store(edge.ingress.num_replicas, edge.responses)
         self._observer = request_observer(edge.observability)
@@ -97,4 +101,5 @@ class Ingress:
         # Built in the replica, after __init__, so the app holds this replica's client
         # (an app built at import time would be pickled and served as a copy).
         return create_app(self._client, self._options, response_store=self._store,
-                          observer=self._observer, usage=self._usage, cluster=self._cluster)
+                          observer=self._observer, usage=self._usage, cluster=self._cluster,
+                          model_states=self._states)

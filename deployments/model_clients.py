@@ -25,7 +25,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deployments.config import IngressSettings
 from deployments.routing.headroom import MemoryShed
-from ingress.client import ModelCard
+from ingress.client import ModelCard, ModelStates
+from ingress.errors import ModelLoadingError
 from replicas.contract import (
     EmbeddingRequest,
     EmbeddingResult,
@@ -150,9 +151,13 @@ class RayModelClient:
     def __init__(self, cards: Sequence[ModelCard], handles: dict[str, DeploymentHandle], *,
                  replica_wait_s: float | None = REPLICA_WAIT_S,
                  resume: ResumePolicy = ResumePolicy(),
-                 on_resume: Callable[[str], None] | None = None) -> None:
-        """`on_resume(model)`: called once per stream moved to another replica (metrics)."""
+                 on_resume: Callable[[str], None] | None = None,
+                 states: ModelStates | None = None) -> None:
+        """`on_resume(model)`: called once per stream moved to another replica (metrics).
+        `states`: which models are still loading (`deployments.model_states`); their
+        requests are a 503 at once. None: every model is taken as ready."""
         self._cards = list(cards)
+        self._states = states
         self._replica_wait_s = replica_wait_s
         self._resume = resume
         self._on_resume = on_resume
@@ -174,6 +179,7 @@ class RayModelClient:
         `resume_attempts`; one that refused it outright (it failed already, and Serve has
         not replaced it yet) costs only time, with a growing pause, within `resume_wait_s`,
         which starts at the first failure."""
+        await self._ready(request.model)
         loop = asyncio.get_running_loop()
         sent = _Sent()
         attempt = dataclasses.replace(request, report_tokens=True)
@@ -255,6 +261,12 @@ class RayModelClient:
             if not done:
                 gen.cancel()  # the client left: cancel downstream within a decode step
 
+    async def _ready(self, model: str) -> None:
+        """Raises `ModelLoadingError` (a 503 with Retry-After) while no replica of the
+        model runs yet; its request would only wait in Serve's queue."""
+        if self._states is not None and (await self._states.states()).get(model) == "loading":
+            raise ModelLoadingError(model)
+
     async def _accepted(self, gen: DeploymentResponseGenerator, wait_s: float | None) -> bool:
         """Whether a replica took the request (it sends an empty batch first) in time."""
         try:
@@ -291,6 +303,7 @@ class RayModelClient:
     async def _forwards(self, model: str, method: str, request: Any) -> Any:
         """A replica's answer to a forwards-only call (`embed`, `rerank`): its "accepted"
         marker awaited within the replica wait, then the answer."""
+        await self._ready(model)
         gen = cast(DeploymentResponseGenerator,
                    getattr(self._streams[model], method).remote(request))
         done = False
@@ -314,6 +327,7 @@ class RayModelClient:
     async def _call(self, model: str, method: str, *args: Any) -> Any:
         """One call of a replica's `method` (no stream): its answer, Serve's and Ray's
         failures as the taxonomy's, a `Failed` answer as its error."""
+        await self._ready(model)
         response = getattr(self._calls[model], method).remote(*args)
         try:
             result = await asyncio.wait_for(response, self._replica_wait_s)

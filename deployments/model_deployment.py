@@ -108,22 +108,24 @@ class ReplicaOwner:
             if record else None, ranks=self._shards)
         if self._shards is not None:
             self._shards.watch(self._replica.abort, self._replica.stalled_for)
+        # What the cluster snapshot shows of this replica (`GET /v1/cluster`), pushed; from
+        # before the load, so a loading replica shows as `loading` (no KV memory yet).
+        shards = self._shards
+        try:
+            context = serve.get_replica_context()
+        except RayServeException:  # built outside Serve (a test's direct call): no board
+            context = None
+        if context is not None:
+            self._reporter = Reporter(context.app_name, context.replica_id.to_full_id_str(),
+                                      config.id, config.role, self.stats,
+                                      (lambda: (shards.nodes, shards.node_facts))
+                                      if shards is not None else lambda: ([], []))
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
         self._replica.start()
         replica = self._replica
         self._poller = engine_poller(observability, config.id,
                                      lambda: (replica.stats(), replica.drain_timings()),
                                      shards=config.shards)
-        # What the cluster snapshot shows of this replica (`GET /v1/cluster`), pushed.
-        shards = self._shards
-        try:
-            context = serve.get_replica_context()
-        except RayServeException:  # built outside Serve (a test's direct call): no board
-            return
-        self._reporter = Reporter(context.app_name, context.replica_id.to_full_id_str(),
-                                  config.id, config.role, self.stats,
-                                  (lambda: (shards.nodes, shards.node_facts))
-                                  if shards is not None else lambda: ([], []))
 
     def check_health(self) -> None:
         self._replica.check_health()  # raises when the engine thread died or is stuck

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import ApiKeyMiddleware, ApiKeys
-from ingress.client import ModelCard, ModelClient, require_model
+from ingress.client import ModelCard, ModelClient, ModelState, ModelStates, require_model
 from ingress.cluster import ClusterView, router as cluster_router
 from ingress.errors import error_response, replica_error_response
 from ingress.guard import GuardMiddleware
@@ -39,12 +39,14 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
                response_store: ResponseStore | None = None,
                observer: RequestObserver | None = None,
                cluster: ClusterView | None = None,
-               usage: UsageStore | None = None) -> FastAPI:
+               usage: UsageStore | None = None,
+               model_states: ModelStates | None = None) -> FastAPI:
     """The app. `response_store` keeps stored Responses API responses; the default lives in
     this process only, so deployments with several ingress replicas pass a shared one.
     `observer` gets one record per finished generation request (metrics, request logs);
     without one, nothing is traced. `cluster`: the snapshot `GET /v1/cluster` and
-    `/dashboard` show (`ingress/cluster.py`); without one they are a 404."""
+    `/dashboard` show (`ingress/cluster.py`); without one they are a 404. `model_states`:
+    which models are still loading, for `/v1/models` (without one, all are ready)."""
     app = FastAPI(title="Orchard", version="0.1.0")
     # Each key's tenant, its limits and usage (`ingress/tenancy/`; `usage`: where it is kept).
     limited = tenanted_client(app, LimitedClient(client, options), options.tenants, usage)
@@ -52,6 +54,7 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
     app.state.served_lengths = {}  # model id -> the context its replica serves
     app.state.image_limits = options.images  # for the routes' `MediaParts.for_model`
     app.state.cluster = cluster
+    app.state.model_states = model_states
     # `is None`, not `or`: a store with `__len__` is falsy while empty, and `or` would
     # swap a fresh durable store for one in memory (issue 32).
     app.state.response_store = MemoryResponseStore() if response_store is None \
@@ -92,7 +95,9 @@ def _install_routes(app: FastAPI) -> None:
         client: ModelClient = request.app.state.client
         cards = client.models()
         lengths = await _served_lengths(request.app, cards)
-        data = [_model_entry(card, name, lengths[card.id]) for card in cards
+        states = await _states(request.app)
+        data = [_model_entry(card, name, lengths[card.id], states.get(card.id, "ready"))
+                for card in cards
                 for name in (card.id, *card.aliases, *card.adapter_names())]
         return {"object": "list", "data": data}
 
@@ -102,7 +107,8 @@ def _install_routes(app: FastAPI) -> None:
     async def model(model_id: str, request: Request) -> dict[str, Any]:
         card = require_model(request.app.state.client, model_id)  # unknown: the 404
         lengths = await _served_lengths(request.app, [card])
-        return _model_entry(card, model_id, lengths[card.id])
+        state = (await _states(request.app)).get(card.id, "ready")
+        return _model_entry(card, model_id, lengths[card.id], state)
 
     for protocol in PROTOCOLS:
         app.include_router(protocol.router)
@@ -129,12 +135,19 @@ async def _served_lengths(app: FastAPI, cards: Sequence[ModelCard]) -> dict[str,
     return {card.id: known.get(card.id, card.context_length) for card in cards}
 
 
-def _model_entry(card: ModelCard, name: str, context_length: int | None) -> dict[str, Any]:
+async def _states(app: FastAPI) -> Mapping[str, ModelState]:
+    states: ModelStates | None = app.state.model_states
+    return {} if states is None else await states.states()
+
+
+def _model_entry(card: ModelCard, name: str, context_length: int | None,
+                 state: ModelState) -> dict[str, Any]:
     """One model object in OpenAI's shape, for the card's id or one of its aliases (`root`
-    is the served id): what `GET /v1/models` lists and `GET /v1/models/{id}` returns."""
+    is the served id): what `GET /v1/models` lists and `GET /v1/models/{id}` returns.
+    `state`: `loading` while no replica serves it yet (its requests are a 503), `ready`."""
     return {"id": name, "object": "model", "created": card.created, "owned_by": card.owned_by,
             "root": card.id, "max_model_len": context_length,
-            "capabilities": list(card.capabilities)}
+            "capabilities": list(card.capabilities), "state": state}
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -7,7 +7,7 @@ adapters are testable with FastAPI's TestClient and no model.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Literal, Mapping, Protocol, Sequence
 
 from replicas.contract import (
     EmbeddingRequest,
@@ -42,6 +42,16 @@ class ModelCard:
 
 
 VISION = "vision"  # the capability of a model that is sent images, not placeholders
+
+# A configured model's state: `loading` until a replica serves it (its requests are a 503
+# with Retry-After meanwhile, `ingress.errors.ModelLoadingError`), then `ready`.
+ModelState = Literal["loading", "ready"]
+
+
+class ModelStates(Protocol):
+    async def states(self) -> Mapping[str, ModelState]:
+        """Each served model's state by id; a model left out is ready."""
+        ...
 
 
 class ModelClient(Protocol):

@@ -127,11 +127,31 @@ class CodedError(ReplicaError):
         self.code = code
 
 
+# How long a client waits before it asks a loading model again.
+LOADING_RETRY_AFTER_S = 2.0
+
+
+class ModelLoadingError(ReplicaError):
+    """A configured model with no replica serving yet: a 503 with `Retry-After` in every
+    shape (Anthropic's too: its 529 means busy, and its SDK retries any 5xx), typed
+    `overloaded_error`, the type both families give a temporary "try again shortly"."""
+
+    kind = ErrorKind.OVERLOADED
+    status = 503
+
+    def __init__(self, model: str, retry_after_s: float = LOADING_RETRY_AFTER_S) -> None:
+        super().__init__(f"the model '{model}' is still loading; retry in "
+                         f"{math.ceil(retry_after_s)} s", param="model")
+        self.retry_after_s = retry_after_s
+
+
 def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONBody:
     code = exc.code if isinstance(exc, CodedError) else None
-    retry = exc.retry_after_s if isinstance(exc, RateLimitedError) else None
+    retry = exc.retry_after_s if isinstance(exc, (RateLimitedError, ModelLoadingError)) \
+        else None
+    status = exc.status if isinstance(exc, ModelLoadingError) else None
     return error_response(exc.kind, exc.message, protocol, param=exc.param, code=code,
-                          retry_after_s=retry)
+                          status=status, retry_after_s=retry)
 
 
 # Edge refusals with no status of their own in the taxonomy: status -> (kind, code).

@@ -35,6 +35,7 @@ from replicas.contract import (
 )
 from replicas.embedder import Embedder
 from replicas.reranker import Reranker
+from replicas.engine import failpoints  # test-only: a slow load (`start`)
 from replicas.engine.core import Engine, EngineDead
 from replicas.beside_model import kv_fingerprint, load_draft
 from replicas.engine.kv.disk import DiskTier
@@ -222,6 +223,8 @@ class ModelReplica:
 
     def start(self) -> None:
         """Load the model on the engine thread and wait for it (blocking)."""
+        if failpoints.ENABLED:  # test-only: a slow load (a model still loading), held by a file
+            failpoints.hold("load", self.options.model_id)
         self._engine.start()
         model = self._engine.wait_ready(self.options.load_timeout_s)
         self._model = model

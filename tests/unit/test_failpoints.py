@@ -89,3 +89,20 @@ def test_one_process_of_many_claims_it(tmp_path: Path) -> None:
     for process in processes:
         process.join(timeout=60)
     assert sorted(results) == [False, False, False, True]
+
+
+def test_a_hold_waits_until_its_file_is_gone_or_its_limit(tmp_path: Path,
+                                                          restore: None) -> None:
+    import threading
+
+    failpoints.configure(tmp_path)
+    assert failpoints.hold("load", "m") == 0.0  # not armed: no wait
+    armed = failpoints.arm_hold(tmp_path, "load", "m")
+    threading.Timer(0.5, armed.unlink).start()
+    assert 0.4 <= failpoints.hold("load", "m", poll_s=0.02) < 30
+    assert failpoints.hold("load", "m") == 0.0  # deleted: the next load goes through
+    failpoints.arm_hold(tmp_path, "load", "m", limit_s=0.3)  # a forgotten file ends too
+    assert 0.3 <= failpoints.hold("load", "m", poll_s=0.02) < 30
+    assert failpoints.hold("load", "other") == 0.0  # another model loads at once
+    failpoints.configure(None)
+    assert failpoints.hold("load", "m") == 0.0  # off

@@ -1,0 +1,68 @@
+"""Whether each configured model is serving yet, as Serve's controller sees it.
+
+A model whose deployment has no replica RUNNING (all still loading, or not placed yet) is
+`loading`: the ingress answers its requests at once with a 503 and `Retry-After`
+(`ingress.errors.ModelLoadingError`) instead of holding them in Serve's queue, and
+`/v1/models` lists it with that state. Serve's `serve.status()` counts each deployment's
+replicas by state; it is one controller call, made on a worker thread and kept for
+`ttl_s`, so a burst of requests costs one. Where the controller does not answer, every
+model counts as ready: requests then wait for a replica as before (`replica_wait_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from ray import serve
+from ray.serve.schema import ReplicaState
+
+from ingress.client import ModelState
+
+log = logging.getLogger(__name__)
+
+_TTL_S = 1.0
+
+
+class ServeModelStates:
+    """`deployments`: each served model id and its deployment's name (`model:ID`)."""
+
+    def __init__(self, app: str, deployments: Mapping[str, str],
+                 status: Callable[[], Any] = serve.status, ttl_s: float = _TTL_S) -> None:
+        self._app = app
+        self._deployments = dict(deployments)
+        self._status = status
+        self._ttl_s = ttl_s
+        self._states: dict[str, ModelState] = {}
+        self._at = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def states(self) -> Mapping[str, ModelState]:
+        """Each model's state; a model missing from the answer counts as ready."""
+        async with self._lock:  # one controller call for every request waiting on it
+            if time.monotonic() - self._at > self._ttl_s:
+                self._states = await self._ask()
+                self._at = time.monotonic()
+            return self._states
+
+    async def state(self, model: str) -> ModelState:
+        return (await self.states()).get(model, "ready")
+
+    async def _ask(self) -> dict[str, ModelState]:
+        try:
+            status = await asyncio.to_thread(self._status)
+        except Exception:  # noqa: BLE001 - no answer: route as if ready, Serve's wait decides
+            log.debug("serve.status() failed", exc_info=True)
+            return {}
+        app = status.applications.get(self._app)
+        if app is None:
+            return {}
+        states: dict[str, ModelState] = {}
+        for model, name in self._deployments.items():
+            deployment = app.deployments.get(name)
+            running = deployment.replica_states.get(ReplicaState.RUNNING, 0) \
+                if deployment is not None else 0
+            states[model] = "ready" if running else "loading"
+        return states
