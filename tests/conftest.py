@@ -14,8 +14,6 @@ from typing import Iterator
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-
 # Whole folders that are one group: each shares a package-scoped app or cluster
 # (reliability: the private Ray cluster; clients: the npm clients, captures and the trained
 # agent model; cluster and sharded: a two-node `LocalCluster`, on ports of each worker's own).
@@ -35,7 +33,7 @@ COST_S = {
 
 
 def group_of(item: pytest.Item) -> str:
-    path = Path(str(item.path)).resolve().relative_to(TESTS)
+    path = Path(str(item.path)).resolve().relative_to(item.config.rootpath / "tests")
     folder = path.parts[0]
     fixtures = getattr(item, "fixturenames", ())
     if folder == "e2e" and "server" in fixtures:
