@@ -29,6 +29,7 @@ COST_S = {
     "tests/e2e/test_tenants_http.py": 125, "tests/e2e/test_disk_cache_restart.py": 105,
     "tests/e2e/test_store_restart.py": 185, "tests/integration/test_speculative.py": 110,
     "tests/observability/test_observability_http.py": 100,
+    "tests/e2e/test_model_loading_http.py": 90,
 }
 
 
