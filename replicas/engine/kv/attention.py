@@ -88,6 +88,8 @@ def plan_step(tables: Sequence[Sequence[int]], pads: Sequence[int],
     `tables[i][p // block] * block + p % block`; padding writes to the scratch block
     (`num_blocks`), which the view reads past a row's table."""
     B, bs, nb = len(pads), block_size, num_blocks
+    if B == 1 and n == 1 and ends is None and prev >= pads[0]:
+        return _one_row_decode(tables[0], prev - pads[0], nb, bs, heads)
     pad = np.asarray(pads, dtype=np.int64)
     stop = np.full(B, prev + n) if ends is None else \
         np.minimum(prev + n, pad + np.asarray(ends, dtype=np.int64))
@@ -103,8 +105,7 @@ def plan_step(tables: Sequence[Sequence[int]], pads: Sequence[int],
     write = (np.arange(heads)[None, :, None] * (nb + 1) * bs + slot[:, None, :]).reshape(-1)
     by_head = np.arange(heads)[None, :, None] * (nb + 1)
     view: mx.array | int
-    if B == 1 and width > 1 and table[0, width - 1] - table[0, 0] == width - 1 and \
-            bool(np.all(np.diff(table[0, :width]) == 1)):
+    if B == 1 and _run(tables[0], width):
         view = int(table[0, 0])
     else:
         view = mx.array((by_head + table[:, None, :width]).astype(np.int32))
@@ -124,6 +125,25 @@ def plan_step(tables: Sequence[Sequence[int]], pads: Sequence[int],
             flat = np.array([i for rows in plan for i in rows])
             order = mx.array(np.argsort(flat).astype(np.int32))
     return Step(mx.array(write.astype(np.int32)), view, width, groups, order)
+
+
+def _run(table: Sequence[int], width: int) -> bool:
+    """Whether a row's first `width` blocks are one run (its view a slice of the pool)."""
+    return len(table) >= width and \
+        list(table[:width]) == list(range(table[0], table[0] + width))
+
+
+def _one_row_decode(table: Sequence[int], p: int, nb: int, bs: int, heads: int) -> Step:
+    """`plan_step` for one row decoding its position `p` (a single stream's every step,
+    without numpy: its fixed cost is a larger part of a small step)."""
+    width = p // bs + 1
+    slot = table[p // bs] * bs + p % bs
+    write = mx.array([h * (nb + 1) * bs + slot for h in range(heads)], dtype=mx.int32)
+    if _run(table, width):
+        return Step(write, int(table[0]), width, None, None)
+    view = mx.array([[[h * (nb + 1) + b for b in table[:width]] for h in range(heads)]],
+                    dtype=mx.int32)
+    return Step(write, view, width, None, None)
 
 
 def attend_groups(queries: mx.array, store_k: mx.array, store_v: mx.array,

@@ -196,6 +196,9 @@ class PagedBatchKVCache(_BaseCache):
         end = self._idx + N
         stored = [max(0, self._stop(i, end) - p) for i, p in enumerate(self._pads)]
         width = max(1, self.pool.blocks_for(max(stored, default=0)))
+        if N == 1 and self._ends is None:  # decoding: each row sees all it holds
+            cols = mx.arange(width * self.pool.block_size)
+            return cols[None, None, None, :] < mx.array(stored)[:, None, None, None]
         cols = mx.arange(width * self.pool.block_size)[None, None, :]
         query = (self._idx + mx.arange(N))[None, :] - mx.array(self._pads)[:, None]
         mask = (cols <= query[:, :, None]) & (cols < mx.array(stored)[:, None, None])
