@@ -14,7 +14,8 @@ Three targets, in alternating rounds, each on Orchard's `LocalBatch` with the sa
   adapted layers skip their gather), what loading adapters costs rows that use none.
 
 All `--streams` start together and decode `--tokens` greedy tokens each; timed from the
-insert to the last token. Reports tok/s medians over rounds (min-max) and the per-round
+insert to the last token. Each round runs the three in turn, starting one target further
+than the round before, so none always runs first. Reports tok/s medians over rounds (min-max) and the per-round
 ratios against base. Writes load/out/bench_adapters.json.
 """
 
@@ -78,7 +79,8 @@ def main() -> None:
     chosen: list[str | None] = [names[i % len(names)] for i in range(args.streams)]
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in TARGETS}
     for r in range(args.rounds):
-        for target in TARGETS:
+        # Each round starts at the next target: no target always runs first (or last).
+        for target in TARGETS[r % 3:] + TARGETS[:r % 3]:
             if target == "base":
                 n, seconds = run(base, None, prompts, args.tokens, [None] * args.streams)
             elif target == "adapters":
