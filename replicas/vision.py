@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from replicas.contract import ImageData
+from replicas.engine.model.mrope import install
 from replicas.engine.request import PromptEmbeddings
 from replicas.errors import InvalidRequestError
 from replicas.options import ModelKind
@@ -42,7 +44,9 @@ log = logging.getLogger(__name__)
 
 # Model types served with images: each checked against mlx-vlm's generation
 # (tests/integration/test_vision.py on `builtin:vision`, a mistral3).
-VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3"})
+VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl"})
+# Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
+MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl"})
 
 
 class VisionUnsupported(ValueError):
@@ -52,7 +56,8 @@ class VisionUnsupported(ValueError):
 def sees(config: dict[str, Any], kind: ModelKind = "auto") -> bool:
     """Whether a model with this config.json is served with images: its config has a
     vision tower of a type in `VISION_MODEL_TYPES` (or `kind` says vision, which must then
-    hold); `kind: text` never."""
+    hold); `kind: text` never. A vision tower of another type is refused (VisionUnsupported)
+    unless `kind: text`."""
     if kind == "text":
         return False
     model_type = str(config.get("model_type", ""))
@@ -64,9 +69,11 @@ def sees(config: dict[str, Any], kind: ModelKind = "auto") -> bool:
             f"`kind: vision`, but images are served only for model types "
             f"{', '.join(sorted(VISION_MODEL_TYPES))} with a vision_config; this model is "
             f"{model_type or 'of no model_type'}")
-    if vision:
-        log.warning("model type %s has a vision tower Orchard does not serve yet: it is "
-                    "served as text only (images become placeholders)", model_type)
+    if vision:  # never text only by surprise
+        raise VisionUnsupported(
+            f"model type {model_type} has a vision tower Orchard does not serve yet (images "
+            f"are served for {', '.join(sorted(VISION_MODEL_TYPES))}); set `kind: text` to "
+            "serve it as text only")
     return False
 
 
@@ -74,8 +81,9 @@ class VisionModel:
     """The vision half of a vision-language model: processor, tower and projector."""
 
     def __init__(self, encoder: nn.Module, processor: Any, image_token_id: int,
-                 timings: Timings) -> None:
+                 timings: Timings, mrope: bool = False, end: int | None = None) -> None:
         self._encoder = encoder
+        self._mrope = mrope  # the prefix's 3-D positions go with its embeddings
         self._timings = timings
         self._processor = processor
         self.image_token_id = image_token_id
@@ -83,7 +91,8 @@ class VisionModel:
         # What this half adds to memory (the language model's weights are counted already).
         self.nbytes = sum(v.nbytes for k, v in weights.items()
                           if not k.startswith("language_model."))
-        end = getattr(processor, "image_end_token_id", None)
+        if end is None:  # else Qwen-VL's token that closes each image's vision span
+            end = getattr(processor, "image_end_token_id", None)
         if not isinstance(end, int):  # what tells one image's tokens from the next's
             raise VisionUnsupported("the model's processor has no image end token")
         self._end_token = end
@@ -99,14 +108,20 @@ class VisionModel:
             encoder = load_model(path, lazy=True)
             processor = load_processor(path)
             text = encoder.language_model.model
+            mrope = encoder.config.model_type in MROPE_MODEL_TYPES
+            if mrope:  # mlx-lm's layers, with mlx-vlm's rotary embedding for image prefixes
+                install(language_model, text.layers[0].self_attn.rotary_emb)
             text.embed_tokens = _embed_tokens(language_model)
             text.layers = []  # mlx-lm's copy runs them; these are never read
             weights: dict[str, mx.array] = dict(tree_flatten(encoder.parameters()))
             mx.eval([v for k, v in weights.items() if not k.startswith("language_model.")])
         token = getattr(encoder.config, "image_token_index", None)
+        if token is None:  # Qwen-VL's name for it
+            token = getattr(encoder.config, "image_token_id", None)
         if not isinstance(token, int):
             raise VisionUnsupported(f"{path}: config.json names no image_token_index")
-        return cls(encoder, processor, token, timings)
+        end = json.loads((Path(path) / "config.json").read_text()).get("vision_end_token_id")
+        return cls(encoder, processor, token, timings, mrope, end)
 
     def prompt(self, text: str, images: Sequence[ImageData]) -> RenderedPrompt:
         """`text` (the chat template's output, one image token per image) and its images
@@ -132,20 +147,32 @@ class VisionModel:
                                       param="messages")
         length = image_at[-1] + 1
         key = _content_key(ids[:length], images, self.image_token_id, self._end_token)
-        pixels, sizes = inputs["pixel_values"], inputs.get("image_sizes")
-        encoder, timings = self._encoder, self._timings
+        pixels = inputs["pixel_values"]
+        extra = {name: inputs[name] for name in ("image_sizes", "image_grid_thw")
+                 if inputs.get(name) is not None}
+        delta = _rope_delta(inputs["image_grid_thw"], self._merge) if self._mrope else 0
+        encoder, timings, mrope = self._encoder, self._timings, self._mrope
 
-        def compute() -> mx.array:
+        def compute() -> Any:
             started = time.perf_counter()
-            extra = {} if sizes is None else {"image_sizes": mx.array(sizes)}
             features = encoder.get_input_embeddings(
-                mx.array([ids[:length]]), _pixels(pixels), **extra)
+                mx.array([ids[:length]]), _pixels(pixels),
+                **{name: mx.array(value) for name, value in extra.items()})
             embeddings = features.inputs_embeds[0]
             mx.eval(embeddings)
             timings.encoded(len(pictures), time.perf_counter() - started)
-            return embeddings
+            if not mrope:
+                return embeddings
+            if int(features.rope_deltas.reshape(-1)[0].item()) != delta:
+                raise ValueError(f"mlx-vlm's rope delta {features.rope_deltas} is not {delta}")
+            return embeddings, features.position_ids
 
-        return RenderedPrompt(tuple(ids), text, PromptEmbeddings(tuple(key), compute))
+        return RenderedPrompt(tuple(ids), text,
+                              PromptEmbeddings(tuple(key), compute, rope_delta=delta))
+
+    @property
+    def _merge(self) -> int:
+        return int(self._encoder.config.vision_config.spatial_merge_size)
 
 
 def _embed_tokens(language_model: nn.Module) -> nn.Module:
@@ -156,6 +183,17 @@ def _embed_tokens(language_model: nn.Module) -> nn.Module:
         if module is not None and hasattr(module, "embed_tokens"):
             return module.embed_tokens  # type: ignore[no-any-return]
     raise VisionUnsupported("the language model has no embed_tokens to share")
+
+
+def _rope_delta(grids: Any, merge: int) -> int:
+    """M-RoPE's shift of every position after the images (`get_rope_index`'s delta): an
+    image of t x h x w merged tokens takes t*h*w indices but advances positions by
+    max(t, h, w)."""
+    delta = 0
+    for t, h, w in np.asarray(grids).tolist():
+        h, w = h // merge, w // merge
+        delta += max(t, h, w) - t * h * w
+    return delta
 
 
 def _content_key(ids: Sequence[int], images: Sequence[ImageData], image_token: int,

@@ -26,8 +26,11 @@ class PromptEmbeddings:
     # The prefix cache's key for the positions they cover: the token ids, with each image
     # token replaced by an id from its image's content.
     key: tuple[int, ...]
-    # On the engine thread: the (len(key), hidden) embeddings.
+    # On the engine thread: the (len(key), hidden) embeddings; with M-RoPE, those and the
+    # positions' (3, 1, len(key)) ids (`replicas.engine.model.mrope`).
     compute: Callable[[], Any]
+    # With M-RoPE: what every position after the prefix adds to its index (0: 1-D RoPE).
+    rope_delta: int = 0
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,6 @@ cache's content key, and which checkpoints are served with images."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from replicas.contract import ChatMessage, ImageAt, ImageData
@@ -38,13 +36,15 @@ def test_the_content_key_follows_each_image() -> None:
     assert _content_key(ids, [BLUE, BLUE], IMG, END)[:7] != red_blue[:7]
 
 
-def test_which_checkpoints_see(caplog: pytest.LogCaptureFixture) -> None:
-    mistral3 = {"model_type": "mistral3", "vision_config": {}}
-    assert sees(mistral3) and sees(mistral3, "vision")
-    assert not sees(mistral3, "text")
+def test_which_checkpoints_see() -> None:
+    for served in ("mistral3", "qwen2_vl"):
+        config = {"model_type": served, "vision_config": {}}
+        assert sees(config) and sees(config, "vision")
+        assert not sees(config, "text")
     assert not sees({"model_type": "qwen3"})
-    with caplog.at_level(logging.WARNING):
-        assert not sees({"model_type": "qwen2_vl", "vision_config": {}})
-    assert "served as text only" in caplog.text
+    gemma3 = {"model_type": "gemma3", "vision_config": {}}
+    with pytest.raises(VisionUnsupported, match="model type gemma3 has a vision tower"):
+        sees(gemma3)  # never text only by surprise
+    assert not sees(gemma3, "text")
     with pytest.raises(VisionUnsupported, match="images are served only for model types"):
         sees({"model_type": "qwen3"}, "vision")

@@ -20,6 +20,7 @@ We override `_step`, `next`, `extend` and `filter`, pinned to mlx-lm 0.32.2's at
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Sequence, cast
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch
 
 from replicas.engine.model.lora import Slots
+from replicas.engine.model.mrope import RowPositions
 from replicas.engine.model.mtp import hidden_and_logits
 from replicas.engine.sampling.penalties import Penalties, apply, window
 from replicas.engine.sampling.rejection import accepted, judge, verdict
@@ -61,6 +63,7 @@ class Generation(GenerationBatch):
         self.gate: SpeculationGate | None = None  # whether drafting pays at this size
         self.held = False  # `next` steps nothing while set (`replicas.engine.batch.local`)
         self.slots: Slots | None = None  # the rows' LoRA adapters (`replicas.engine.model.lora`)
+        self.positions: RowPositions | None = None  # M-RoPE rows' deltas (`model.mrope`)
         self._joining = joining
         super().__init__(*args, **kwargs)
         self._joining = False
@@ -182,11 +185,13 @@ class Generation(GenerationBatch):
 
     def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         """The model's logits over `inputs`, and its last hidden states where the drafter
-        reads them (MTP). Each row with its own LoRA adapter, where any has one."""
-        if self.slots is not None and self.slots.by_uid:
-            with self.slots.of(self.uids):
-                return self._forward_rows(inputs)
-        return self._forward_rows(inputs)
+        reads them (MTP). Each row with its own LoRA adapter, where any has one, and its
+        own position delta, where the model has M-RoPE."""
+        with self.positions.of(self.uids) if self.positions is not None else nullcontext():
+            if self.slots is not None and self.slots.by_uid:
+                with self.slots.of(self.uids):
+                    return self._forward_rows(inputs)
+            return self._forward_rows(inputs)
 
     def _forward_rows(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         if self.drafter is not None and self.drafter.wants_hidden:

@@ -10,6 +10,7 @@ many ranks there are.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -31,6 +32,7 @@ from replicas.engine.kv.prefix_cache import CacheHit, PromptCache, prefix_view, 
 from replicas.engine.kv.directory import HeldBlocks
 from replicas.engine.kv.namespace import namespaced
 from replicas.engine.model.adapters import AdapterFiles, AdapterTable
+from replicas.engine.model.mrope import row_positions
 from replicas.engine.batch.prefill import Prefilling
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.batch.scoring import score_prompt
@@ -84,7 +86,7 @@ class Prefill:
     row: Row
     cache: list[Any]
     done: int = 0  # positions prefilled so far
-    embeddings: Any = None  # computed with the first chunk
+    embeddings: Any = None  # computed with the first chunk (with M-RoPE: and positions)
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class LocalBatch:
         self.adapters = adapters if adapters is not None else AdapterTable(model)
         self._draft = draft
         self._model = model
+        self._positions = row_positions(model)  # M-RoPE rows' deltas; None: 1-D positions
         self._config = config
         self._cache = PromptCache(config.prompt_cache_bytes, cost_scale=cache_cost_scale,
                                   disk=disk, held=held) if config.prompt_cache_bytes > 0 else None
@@ -186,12 +189,14 @@ class LocalBatch:
         decoding = Generation.make(self._model, gen.sampler, drafter, self._shared, self.gate)
         decoding.stats = self.decode_stats
         decoding.slots = self.adapters.slots
+        decoding.positions = self._positions
         gen._generation_batch = decoding
         # And our prefilling batch (`replicas.engine.batch.prefill`): mlx-lm `extend`s it.
         prefilling = Prefilling.empty(self._model, gen.sampler,
                                       prefill_step_size=self._config.prefill_step_size)
         prefilling.in_pass = drafter is None
         prefilling.slots = decoding.slots
+        prefilling.positions = self._positions
         gen._prompt_batch = prefilling
         self._decoding = decoding
         return gen
@@ -225,6 +230,10 @@ class LocalBatch:
         self._rows.update(uids)
         self._keys.update((uid, r.embeddings.key) for uid, r in zip(uids, rows)
                           if r.embeddings is not None)
+        if self._positions is not None:  # rows after an image: M-RoPE's shift
+            self._positions.by_uid.update((uid, r.embeddings.rope_delta)
+                                          for uid, r in zip(uids, rows)
+                                          if r.embeddings is not None and r.embeddings.rope_delta)
         for uid, r, slot in zip(uids, rows, slots):
             if slot:
                 self.adapters.slots.by_uid[uid] = slot
@@ -326,8 +335,12 @@ class LocalBatch:
         with mx.stream(self.stream):
             if prefill.embeddings is None:
                 prefill.embeddings = row.embeddings.compute()
-            self._model(mx.array([row.prompt_ids[start:end]]), cache=prefill.cache,
-                        input_embeddings=prefill.embeddings[None, start:end])
+            embeddings, positions = (prefill.embeddings if isinstance(prefill.embeddings, tuple)
+                                     else (prefill.embeddings, None))
+            with (self._positions.explicit(positions[:, :, start:end])
+                  if self._positions is not None and positions is not None else nullcontext()):
+                self._model(mx.array([row.prompt_ids[start:end]]), cache=prefill.cache,
+                            input_embeddings=embeddings[None, start:end])
             mx.eval([c.state for c in prefill.cache])
         prefill.done = end
         if end < len(key):
@@ -382,6 +395,8 @@ class LocalBatch:
         for uid in list(uids):
             self._rows.discard(uid)
             self._keys.pop(uid, None)
+            if self._positions is not None:
+                self._positions.by_uid.pop(uid, None)
             if self._spaces.pop(uid, None) is not None:
                 self.adapters.slots.by_uid.pop(uid, None)
 
@@ -416,6 +431,8 @@ class LocalBatch:
         self._keys = {}
         self._spaces = {}
         self.adapters.slots.by_uid.clear()
+        if self._positions is not None:
+            self._positions.by_uid.clear()
         return True
 
     def held_length(self, tokens: Sequence[int]) -> int:

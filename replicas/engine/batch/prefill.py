@@ -16,7 +16,7 @@ test process segfaulted with it (load/RESULTS.md, "Rows join the batch's pass").
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any, ContextManager
 
 import mlx.core as mx
@@ -24,6 +24,7 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from replicas.engine.batch.decode import Generation
 from replicas.engine.model.lora import Slots
+from replicas.engine.model.mrope import RowPositions
 
 
 class Prefilling(PromptProcessingBatch):
@@ -32,16 +33,23 @@ class Prefilling(PromptProcessingBatch):
 
     in_pass = True
     slots: Slots | None = None  # the rows' LoRA adapters (`replicas.engine.model.lora`)
+    positions: RowPositions | None = None  # M-RoPE rows' deltas (`model.mrope`)
 
     def _copy(self) -> Prefilling:
         new: Prefilling = super()._copy()  # `split`'s copy: mlx-lm copies its own fields
         new.in_pass = self.in_pass
         new.slots = self.slots
+        new.positions = self.positions
         return new
 
-    def _adapted(self) -> ContextManager[None]:
-        """Each row's adapter for the passes built meanwhile."""
-        return self.slots.of(self.uids) if self.slots is not None else nullcontext()
+    def _adapted(self) -> ContextManager[Any]:
+        """Each row's adapter (and M-RoPE position delta) for the passes built meanwhile."""
+        stack = ExitStack()
+        if self.slots is not None:
+            stack.enter_context(self.slots.of(self.uids))
+        if self.positions is not None:
+            stack.enter_context(self.positions.of(self.uids))
+        return stack
 
     def prompt(self, tokens: list[list[int]]) -> None:
         with self._adapted():

@@ -1,0 +1,180 @@
+"""A Qwen2-VL model (`builtin:vision-qwen`) in a replica in-process: multimodal rotary
+positions (M-RoPE) with the language model driven by the ordinary batch. Its answers are
+mlx-vlm's own, token for token, with 0, 1 and 2 images, alone and batched beside text
+rows, prefilled in chunks and from the prefix cache.
+
+The images are large enough (up to 16 tokens each) that a row's position delta matters:
+dropping it, or prefilling the image with 1-D positions, changes these answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+from PIL import Image
+
+from replicas.contract import (
+    ChatMessage,
+    ChatPrompt,
+    Finished,
+    GenerationRequest,
+    ImageAt,
+    ImageData,
+    OutputEvent,
+    SamplingParams,
+    TokenIds,
+)
+from replicas.engine.config import EngineConfig
+from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.sources import resolve_source
+from tests.streams import collect, stream_events
+
+SOURCE = "builtin:vision-qwen"
+QUESTION = "What is in this picture?"
+
+
+def image(color: str, size: tuple[int, int] = (64, 64)) -> ImageData:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return ImageData(buffer.getvalue(), "image/png")
+
+
+def ask(rid: str, *pictures: ImageData, text: str = QUESTION,
+        max_tokens: int = 10) -> GenerationRequest:
+    """One user turn: `text`, then the pictures after it."""
+    at = tuple(ImageAt(len(text), p) for p in pictures)
+    return GenerationRequest(rid, "vq", ChatPrompt((ChatMessage("user", text, images=at),)),
+                             SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                             report_tokens=True)
+
+
+def tokens(events: list[OutputEvent]) -> list[int]:
+    return [t for e in events if isinstance(e, TokenIds) for t in e.ids]
+
+
+def finished(events: list[OutputEvent]) -> Finished:
+    last = events[-1]
+    assert isinstance(last, Finished), last
+    return last
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[ModelReplica]:
+    rep = ModelReplica(ReplicaOptions(model_id="vq", source=SOURCE))
+    rep.start()
+    assert rep.sees
+    yield rep
+    rep.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Callable[[GenerationRequest], list[int]]:
+    """mlx-vlm's own greedy generation for a request made by `ask`: the reference."""
+    from mlx_vlm import load, stream_generate
+
+    model, processor = load(str(resolve_source(SOURCE)))
+
+    def generate(request: GenerationRequest) -> list[int]:
+        assert isinstance(request.prompt, ChatPrompt)
+        message = request.prompt.messages[0]
+        content: list[dict[str, Any]] = [{"type": "text", "text": message.content}]
+        content += [{"type": "image"} for _ in message.images]
+        prompt = processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        pictures = [Image.open(io.BytesIO(at.image.data)) for at in message.images]
+        n = request.sampling.max_tokens
+        assert n is not None
+        extra = {"image": pictures} if pictures else {}
+        # Its last response repeats the last token with the totals: only the first N count.
+        return [r.token for r in stream_generate(model, processor, prompt, max_tokens=n,
+                                                 temperature=0.0, **extra)][:n]
+
+    return generate
+
+
+def requests() -> list[GenerationRequest]:
+    """Text rows, and rows with 0, 1 and 2 images of different shapes."""
+    return [ask("text", text="Hello there"), ask("red", image("red")),
+            ask("blue", image("blue", (64, 48))),
+            ask("two", image("green", (48, 40)), image("purple", (64, 32))),
+            ask("words", text="Tell me a story", max_tokens=12)]
+
+
+def test_answers_are_mlx_vlms_alone(replica: ModelReplica,
+                                    reference: Callable[[GenerationRequest], list[int]]
+                                    ) -> None:
+    answers = {r.request_id: tokens(stream_events(replica, r)) for r in requests()}
+    assert answers == {r.request_id: reference(r) for r in requests()}
+    assert len({tuple(t) for t in answers.values()}) == len(answers)  # images matter
+
+
+def test_images_batch_with_text_rows(replica: ModelReplica,
+                                     reference: Callable[[GenerationRequest], list[int]]
+                                     ) -> None:
+    """All at once: rows with position deltas decode in one batch with rows without."""
+    async def together() -> list[list[OutputEvent]]:
+        return list(await asyncio.gather(*(collect(replica.stream(r)) for r in requests())))
+
+    batched = [tokens(events) for events in asyncio.run(together())]
+    assert batched == [reference(r) for r in requests()]
+
+
+def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica,
+                                           reference: Callable[[GenerationRequest], list[int]]
+                                           ) -> None:
+    """A second request with the same image reuses the first's KV (the image's and the
+    text's after it, whose positions carry the delta) and answers as mlx-vlm does."""
+    first = stream_events(replica, ask("c1", image("orange")))
+    again = stream_events(replica, ask("c2", image("orange")))
+    other = stream_events(replica, ask("c3", image("teal")))
+    assert tokens(again) == tokens(first) == reference(ask("c", image("orange")))
+    prompt = finished(again).usage.prompt_tokens
+    assert finished(again).usage.cached_tokens == prompt - 1
+    assert finished(other).usage.cached_tokens == 0
+    assert tokens(other) != tokens(first)
+
+
+def test_chunked_prefill_is_mlx_vlms(reference: Callable[[GenerationRequest], list[int]]
+                                     ) -> None:
+    """With a 3-token prefill step the image prefix's 3-D positions and the text after it
+    go in many chunks; and with no prefix cache every prompt is prefilled whole."""
+    rep = ModelReplica(ReplicaOptions(model_id="vq", source=SOURCE, engine=EngineConfig(
+        prefill_step_size=3, prompt_cache_bytes=0)))
+    rep.start()
+    try:
+        async def together() -> list[list[OutputEvent]]:
+            return list(await asyncio.gather(*(collect(rep.stream(r)) for r in requests())))
+
+        batched = [tokens(events) for events in asyncio.run(together())]
+    finally:
+        rep.shutdown()
+    assert batched == [reference(r) for r in requests()]
+
+
+def test_an_unsupported_vision_family_is_refused_at_load(tmp_path: Path) -> None:
+    """The same checkpoint, but named a family Orchard does not serve with images: the load
+    fails naming it, rather than serving it as text only; `kind: text` serves it."""
+    copy = tmp_path / "qwen-other"
+    shutil.copytree(resolve_source(SOURCE), copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["model_type"] = "qwen2_5_vl"  # mlx-lm loads its language model as Qwen2-VL's
+    (copy / "config.json").write_text(json.dumps(config))
+    rep = ModelReplica(ReplicaOptions(model_id="other", source=str(copy)))
+    with pytest.raises(Exception, match="model type qwen2_5_vl has a vision tower"):
+        rep.start()
+    rep.shutdown()
+    text = ModelReplica(ReplicaOptions(model_id="other", source=str(copy), kind="text",
+                                       engine=EngineConfig(prompt_cache_bytes=0)))
+    text.start()
+    try:
+        assert not text.sees
+        assert finished(stream_events(text, ask("words", text="Hello"))).usage \
+            .completion_tokens > 0
+    finally:
+        text.shutdown()
