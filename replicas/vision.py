@@ -11,9 +11,13 @@ there streaming, stops, channels, guided decoding, tool calls, the prefix cache,
 and continuous batching are the text path's, unchanged, rather than a second engine
 (mlx-vlm's own batch generator) kept in step with the first.
 
-Only model types whose language model takes plain 1-D positions can be cut this way, and
-only those checked against mlx-vlm's own generation are served (`VISION_MODEL_TYPES`);
-Qwen-VL's 3-D rotary positions, for one, would need the positions carried into the batch.
+Only the model types checked against mlx-vlm's own generation are served
+(`VISION_MODEL_TYPES`); a checkpoint with a vision tower of another type is refused at load,
+naming it, unless config says `kind: text`. Qwen-VL's language model takes 3-D rotary
+positions (M-RoPE, `MROPE_MODEL_TYPES`): its image prefix is prefilled with mlx-vlm's
+positions (`get_rope_index`, returned with the embeddings), and every later token of the row
+sits at its offset plus the row's `rope_delta` (`PromptEmbeddings.rope_delta`), which the
+batch applies per row through mlx-lm's layers (`replicas.engine.model.mrope`).
 """
 
 from __future__ import annotations
