@@ -10,6 +10,7 @@ dropping it, or prefilling the image with 1-D positions, changes these answers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import shutil
@@ -31,6 +32,7 @@ from replicas.contract import (
     TokenIds,
 )
 from replicas.engine.config import EngineConfig
+from replicas.engine.kv.layout import CACHE_STEP
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
 from tests.streams import collect, stream_events
@@ -178,3 +180,53 @@ def test_an_unsupported_vision_family_is_refused_at_load(tmp_path: Path) -> None
             .completion_tokens > 0
     finally:
         text.shutdown()
+
+
+def test_a_resumed_stream_goes_on_exactly(replica: ModelReplica) -> None:
+    """A stream about an image cut after some tokens and resumed with the ids sent so far
+    (`GenerationRequest.resume`): the rest is the uninterrupted stream's (the resumed
+    prompt's tokens after the image carry the row's delta)."""
+    request = ask("whole", image("maroon", (64, 48)), max_tokens=16)
+    whole = tokens(stream_events(replica, request))
+    for cut in (1, 7, 15):
+        resumed = dataclasses.replace(request, request_id=f"resumed-{cut}",
+                                      resume=tuple(whole[:cut]))
+        assert whole[:cut] + tokens(stream_events(replica, resumed)) == whole, cut
+
+
+def test_preempted_image_rows_continue_exactly() -> None:
+    """Under a KV budget of four cache steps, rows about images that grow past a step are
+    preempted and resume by prefill (their prompt grown by what they generated, the image
+    prefix again from the prefix cache or the tower): each answer is an ample budget's."""
+    never_end: dict[int, float] = {}
+    per_token: list[int] = []
+
+    def run(budget: int | None) -> tuple[list[list[int]], int]:
+        rep = ModelReplica(ReplicaOptions(model_id="vq", source=SOURCE, max_model_len=320,
+                                          engine=EngineConfig(kv_budget_bytes=budget)))
+        rep.start()
+        try:
+            never_end.update({t: -100.0 for t in rep.model.eos_token_ids})
+            per_token.append(rep._engine.kv_budget.layout.per_token)  # noqa: SLF001
+            rows = []
+            for i, request in enumerate(requests() * 2):
+                sampling = dataclasses.replace(request.sampling, max_tokens=None,
+                                               logit_bias=dict(never_end))
+                rows.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}",
+                                                sampling=sampling))
+
+            async def together() -> list[list[OutputEvent]]:
+                return list(await asyncio.gather(*(collect(rep.stream(r)) for r in rows)))
+
+            answers = [tokens(events) for events in asyncio.run(together())]
+            memory = rep.stats().memory
+            assert memory is not None
+            return answers, memory.preempted
+        finally:
+            rep.shutdown()
+
+    ample, _ = run(None)
+    squeezed, preempted = run(4 * CACHE_STEP * per_token[0])
+    assert preempted > 0  # the budget did force rows out
+    assert squeezed == ample
+    assert all(len(a) > CACHE_STEP - 64 for a in ample)  # each ran past its first step
