@@ -47,10 +47,11 @@ from replicas.timings import Timings
 log = logging.getLogger(__name__)
 
 # Model types served with images: each checked against mlx-vlm's generation
-# (tests/integration/test_vision.py on `builtin:vision`, a mistral3).
-VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl"})
+# (tests/integration/test_vision.py on `builtin:vision`, a mistral3; test_vision_qwen.py on
+# `builtin:vision-qwen` and `builtin:vision-qwen25`).
+VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
-MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl"})
+MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
 class VisionUnsupported(ValueError):

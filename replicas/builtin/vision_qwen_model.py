@@ -1,8 +1,9 @@
-"""`builtin:vision-qwen`: a tiny vision-language model laid out as Qwen2-VL (`qwen2_vl`: a
-Qwen2-VL vision tower and patch merger, a Qwen2 text model with multimodal rotary
-positions), for tests and benchmarks of M-RoPE families (`replicas.mrope`).
+"""`builtin:vision-qwen` and `builtin:vision-qwen25`: tiny vision-language models laid out
+as Qwen2-VL (`qwen2_vl`) and Qwen2.5-VL (`qwen2_5_vl`: its windowed vision tower), each a
+vision tower and patch merger before a Qwen2 text model with multimodal rotary positions,
+for tests and benchmarks of M-RoPE families (`replicas.engine.model.mrope`).
 
-Random weights made by mlx-vlm's own `qwen2_vl` classes, the built-in tokenizer with
+Random weights made by mlx-vlm's own `qwen2_vl` / `qwen2_5_vl` classes, the built-in tokenizer with
 Qwen2-VL's vision tokens added, and the built-in chat template rendering an image part as
 `<|vision_start|><|image_pad|><|vision_end|>`; `preprocessor_config.json` is what
 transformers' `Qwen2VLImageProcessor` reads, so mlx-vlm loads the directory as it loads the
@@ -39,6 +40,7 @@ from .vision_model import TEXT as MISTRAL_TEXT
 log = logging.getLogger(__name__)
 
 NAME = "vision-qwen"
+NAME_25 = "vision-qwen25"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 IMAGE_PART = VISION_START + IMAGE_PAD + VISION_END  # how the template writes an image
@@ -54,28 +56,45 @@ VISION: dict[str, Any] = {
     "spatial_patch_size": PATCH_SIZE, "spatial_merge_size": MERGE_SIZE,
     "temporal_patch_size": TEMPORAL_PATCH,
 }
+# Qwen2.5-VL's tower: windows of 32 pixels (2 x 2 merged tokens), its 2nd block attending
+# over the whole image.
+VISION_25: dict[str, Any] = {
+    "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 64, "intermediate_size": 128,
+    "out_hidden_size": TEXT.hidden_size, "num_heads": 2, "in_channels": 3,
+    "patch_size": PATCH_SIZE, "spatial_patch_size": PATCH_SIZE,
+    "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH,
+    "window_size": 32, "fullatt_block_indexes": [1], "tokens_per_second": 2,
+}
+# name: (model_type, vision config, architecture, processor)
+VARIANTS: dict[str, tuple[str, dict[str, Any], str, str]] = {
+    NAME: ("qwen2_vl", VISION, "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
+    NAME_25: ("qwen2_5_vl", VISION_25, "Qwen2_5_VLForConditionalGeneration",
+              "Qwen2_5_VLProcessor"),
+}
 SEED = 20251205
 DTYPE = "float32"
 _IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]  # Qwen2-VL's (CLIP's)
 _IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def ensure_vision_qwen_model(cache_dir: Path | None = None) -> Path:
-    """The cached directory of `builtin:vision-qwen`, built first if missing (seconds)."""
+def ensure_vision_qwen_model(name: str = NAME, cache_dir: Path | None = None) -> Path:
+    """The cached directory of `builtin:<name>` (a `VARIANTS` name), built first if missing
+    (seconds)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     text = scripts_text()
-    key = cache_key(replace(MISTRAL_TEXT, name=NAME), text + NAME + repr(sorted(VISION.items()))
+    key = cache_key(replace(MISTRAL_TEXT, name=name), text + repr(VARIANTS[name])
                     + repr(MROPE_SECTION) + chat_template(IMAGE_PART))
 
     def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{NAME}",
+        with Progress(f"building the built-in model builtin:{name}",
                       f"once (cached in {root}), a few seconds"):
-            build_vision_qwen_model(tmp, text, key)
+            build_vision_qwen_model(tmp, text, key, name)
 
     return cached_build(root, key, make)
 
 
-def build_vision_qwen_model(out_dir: Path, scripts: str, key: str) -> None:
+def build_vision_qwen_model(out_dir: Path, scripts: str, key: str, name: str = NAME) -> None:
+    model_type, vision, architecture, processor = VARIANTS[name]
     vision_tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
     tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2,
                                 special=(*SPECIAL_TOKENS, *vision_tokens))
@@ -86,10 +105,10 @@ def build_vision_qwen_model(out_dir: Path, scripts: str, key: str) -> None:
     config = TEXT.config(tokenizer.get_vocab_size(), eos, pad, DTYPE)
     config.pop("head_dim", None)  # Qwen2's is hidden_size / heads (32 here too)
     config.update({
-        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+        "architectures": [architecture], "model_type": model_type,
         "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope",
                                                   "mrope_section": MROPE_SECTION},
-        "vision_config": VISION,
+        "vision_config": vision,
         "image_token_id": token_id(tokenizer, IMAGE_PAD),
         "video_token_id": token_id(tokenizer, VIDEO_PAD),
         "vision_start_token_id": token_id(tokenizer, VISION_START),
@@ -100,7 +119,7 @@ def build_vision_qwen_model(out_dir: Path, scripts: str, key: str) -> None:
     write_json(out_dir / "generation_config.json",
                {"bos_token_id": pad, "eos_token_id": [eos], "pad_token_id": pad})
     write_json(out_dir / "preprocessor_config.json", {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
         "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH,
         "merge_size": MERGE_SIZE, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
@@ -109,9 +128,9 @@ def build_vision_qwen_model(out_dir: Path, scripts: str, key: str) -> None:
     weights = _random_weights(config)
     save_by_layer(out_dir, weights)
     write_json(out_dir / BUILD_INFO, {
-        "name": NAME, "cache_key": key, "weights": {"source": "random", "seed": SEED},
+        "name": name, "cache_key": key, "weights": {"source": "random", "seed": SEED},
         "parameters": sum(w.size for w in weights.values())})
-    log.info("built builtin:%s (%d parameters)", NAME, sum(w.size for w in weights.values()))
+    log.info("built builtin:%s (%d parameters)", name, sum(w.size for w in weights.values()))
 
 
 def _tokenizer_config(out_dir: Path, tokenizer: Any, tokens: tuple[str, ...]) -> None:
@@ -128,14 +147,15 @@ def _tokenizer_config(out_dir: Path, tokenizer: Any, tokens: tuple[str, ...]) ->
 
 
 def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
-    """mlx-vlm's own `qwen2_vl` model with its initial (random) weights, under the names
-    mlx-vlm saves."""
-    from mlx_vlm.models import qwen2_vl
+    """mlx-vlm's own model of the config's type with its initial (random) weights, under
+    the names mlx-vlm saves."""
+    import importlib
 
+    family: Any = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
     mx.random.seed(SEED)
-    model_config = qwen2_vl.ModelConfig.from_dict(dict(config))
-    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
-    model = qwen2_vl.Model(model_config)
+    model_config = family.ModelConfig.from_dict(dict(config))
+    model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = family.VisionConfig.from_dict(config["vision_config"])
+    model = family.Model(model_config)
     weights = dict(tree_flatten(model.parameters()))
     return {name: value.astype(getattr(mx, DTYPE)) for name, value in weights.items()}

@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import io
 import json
+import shutil
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -200,6 +202,29 @@ def test_kind_vision_on_a_text_model_fails_the_load() -> None:
     with pytest.raises(Exception, match="images are served only for model types"):
         rep.start()
     rep.shutdown()
+
+
+def test_an_unsupported_vision_family_is_refused_at_load(tmp_path: Path) -> None:
+    """The same checkpoint named a family Orchard does not serve with images (`pixtral`,
+    whose language model mlx-lm loads): the load fails naming it, rather than serving it
+    as text only by surprise; `kind: text` serves it as text."""
+    copy = tmp_path / "pixtral"
+    shutil.copytree(resolve_source("builtin:vision"), copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": "pixtral"}))
+    rep = ModelReplica(ReplicaOptions(model_id="other", source=str(copy)))
+    with pytest.raises(Exception, match="model type pixtral has a vision tower"):
+        rep.start()
+    rep.shutdown()
+    text = ModelReplica(ReplicaOptions(model_id="other", source=str(copy), kind="text",
+                                       engine=EngineConfig(prompt_cache_bytes=0)))
+    text.start()
+    try:
+        assert not text.sees
+        assert finished(stream_events(text, ask("words", text="Hello"))).usage \
+            .completion_tokens == 10
+    finally:
+        text.shutdown()
 
 
 def test_a_vision_tower_failure_fails_its_request_alone(replica: ModelReplica) -> None:
