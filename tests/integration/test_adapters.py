@@ -107,8 +107,10 @@ def test_sixteen_mixed_rows_equal_mlx_lm_alone(adapters: dict[str, Path],
     loaded = load_model(SOURCE, resolve_source(SOURCE))
     model = quantized(loaded.model) if bits else loaded.model
     table = load_adapters(model, {n: str(p) for n, p in adapters.items()})
-    batch = LocalBatch(model, EngineConfig(prompt_cache_bytes=1 << 24, max_batch_size=16),
-                       adapters=table)
+    # Prefill in chunks of 5 tokens: the prompts (4 to 16 tokens) take up to 4 passes each,
+    # beside rows already decoding.
+    batch = LocalBatch(model, EngineConfig(prompt_cache_bytes=1 << 24, max_batch_size=16,
+                                           prefill_step_size=5), adapters=table)
     choice = [None, *NAMES]
     rows = [Row(tuple(prompt(i)), 0, 6 + i % 5, frozenset(), make_request_sampler(GREEDY),
                 adapter=choice[i % 4]) for i in range(16)]
