@@ -145,6 +145,18 @@ def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica,
     assert tokens(other) != tokens(first)
 
 
+def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:
+    """`/tokenize` and `count_tokens` see the image's grid of tokens, not one placeholder."""
+    request = ask("count", image("red"), image("blue", (64, 32)))
+    ids = asyncio.run(replica.tokenize(request))
+    assert isinstance(ids, tuple)
+    vision = replica._vision  # noqa: SLF001
+    assert vision is not None
+    # 64x64 pixels: 8x8 patches merged 2x2, 16 tokens; 64x32: 8.
+    assert ids.count(vision.image_token_id) == 16 + 8
+    assert len(ids) == finished(stream_events(replica, request)).usage.prompt_tokens
+
+
 def test_chunked_prefill_is_mlx_vlms(source: str,
                                      reference: Callable[[GenerationRequest], list[int]]
                                      ) -> None:
