@@ -145,6 +145,33 @@ def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica,
     assert tokens(other) != tokens(first)
 
 
+def test_images_in_several_turns_are_mlx_vlms(replica: ModelReplica, source: str) -> None:
+    """Images in two user turns with text between them: the positions of the text between
+    the images are 3-D too (mlx-vlm's `get_rope_index` over the whole prefix)."""
+    from mlx_vlm import load, stream_generate
+
+    red, blue = image("red"), image("blue", (64, 32))
+    history = (ChatMessage("user", "Look:", images=(ImageAt(5, red),)),
+               ChatMessage("assistant", "I see it."),
+               ChatMessage("user", "And now?", images=(ImageAt(8, blue),)))
+    request = GenerationRequest("turns", "vq", ChatPrompt(history),
+                                SamplingParams(max_tokens=10, temperature=0.0),
+                                report_tokens=True)
+    ours = tokens(stream_events(replica, request))
+    model, processor = load(str(resolve_source(source)))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image"}]},
+                {"role": "assistant", "content": "I see it."},
+                {"role": "user", "content": [{"type": "text", "text": "And now?"},
+                                             {"type": "image"}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(p.data)) for p in (red, blue)]
+    theirs = [r.token for r in stream_generate(model, processor, prompt, image=pictures,
+                                               max_tokens=10, temperature=0.0)][:10]
+    assert ours == theirs
+
+
 def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:
     """`/tokenize` and `count_tokens` see the image's grid of tokens, not one placeholder."""
     request = ask("count", image("red"), image("blue", (64, 32)))
