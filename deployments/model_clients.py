@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # still starting) without limit; past this wait the client gets a 503 it can retry. The
 # value is the config's default (`ingress.replica_wait_s`), kept there only.
 REPLICA_WAIT_S: float | None = IngressSettings.model_fields["replica_wait_s"].default
+_STATE_POLL_S = 0.5  # how often a request waiting on a loading model asks again
 
 
 # The longest pause between tries at a replica that keeps refusing a resumed stream.
@@ -155,7 +156,8 @@ class RayModelClient:
                  states: ModelStates | None = None) -> None:
         """`on_resume(model)`: called once per stream moved to another replica (metrics).
         `states`: which models are still loading (`deployments.model_states`); their
-        requests are a 503 at once. None: every model is taken as ready."""
+        requests wait for them within `replica_wait_s`, then are refused as loading. None:
+        every model is taken as ready."""
         self._cards = list(cards)
         self._states = states
         self._replica_wait_s = replica_wait_s
@@ -262,10 +264,20 @@ class RayModelClient:
                 gen.cancel()  # the client left: cancel downstream within a decode step
 
     async def _ready(self, model: str) -> None:
-        """Raises `ModelLoadingError` (a 503 with Retry-After) while no replica of the
-        model runs yet; its request would only wait in Serve's queue."""
-        if self._states is not None and (await self._states.states()).get(model) == "loading":
-            raise ModelLoadingError(model)
+        """Waits, within the replica wait, while no replica of the model runs (it loads, or a
+        rolling update restarts it); past the wait, `ModelLoadingError` (the protocol's
+        overloaded status with Retry-After). Waiting rather than refusing at once keeps a
+        rescale or rolling update free of errors: its requests go on once a replica runs."""
+        if self._states is None:
+            return
+        loop = asyncio.get_running_loop()
+        wait_s = self._replica_wait_s
+        deadline = None if wait_s is None else loop.time() + wait_s
+        while (await self._states.states()).get(model) == "loading":
+            if deadline is not None and loop.time() >= deadline:
+                raise ModelLoadingError(model)
+            await asyncio.sleep(_STATE_POLL_S if deadline is None
+                                else min(_STATE_POLL_S, max(0.0, deadline - loop.time())))
 
     async def _accepted(self, gen: DeploymentResponseGenerator, wait_s: float | None) -> bool:
         """Whether a replica took the request (it sends an empty batch first) in time."""

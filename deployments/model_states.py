@@ -1,9 +1,10 @@
 """Whether each configured model is serving yet, as Serve's controller sees it.
 
 A model whose deployment has no replica RUNNING (all still loading, or not placed yet) is
-`loading`: the ingress answers its requests at once with a 503 and `Retry-After`
-(`ingress.errors.ModelLoadingError`) instead of holding them in Serve's queue, and
-`/v1/models` lists it with that state. Serve's `serve.status()` counts each deployment's
+`loading`: `/v1/models` lists it with that state, and its requests wait for it within the
+replica wait, then get the protocol's overloaded answer with `Retry-After`
+(`ingress.errors.ModelLoadingError`). A rolling update that restarts a model's only
+replica is `loading` for a moment too, which is why requests wait rather than bounce. Serve's `serve.status()` counts each deployment's
 replicas by state; it is one controller call, made on a worker thread and kept for
 `ttl_s`, so a burst of requests costs one. Where the controller does not answer, every
 model counts as ready: requests then wait for a replica as before (`replica_wait_s`).

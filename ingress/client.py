@@ -43,8 +43,8 @@ class ModelCard:
 
 VISION = "vision"  # the capability of a model that is sent images, not placeholders
 
-# A configured model's state: `loading` until a replica serves it (its requests are a 503
-# with Retry-After meanwhile, `ingress.errors.ModelLoadingError`), then `ready`.
+# A configured model's state: `loading` until a replica serves it (its requests wait, then
+# get the overloaded answer with Retry-After, `ingress.errors.ModelLoadingError`), then `ready`.
 ModelState = Literal["loading", "ready"]
 
 

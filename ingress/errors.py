@@ -132,15 +132,15 @@ LOADING_RETRY_AFTER_S = 2.0
 
 
 class ModelLoadingError(ReplicaError):
-    """A configured model with no replica serving yet: a 503 with `Retry-After` in every
-    shape (Anthropic's too: its 529 means busy, and its SDK retries any 5xx), typed
-    `overloaded_error`, the type both families give a temporary "try again shortly"."""
+    """A configured model with no replica serving yet, past the replica wait: the
+    protocol's overloaded answer (OpenAI's 503, Anthropic's 529 `overloaded_error`, what
+    every other "no replica now" is) with `Retry-After`, which both SDKs honour."""
 
     kind = ErrorKind.OVERLOADED
-    status = 503
 
     def __init__(self, model: str, retry_after_s: float = LOADING_RETRY_AFTER_S) -> None:
-        super().__init__(f"the model '{model}' is still loading; retry in "
+        super().__init__(f"no replica of the model '{model}' serves yet: it is still loading "
+                         f"(or waits for a node to run on); retry in "
                          f"{math.ceil(retry_after_s)} s", param="model")
         self.retry_after_s = retry_after_s
 
@@ -149,9 +149,8 @@ def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONBo
     code = exc.code if isinstance(exc, CodedError) else None
     retry = exc.retry_after_s if isinstance(exc, (RateLimitedError, ModelLoadingError)) \
         else None
-    status = exc.status if isinstance(exc, ModelLoadingError) else None
     return error_response(exc.kind, exc.message, protocol, param=exc.param, code=code,
-                          status=status, retry_after_s=retry)
+                          retry_after_s=retry)
 
 
 # Edge refusals with no status of their own in the taxonomy: status -> (kind, code).

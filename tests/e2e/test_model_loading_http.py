@@ -2,8 +2,8 @@
 59): `orchard-tiny` comes up, `orchard-slow` is held in its load by the test-only `load`
 hold (`replicas.engine.failpoints`, armed through `ORCHARD_FAILPOINTS`) until the test
 lets it go. Meanwhile `/v1/models` lists both with their states, the slow one's requests
-are a 503 with `Retry-After` in each API's shape (the official SDKs raise their 503
-errors), an unknown model is still a 404, and the cluster snapshot shows the loading
+wait out the replica wait (3 s here) and are then the protocol's overloaded answer with
+`Retry-After` (OpenAI's 503, Anthropic's 529: the SDKs raise their own errors), an unknown model is still a 404, and the cluster snapshot shows the loading
 replica; SDKs that retry get their answer once it is ready. One `serve run` for all.
 """
 
@@ -50,7 +50,9 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess
     config = yaml.safe_load(path.read_text())
     (fast,) = config["applications"][0]["args"]["models"]
     assert fast["id"] == FAST
-    config["applications"][0]["args"]["models"] = [fast, {**fast, "id": SLOW}]
+    args = config["applications"][0]["args"]
+    args["models"] = [fast, {**fast, "id": SLOW}]
+    args["ingress"] = {**args.get("ingress", {}), "replica_wait_s": 3}
     path.write_text(yaml.safe_dump(config))
     ray_tmp = Path(tempfile.mkdtemp(prefix="orl-", dir="/tmp"))
     env = {"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp),
@@ -93,10 +95,10 @@ def test_a_loading_model_is_a_503_until_it_is_ready(
         assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
         error = response.json()["error"]
         assert error["type"] == "overloaded_error" and SLOW in error["message"]
-    with pytest.raises(anthropic.ServiceUnavailableError) as refused:
+    with pytest.raises(anthropic.OverloadedError) as refused:
         ant.messages.create(model=SLOW, messages=HI, max_tokens=4)  # type: ignore[arg-type]
     response = refused.value.response
-    assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
+    assert response.status_code == 529 and int(response.headers["retry-after"]) >= 1
     assert response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "overloaded_error"
     with pytest.raises(openai.NotFoundError, match="not served here"):
@@ -131,12 +133,12 @@ def test_a_loading_model_is_a_503_until_it_is_ready(
     threads = [threading.Thread(target=fn) for fn in (chat, message)]
     for thread in threads:
         thread.start()
-    wait_for(lambda: 503 in seen_oai and 503 in seen_ant, 60)  # both refused once at least
+    wait_for(lambda: 503 in seen_oai and 529 in seen_ant, 120)  # both refused once at least
     hold.unlink()  # the slow model's load goes on
     for thread in threads:
         thread.join(timeout=600)
     assert set(answers) == {"openai", "anthropic"}
-    assert seen_oai[0] == seen_ant[0] == 503 and seen_oai[-1] == seen_ant[-1] == 200
+    assert (seen_oai[0], seen_ant[0]) == (503, 529) and seen_oai[-1] == seen_ant[-1] == 200
     assert states(oai) == {FAST: "ready", SLOW: "ready"}
 
 

@@ -1,6 +1,7 @@
 """A configured model that is still loading (`deployments.model_states`): its state from
-Serve's status (Ray's own status types, no Ray instance), its requests a 503 with
-`Retry-After` in each API's shape at once (not after `replica_wait_s` in Serve's queue),
+Serve's status (Ray's own status types, no Ray instance), its requests waiting for it
+within `replica_wait_s` (a rolling update's restart is served, not bounced), then the
+protocol's overloaded answer with `Retry-After` in each API's shape, never queued in Serve;
 `/v1/models` listing it with its state, an unknown model still a 404. The real thing, a
 `serve run` with a model held loading, is `tests/e2e/test_model_loading_http.py`."""
 
@@ -118,12 +119,12 @@ def served() -> tuple[TestClient, dict[str, Handle]]:
     cards = [ModelCard("fast"), ModelCard("slow", aliases=("slow-alias",))]
     handles = {"fast": Handle(), "slow": Handle()}
     states = ServeModelStates("orchard", DEPLOYMENTS, Counted(LOADING))
-    client = RayModelClient(cards, handles, replica_wait_s=30.0,  # type: ignore[arg-type]
+    client = RayModelClient(cards, handles, replica_wait_s=0.3,  # type: ignore[arg-type]
                             states=states)
     return TestClient(create_app(client, model_states=states)), handles
 
 
-def test_a_loading_model_is_a_503_with_retry_after_in_each_shape(
+def test_a_model_still_loading_past_the_wait_is_overloaded_with_retry_after_in_each_shape(
         served: tuple[TestClient, dict[str, Handle]]) -> None:
     http, handles = served
     oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
@@ -139,18 +140,18 @@ def test_a_loading_model_is_a_503_with_retry_after_in_each_shape(
         assert response.headers["retry-after"] == str(int(LOADING_RETRY_AFTER_S))
         error = response.json()["error"]
         assert error["type"] == "overloaded_error" and "still loading" in error["message"]
-    with pytest.raises(anthropic.ServiceUnavailableError) as refused:
+    with pytest.raises(anthropic.OverloadedError) as refused:
         ant.messages.create(model="slow", max_tokens=4,
                             messages=[{"role": "user", "content": "hi"}])
     response = refused.value.response
-    assert response.status_code == 503 and response.headers["retry-after"] == "2"
+    assert response.status_code == 529 and response.headers["retry-after"] == "2"
     body = response.json()
     assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
     embedding = http.post("/v1/embeddings", json={"model": "slow", "input": "hi"})
     assert embedding.status_code == 503 and "retry-after" in embedding.headers
     tokens = http.post("/tokenize", json={"model": "slow", "prompt": "hi"})
     assert tokens.status_code == 503
-    assert handles["slow"].calls == 0  # answered at the door, not queued in Serve
+    assert handles["slow"].calls == 0  # answered by the ingress, never queued in Serve
     # The ready model serves; an unknown one is still a 404.
     done = oai.chat.completions.create(model="fast", max_tokens=4,
                                        messages=[{"role": "user", "content": "hi"}])
@@ -174,3 +175,21 @@ def test_without_states_every_model_is_ready() -> None:
     client = RayModelClient([ModelCard("m")], {"m": Handle()})  # type: ignore[dict-item]
     http = TestClient(create_app(client))
     assert [m["state"] for m in http.get("/v1/models").json()["data"]] == ["ready"]
+
+
+def test_a_model_that_comes_up_within_the_wait_is_served() -> None:
+    """A rolling update restarts a model's only replica: for a moment none runs. Its
+    requests wait for the new one and are answered, not refused."""
+    ready = status({"model:fast": {ReplicaState.RUNNING: 1},
+                    "model:slow": {ReplicaState.RUNNING: 1}})
+    states = ServeModelStates("orchard", DEPLOYMENTS, Counted(LOADING, LOADING, ready),
+                              ttl_s=0.0)
+    handles = {"fast": Handle(), "slow": Handle()}
+    client = RayModelClient([ModelCard("fast"), ModelCard("slow")], handles,  # type: ignore[arg-type]
+                            replica_wait_s=30.0, states=states)
+    http = TestClient(create_app(client, model_states=states))
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
+                        max_retries=0)
+    done = oai.chat.completions.create(model="slow", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert done.choices[0].message.content == "hi" and handles["slow"].calls == 1
