@@ -1,7 +1,8 @@
 """The versions Orchard's private hooks were written against, checked before a model loads.
 
 Orchard subclasses and rewires private parts of mlx-lm (`GenerationBatch._step`, the batch
-caches' write index, nine attention classes), mlx-vlm (its language model) and Ray Serve
+caches' write index, nine attention classes, the attention function each model module
+imports, which paged KV wraps), mlx-vlm (its language model) and Ray Serve
 (the router's pending-request indices and queue-length cache, the replica's HTTP server).
 Those move between releases without notice, so a version other than the pinned one fails
 the load with a message, instead of serving subtly wrong output. Each hook has a contract

@@ -111,3 +111,27 @@ def test_mlx_vlm_loads_and_exposes_its_language_model_as_vision_rewires_it() -> 
     assert callable(load_model) and callable(load_processor)
     # `replicas.vision` swaps the language model's `embed_tokens` for the served model's.
     assert "self.language_model" in inspect.getsource(mistral3.Model.__init__)
+
+
+def test_attention_layers_call_mlx_lm_s_function_through_their_module(model: llama.Model) -> None:
+    # `replicas.engine.kv.attention.install` routes paged attention by replacing the
+    # `scaled_dot_product_attention` a model's module imported from `mlx_lm.models.base`,
+    # and calls it with the cache and the mask as keywords.
+    from mlx_lm.models import base
+
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+    params = list(inspect.signature(base.scaled_dot_product_attention).parameters)
+    assert params[:6] == ["queries", "keys", "values", "cache", "scale", "mask"]
+    seen: list[Any] = []
+    original = llama.scaled_dot_product_attention
+    try:
+        def spy(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
+                scale: float, mask: Any, **kw: Any) -> mx.array:
+            seen.append(cache)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+
+        llama.scaled_dot_product_attention = spy  # type: ignore[assignment]
+        model(mx.array([[1, 2, 3]]))
+    finally:
+        llama.scaled_dot_product_attention = original  # type: ignore[assignment]
+    assert len(seen) == len(model.layers)  # each layer's attention came through it
