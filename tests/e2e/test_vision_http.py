@@ -1,12 +1,12 @@
 """Images over a real `serve run` on loopback, through the official `openai` and `anthropic`
-SDKs: `builtin:vision` (a mistral3 checkpoint, seen as a VLM from its config) next to the
-chat model `builtin:tiny` (text only), two models so the two-hop layout (the Ray handle
-client) carries the images.
+SDKs: `builtin:vision` (a mistral3 checkpoint, seen as a VLM from its config) and
+`builtin:vision-qwen25` (Qwen2.5-VL's layout, M-RoPE) next to the chat model `builtin:tiny`
+(text only), several models so the two-hop layout (the Ray handle client) carries the images.
 
 Random weights make the words meaningless, but the answer follows the image: two images
 give two greedy answers, and the same image gives the same answer in every API, streamed
 or not, alone or batched with text requests. The replica-level tests
-(tests/integration/test_vision.py) hold the answers to mlx-vlm's own generation.
+(tests/integration/test_vision.py, test_vision_qwen.py) hold the answers to mlx-vlm's own generation.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from tests.observability.test_observability_http import App
 pytestmark = pytest.mark.e2e
 
 VISION, TEXT = "orchard-vision", "orchard-tiny"
+QWEN = "orchard-vision-qwen"  # Qwen2.5-VL's layout: M-RoPE (test_vision_qwen.py)
 MODELS = [{"id": VISION, "source": "builtin:vision", "max_ongoing_requests": 16},
+          {"id": QWEN, "source": "builtin:vision-qwen25", "max_ongoing_requests": 16},
           {"id": TEXT, "source": "builtin:tiny", "max_ongoing_requests": 16}]
 MAX_IMAGES = 3
 QUESTION = "What is in this picture?"
@@ -78,6 +80,7 @@ def chat(oa: openai.OpenAI, *images: bytes, model: str = VISION, text: str = QUE
 def test_models_say_which_sees(oa: openai.OpenAI) -> None:
     listed = {m.id: m.model_dump() for m in oa.models.list().data}
     assert "vision" in listed[VISION]["capabilities"]
+    assert "vision" in listed[QWEN]["capabilities"]
     assert "vision" not in listed[TEXT]["capabilities"]
     assert "vision" in oa.models.retrieve(VISION).model_dump()["capabilities"]
 
@@ -96,20 +99,22 @@ def image_block(image: bytes) -> dict[str, Any]:
                                         "data": b64(image)}}
 
 
-def test_every_api_sees_the_same_image(oa: openai.OpenAI, an: anthropic.Anthropic) -> None:
+@pytest.mark.parametrize("model", [VISION, QWEN])
+def test_every_api_sees_the_same_image(oa: openai.OpenAI, an: anthropic.Anthropic,
+                                       model: str) -> None:
     image = picture("green")
-    expected = chat(oa, image)
+    expected = chat(oa, image, model=model)
     # Anthropic's thinking is off unless asked for; chat's reasoning_effort "none" matches.
-    unthinking = chat(oa, image, reasoning_effort="none")
+    unthinking = chat(oa, image, model=model, reasoning_effort="none")
     messages: Any = [{"role": "user", "content": [{"type": "text", "text": QUESTION},
                                                   image_block(image)]}]
-    message = an.messages.create(model=VISION, max_tokens=TOKENS, extra_body=GREEDY,
+    message = an.messages.create(model=model, max_tokens=TOKENS, extra_body=GREEDY,
                                  messages=messages)
     assert "".join(b.text for b in message.content if b.type == "text") == unthinking
-    with an.messages.stream(model=VISION, max_tokens=TOKENS, extra_body=GREEDY,
+    with an.messages.stream(model=model, max_tokens=TOKENS, extra_body=GREEDY,
                             messages=messages) as stream:
         assert "".join(stream.text_stream) == unthinking
-    response = oa.responses.create(model=VISION, max_output_tokens=TOKENS, temperature=0,
+    response = oa.responses.create(model=model, max_output_tokens=TOKENS, temperature=0,
                                    input=[{"role": "user", "content": [
                                        {"type": "input_text", "text": QUESTION},
                                        {"type": "input_image", "image_url": data_url(image),
@@ -117,7 +122,9 @@ def test_every_api_sees_the_same_image(oa: openai.OpenAI, an: anthropic.Anthropi
     assert response.output_text == expected
 
 
-def test_an_image_in_a_tool_result_reaches_the_model(an: anthropic.Anthropic) -> None:
+@pytest.mark.parametrize("model", [VISION, QWEN])
+def test_an_image_in_a_tool_result_reaches_the_model(an: anthropic.Anthropic,
+                                                     model: str) -> None:
     def turn(color: str) -> str:
         messages: Any = [
             {"role": "user", "content": "Take a screenshot."},
@@ -126,7 +133,7 @@ def test_an_image_in_a_tool_result_reaches_the_model(an: anthropic.Anthropic) ->
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                           "content": [image_block(picture(color))]}]}]
         message = an.messages.create(
-            model=VISION, max_tokens=TOKENS, extra_body=GREEDY, messages=messages,
+            model=model, max_tokens=TOKENS, extra_body=GREEDY, messages=messages,
             tools=[{"name": "screenshot", "description": "Take a screenshot.",
                     "input_schema": {"type": "object", "properties": {}}}])
         return "".join(b.text for b in message.content if b.type == "text")
