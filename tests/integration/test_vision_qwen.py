@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import pytest
 from PIL import Image
@@ -184,13 +184,15 @@ def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:
     assert len(ids) == finished(stream_events(replica, request)).usage.prompt_tokens
 
 
-def test_chunked_prefill_is_mlx_vlms(source: str,
+@pytest.mark.parametrize("paged", ["off", "on"])
+def test_chunked_prefill_is_mlx_vlms(source: str, paged: Literal["off", "on"],
                                      reference: Callable[[GenerationRequest], list[int]]
                                      ) -> None:
     """With a 3-token prefill step the image prefix's 3-D positions and the text after it
-    go in many chunks; and with no prefix cache every prompt is prefilled whole."""
+    go in many chunks; and with no prefix cache every prompt is prefilled whole. Also
+    with paged KV (`memory.paged_kv`): the deltas ride mlx-lm's per-row offsets there too."""
     rep = ModelReplica(ReplicaOptions(model_id="vq", source=source, engine=EngineConfig(
-        prefill_step_size=3, prompt_cache_bytes=0)))
+        prefill_step_size=3, prompt_cache_bytes=0, paged_kv=paged)))
     rep.start()
     try:
         async def together() -> list[list[OutputEvent]]:
