@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,8 +42,6 @@ from replicas.options import ModelKind
 from replicas.pipeline.prompt import RenderedPrompt
 from replicas.startup import Progress
 from replicas.timings import Timings
-
-log = logging.getLogger(__name__)
 
 # Model types served with images: each checked against mlx-vlm's generation
 # (tests/integration/test_vision.py on `builtin:vision`, a mistral3; test_vision_qwen.py on
