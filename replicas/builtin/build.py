@@ -244,6 +244,18 @@ def save_by_layer(out_dir: Path, weights: dict[str, mx.array]) -> None:
                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
+def save_random_model(out_dir: Path, weights: dict[str, mx.array], *, name: str, key: str,
+                      seed: int, **info: Any) -> int:
+    """A random-weight built-in's weights (by layer) and its build info; returns its
+    parameter count. `info`: more fields for `build_info.json`."""
+    parameters = sum(w.size for w in weights.values())
+    save_by_layer(out_dir, weights)
+    write_json(out_dir / BUILD_INFO, {"name": name, "cache_key": key,
+                                      "weights": {"source": "random", "seed": seed},
+                                      **info, "parameters": parameters})
+    return parameters
+
+
 def save_mtp(out_dir: Path, weights: dict[str, mx.array]) -> None:
     """The MTP layer in a file of its own, listed in the index as a checkpoint's are.
     Not a `model*.safetensors` file: mlx-lm 0.32.2 loads all of those, and deepseek_v3's

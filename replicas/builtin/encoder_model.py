@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, processors
 
 from ..startup import Progress
-from .build import BUILD_INFO, cached_build, default_cache_root, save_by_layer
+from .build import cached_build, default_cache_root, save_random_model
 from .embed_model import write_sentence_transformers
 from .recipe import Architecture, RandomInit, Recipe, cache_key
 from .scripts import parse_scripts, scripts_text
@@ -65,26 +66,31 @@ def build_encoder_model(out_dir: Path, scripts: str, key: str) -> None:
     tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2)
     write_tokenizer_files(tokenizer, out_dir, arch.max_position_embeddings)
     _bracket(out_dir / "tokenizer.json", tokenizer)
-    config = {
-        "architectures": ["BertModel"], "model_type": "bert",
+    config = bert_config(tokenizer, SHAPE, "BertModel")
+    write_json(out_dir / "config.json", config)
+    mx.random.seed(SHAPE.seed)
+    model = bert.Model(bert.ModelArgs.from_dict(config))
+    save_random_model(out_dir, dict(tree_flatten(model.parameters())), name=NAME, key=key,
+                      seed=SHAPE.seed)
+    write_sentence_transformers(out_dir, arch.hidden_size, pooling="cls_token",
+                                max_seq_length=arch.max_position_embeddings)
+
+
+def bert_config(tokenizer: Tokenizer, recipe: Recipe, architecture: str,
+                **more: Any) -> dict[str, Any]:
+    """A BERT `config.json` of `recipe`'s shape over the built-in tokenizer (`more`: the
+    head's fields, e.g. a classifier's labels)."""
+    arch = recipe.architecture
+    return {
+        "architectures": [architecture], "model_type": "bert",
         "vocab_size": tokenizer.get_vocab_size(), "hidden_size": arch.hidden_size,
         "num_hidden_layers": arch.num_hidden_layers,
         "num_attention_heads": arch.num_attention_heads,
         "intermediate_size": arch.intermediate_size, "hidden_act": "gelu",
         "max_position_embeddings": arch.max_position_embeddings, "type_vocab_size": 2,
         "layer_norm_eps": 1e-12, "pad_token_id": token_id(tokenizer, PAD_TOKEN),
-        "torch_dtype": SHAPE.dtype,
+        **more, "torch_dtype": recipe.dtype,
     }
-    write_json(out_dir / "config.json", config)
-    mx.random.seed(SHAPE.seed)
-    model = bert.Model(bert.ModelArgs.from_dict(config))
-    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
-    save_by_layer(out_dir, weights)
-    write_sentence_transformers(out_dir, arch.hidden_size, pooling="cls_token",
-                                max_seq_length=arch.max_position_embeddings)
-    write_json(out_dir / BUILD_INFO, {
-        "name": NAME, "cache_key": key, "weights": {"source": "random", "seed": SHAPE.seed},
-        "parameters": sum(w.size for w in weights.values())})
 
 
 def _bracket(path: Path, tokenizer: Tokenizer) -> None:

@@ -27,10 +27,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..startup import Progress
-from .build import BUILD_INFO, cached_build, default_cache_root, save_by_layer
+from .build import cached_build, default_cache_root, save_random_model
 from tokenizers import Tokenizer, processors
 
-from .encoder_model import _bracket
+from .encoder_model import _bracket, bert_config
 from .recipe import Architecture, RandomInit, Recipe, cache_key
 from .scripts import parse_scripts, scripts_text
 from .tokenizer_files import EOS_TOKEN, IM_START, PAD_TOKEN, token_id, train_tokenizer, \
@@ -116,12 +116,8 @@ def _build_decoder(out_dir: Path, scripts: str, key: str) -> None:
     # The final RMSNorm makes hidden states about sqrt(hidden) long: logits of std 2, so
     # the yes/no scores spread over (0, 1) instead of piling up at its ends.
     model.lm_head.weight = mx.random.normal(head.shape) * (2.0 / arch.hidden_size**0.5)
-    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
-    save_by_layer(out_dir, weights)
-    write_json(out_dir / BUILD_INFO, {
-        "name": NAME, "cache_key": key, "weights": {"source": "random", "seed": RERANK.seed},
-        "yes_no_ids": [yes, no], "eos": EOS_TOKEN,
-        "parameters": sum(w.size for w in weights.values())})
+    save_random_model(out_dir, dict(tree_flatten(model.parameters())), name=NAME, key=key,
+                      seed=RERANK.seed, yes_no_ids=[yes, no], eos=EOS_TOKEN)
 
 
 def _build_cross_encoder(out_dir: Path, scripts: str, key: str) -> None:
@@ -151,12 +147,8 @@ def _build_cross_encoder(out_dir: Path, scripts: str, key: str) -> None:
     # the head's LayerNorm makes its input about sqrt(hidden) long).
     model.classifier.weight = mx.random.normal(model.classifier.weight.shape) \
         * (2.0 / arch.hidden_size**0.5)
-    weights: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
-    save_by_layer(out_dir, weights)
-    write_json(out_dir / BUILD_INFO, {
-        "name": CROSS_ENCODER_NAME, "cache_key": key,
-        "weights": {"source": "random", "seed": CROSS_ENCODER.seed},
-        "parameters": sum(w.size for w in weights.values())})
+    save_random_model(out_dir, dict(tree_flatten(model.parameters())),
+                      name=CROSS_ENCODER_NAME, key=key, seed=CROSS_ENCODER.seed)
 
 
 def _build_bert(out_dir: Path, scripts: str, key: str) -> None:
@@ -166,17 +158,8 @@ def _build_bert(out_dir: Path, scripts: str, key: str) -> None:
     tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2)
     write_tokenizer_files(tokenizer, out_dir, arch.max_position_embeddings)
     _segments(out_dir / "tokenizer.json", tokenizer)
-    config = {
-        "architectures": ["BertForSequenceClassification"], "model_type": "bert",
-        "vocab_size": tokenizer.get_vocab_size(), "hidden_size": arch.hidden_size,
-        "num_hidden_layers": arch.num_hidden_layers,
-        "num_attention_heads": arch.num_attention_heads,
-        "intermediate_size": arch.intermediate_size, "hidden_act": "gelu",
-        "max_position_embeddings": arch.max_position_embeddings, "type_vocab_size": 2,
-        "layer_norm_eps": 1e-12, "pad_token_id": token_id(tokenizer, PAD_TOKEN),
-        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
-        "torch_dtype": BERT_CROSS_ENCODER.dtype,
-    }
+    config = bert_config(tokenizer, BERT_CROSS_ENCODER, "BertForSequenceClassification",
+                         id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     write_json(out_dir / "config.json", config)
     mx.random.seed(BERT_CROSS_ENCODER.seed)
     encoder = bert.Model(bert.ModelArgs.from_dict(config))
@@ -186,11 +169,8 @@ def _build_bert(out_dir: Path, scripts: str, key: str) -> None:
     weights["classifier.weight"] = mx.random.normal((1, arch.hidden_size)) \
         * (4.0 / arch.hidden_size**0.5)
     weights["classifier.bias"] = mx.zeros((1,))
-    save_by_layer(out_dir, weights)
-    write_json(out_dir / BUILD_INFO, {
-        "name": BERT_CROSS_ENCODER_NAME, "cache_key": key,
-        "weights": {"source": "random", "seed": BERT_CROSS_ENCODER.seed},
-        "parameters": sum(w.size for w in weights.values())})
+    save_random_model(out_dir, weights, name=BERT_CROSS_ENCODER_NAME, key=key,
+                      seed=BERT_CROSS_ENCODER.seed)
 
 
 def _segments(path: Path, tokenizer: Tokenizer) -> None:

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..startup import Progress
-from .build import BUILD_INFO, cached_build, default_cache_root, save_by_layer
+from .build import cached_build, default_cache_root, save_random_model
 from .chat_template import chat_template
 from .recipe import Architecture, RandomInit, Recipe, cache_key
 from .scripts import parse_scripts, scripts_text
@@ -106,11 +106,8 @@ def build_vision_model(out_dir: Path, scripts: str, key: str) -> None:
         "spatial_merge_size": SPATIAL_MERGE, "image_token": IMAGE_TOKEN,
         "image_break_token": IMAGE_BREAK, "image_end_token": IMAGE_END})
     weights = _random_weights(config)
-    save_by_layer(out_dir, weights)
-    write_json(out_dir / BUILD_INFO, {
-        "name": NAME, "cache_key": key, "weights": {"source": "random", "seed": TEXT.seed},
-        "parameters": sum(w.size for w in weights.values())})
-    log.info("built builtin:%s (%d parameters)", NAME, sum(w.size for w in weights.values()))
+    parameters = save_random_model(out_dir, weights, name=NAME, key=key, seed=TEXT.seed)
+    log.info("built builtin:%s (%d parameters)", NAME, parameters)
 
 
 def _vision_tokenizer_config(out_dir: Path, tokenizer: Any) -> None:

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..startup import Progress
-from .build import BUILD_INFO, cached_build, default_cache_root, save_by_layer
+from .build import cached_build, default_cache_root, save_random_model
 from .chat_template import chat_template
 from .recipe import cache_key
 from .scripts import parse_scripts, scripts_text
@@ -126,11 +126,8 @@ def build_vision_qwen_model(out_dir: Path, scripts: str, key: str, name: str = N
         "do_normalize": True, "image_mean": _IMAGE_MEAN, "image_std": _IMAGE_STD,
         "do_convert_rgb": True, "resample": 3})
     weights = _random_weights(config)
-    save_by_layer(out_dir, weights)
-    write_json(out_dir / BUILD_INFO, {
-        "name": name, "cache_key": key, "weights": {"source": "random", "seed": SEED},
-        "parameters": sum(w.size for w in weights.values())})
-    log.info("built builtin:%s (%d parameters)", name, sum(w.size for w in weights.values()))
+    parameters = save_random_model(out_dir, weights, name=name, key=key, seed=SEED)
+    log.info("built builtin:%s (%d parameters)", name, parameters)
 
 
 def _tokenizer_config(out_dir: Path, tokenizer: Any, tokens: tuple[str, ...]) -> None:
