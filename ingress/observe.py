@@ -220,32 +220,31 @@ class ObservedClient(WrappedClient):
         return await self._inner.tokenize(request, add_special_tokens)
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
-        trace = _TRACE.get()
-        if trace is not None:
-            trace.request_id, trace.model = request.request_id, request.model
-        try:
-            result = await self._inner.embed(request)
-        except ReplicaError as exc:
-            if trace is not None:
-                trace.error = exc.kind
-            raise
-        if trace is not None:  # the tokens it read, as a prompt's
-            trace.usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=0)
-        return result
+        return await _forwards(self._inner.embed, request)
 
     async def rerank(self, request: RerankRequest) -> RerankResult:
-        trace = _TRACE.get()
+        return await _forwards(self._inner.rerank, request)
+
+
+_Forwarded = typing.TypeVar("_Forwarded", EmbeddingResult, RerankResult)
+
+
+async def _forwards(call: typing.Callable[[typing.Any], typing.Awaitable[_Forwarded]],
+                    request: EmbeddingRequest | RerankRequest) -> _Forwarded:
+    """A forwards-only call (embeddings, rerank) noted on the request's trace: the tokens
+    it read count as a prompt's (every scored pair's, for a rerank)."""
+    trace = _TRACE.get()
+    if trace is not None:
+        trace.request_id, trace.model = request.request_id, request.model
+    try:
+        result = await call(request)
+    except ReplicaError as exc:
         if trace is not None:
-            trace.request_id, trace.model = request.request_id, request.model
-        try:
-            result = await self._inner.rerank(request)
-        except ReplicaError as exc:
-            if trace is not None:
-                trace.error = exc.kind
-            raise
-        if trace is not None:  # every scored pair's tokens, as a prompt's
-            trace.usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=0)
-        return result
+            trace.error = exc.kind
+        raise
+    if trace is not None:
+        trace.usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=0)
+    return result
 
 
 async def _watched(events: AsyncIterator[list[OutputEvent]],
