@@ -144,7 +144,8 @@ def _model_entry(card: ModelCard, name: str, context_length: int | None,
                  state: ModelState) -> dict[str, Any]:
     """One model object in OpenAI's shape, for the card's id or one of its aliases (`root`
     is the served id): what `GET /v1/models` lists and `GET /v1/models/{id}` returns.
-    `state`: `loading` while no replica serves it yet (its requests are a 503), `ready`."""
+    `state`: `loading` while no replica serves it yet (its requests wait for one, then are
+    refused as overloaded), `ready`."""
     return {"id": name, "object": "model", "created": card.created, "owned_by": card.owned_by,
             "root": card.id, "max_model_len": context_length,
             "capabilities": list(card.capabilities), "state": state}

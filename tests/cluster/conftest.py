@@ -115,14 +115,24 @@ class LocalCluster:
         self.ensure_worker()
 
     def ensure_worker(self) -> None:
-        if self.worker is None:
+        if self.worker is not None:
+            return
+        for attempt in (1, 2):
             # The helper's default of no CPUs keeps the ingress on the head, so it outlives
             # the worker in test_requests_get_fast_503_when_no_node_can_run_the_model.
             self.worker = self._spawn("worker", [
                 sys.executable, "-m", "deployments.cluster", "worker", "--allow-no-metal",
                 "--address", f"127.0.0.1:{GCS_PORT}", "--amount", str(self.worker_slots),
                 "--", "--block", "--object-store-memory", str(256 << 20), *WORKER_PORTS])
-            self._wait_nodes(2)
+            try:
+                self._wait_nodes(2)
+                return
+            except RuntimeError:
+                # Ray gives a joining raylet a fixed 30 s to register with the GCS, which a
+                # busy two-core box can pass: the node exits. Start it once more.
+                if attempt == 2 or self.worker.poll() is None:
+                    raise
+                self._sweep("worker")
 
     def stop_worker(self) -> None:
         """Like `ray stop` on that machine: the node and all its processes end."""

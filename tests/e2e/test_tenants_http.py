@@ -40,8 +40,11 @@ TENANTS = {
     "ops": {"keys_env": "ORCHARD_TEST_OPS_KEYS", "admin": True},
 }
 ROWS = 4  # the batch: 3 rows for heavy, 1 for light while both wait
-STREAMS = 6  # each tenant's concurrent clients, more than the batch has rows
-MAX_TOKENS = 24  # every request ends at its length (its end tokens banned)
+# Each tenant's concurrent clients: enough that, while those whose requests just ended send
+# their next (slow on a busy box), each tenant still has requests waiting for a free row;
+# a tenant with none waiting leaves its row to the other, which skews the split.
+STREAMS = 10
+MAX_TOKENS = 32  # every request ends at its length (its end tokens banned)
 WINDOW_S = 30.0  # tokens counted over this long, after a warm-up
 PROMPT = [{"role": "user", "content": "Which is heavier, a kilogram of iron or a kilogram of "
                                       "feathers?"}]
