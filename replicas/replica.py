@@ -13,7 +13,7 @@ import faulthandler
 import logging
 import uuid
 from pathlib import Path
-from typing import Any, AsyncGenerator, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable, TypeVar
 
 from replicas.engine.batch.local import Batch, LocalBatch
 from replicas.contract import (
@@ -483,13 +483,7 @@ class ModelReplica:
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | Failed:
         """`/v1/embeddings`: the vectors, or why not (`replicas.embedder`)."""
-        try:
-            return await self.embedder.embed(request)
-        except ReplicaError as exc:
-            return exc.as_event()
-        except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
-            return Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}",
-                          replica_fault=True)
+        return await _answered(self.embedder.embed(request))
 
     @property
     def reranker(self) -> Reranker:
@@ -499,13 +493,20 @@ class ModelReplica:
 
     async def rerank(self, request: RerankRequest) -> RerankResult | Failed:
         """`/v1/rerank`: each document's score, or why not (`replicas.reranker`)."""
-        try:
-            return await self.reranker.rerank(request)
-        except ReplicaError as exc:
-            return exc.as_event()
-        except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
-            return Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}",
-                          replica_fault=True)
+        return await _answered(self.reranker.rerank(request))
+
+
+_Answer = TypeVar("_Answer", EmbeddingResult, RerankResult)
+
+
+async def _answered(call: Awaitable[_Answer]) -> _Answer | Failed:
+    """A forwards-only call's answer, or its failure as an event."""
+    try:
+        return await call
+    except ReplicaError as exc:
+        return exc.as_event()
+    except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
+        return Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}", replica_fault=True)
 
 
 def _with_warnings(event: OutputEvent, warnings: tuple[str, ...]) -> OutputEvent:
