@@ -10,7 +10,16 @@ from typing import Any, Awaitable, Callable
 import httpx
 import pytest
 
-from tests.reliability.cluster import COLO, SOLO, TIGHT, Pool, auth_headers, engine_stats, wait_idle
+from tests.reliability.cluster import (
+    COLO,
+    ENDLESS_TOKENS,
+    SOLO,
+    TIGHT,
+    Pool,
+    auth_headers,
+    engine_stats,
+    wait_idle,
+)
 from tests.reliability.wire import anthropic_long, openai_chat, path_for, running_stream
 
 pytestmark = pytest.mark.reliability
@@ -23,7 +32,7 @@ def client(base_url: str) -> httpx.AsyncClient:
 def long_body(protocol: str, model: str, *, stream: bool) -> dict[str, Any]:
     if protocol == "anthropic":
         return anthropic_long(model, stream=stream)
-    return openai_chat(model, stream=stream, max_tokens=3000, endless=True)
+    return openai_chat(model, stream=stream, max_tokens=ENDLESS_TOKENS, endless=True)
 
 
 async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
@@ -105,7 +114,10 @@ def test_request_that_leaves_while_queued_never_reaches_the_engine(
         async with client(cluster) as http:
             await wait_idle(TIGHT)
             before = await engine_stats(TIGHT.model)
-            runner = openai_chat(TIGHT.model, stream=True, max_tokens=3000, endless=True)
+            # Outlasts the queueing below on a loaded box: a runner that ended would free
+            # its slot, and a probe would be served instead of refused.
+            runner = openai_chat(TIGHT.model, stream=True, max_tokens=ENDLESS_TOKENS,
+                                 endless=True)
             async with running_stream(http, "/v1/chat/completions", runner):
                 # The only running slot is taken; the request queues behind it.
                 body = long_body(protocol, TIGHT.model, stream=stream)
