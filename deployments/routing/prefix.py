@@ -35,7 +35,8 @@ from typing import Any, Collection, List, Mapping, Optional, Sequence
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.routing.headroom import Ledger, MemoryShed, Room, prompt_tokens
-from replicas.contract import GenerationRequest
+from deployments.routing.tenants import TenantLoads, spread
+from replicas.contract import GenerationRequest, Tenancy
 from replicas.routing_keys import RoutingKeys, digest, routing_keys
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ PREFIXES = "prefixes"
 # chosen one pulls the KV when it is not one of them (`replicas.kv_pull`).
 HOLDERS = "prefix_holders"
 _ROUTED_METHOD = "stream"
+_NO_TENANCY = Tenancy()  # no tenants configured: routed by cache and load alone
 _EXPORT_METHOD = "export_prefix"  # a pull: routed to the replica it names  # token counting uses no cache: it neither follows nor sets affinity
 
 
@@ -168,6 +170,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._policy = policy
         self._affinity = Affinity(max_keys, max_imbalance)
         self._ledger = Ledger()
+        self._tenants = TenantLoads()  # each tenant's requests in flight, by replica
 
     def _keys(self, request: GenerationRequest | None) -> RoutingKeys | None:
         if request is None:
@@ -191,16 +194,21 @@ class PrefixAffinityRouter(RequestRouter):
             return _two_choices(candidate_replicas)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         self._ledger.forget(set(by_id))
+        self._tenants.forget(set(by_id))
         room = Room({i: self._ledger.room(i, r.routing_stats) for i, r in by_id.items()},
                     prompt_tokens(request))
         if room.shed and pending_request is not None:
             self._shed(pending_request, request, room)
             return [candidate_replicas]  # its future is done: Serve stops routing it
         keys = self._keys(request)
-        loads = await self._loads(candidate_replicas) if keys is not None \
+        tenanted = request.tenancy != _NO_TENANCY
+        loads = await self._loads(candidate_replicas) if keys is not None or tenanted \
             else dict.fromkeys(by_id)
         directory = {i: r.routing_stats.get(PREFIXES, ()) for i, r in by_id.items()}
         ranks = self._affinity.rank(keys, loads, room, directory)
+        if tenanted:  # spread the tenant's requests: each replica's fair share sees it
+            ranks = spread(ranks, self._tenants.of(request.tenancy.tenant, list(by_id)),
+                           loads, self._affinity.max_imbalance)
         holders = reported_holders(keys, list(by_id), directory) if keys is not None else []
         if holders and pending_request is not None:
             pending_request.kwargs[HOLDERS] = tuple(holders)  # Serve passes it to `stream`
@@ -242,6 +250,12 @@ class PrefixAffinityRouter(RequestRouter):
             self._affinity.record(keys, replica)
         if request is not None:
             self._ledger.sent(replica, prompt_tokens(request))
+            if request.tenancy != _NO_TENANCY:
+                self._tenants.sent(pending_request.metadata.internal_request_id, replica,
+                                   request.tenancy.tenant)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._tenants.done(internal_request_id, replica_id.to_full_id_str())
 
 
 def _two_choices(candidates: List[RunningReplica]) -> List[List[RunningReplica]]:
