@@ -1,10 +1,14 @@
 """Stored responses survive a restart of `serve run` (issue 32), in every layout.
 
-Each layout's config is the real `serve_config.yaml` on a port of its own, run twice over
-one `ORCHARD_CACHE_DIR`: the first run stores a function call (`store: true`, the official
-`openai` SDK), the second must still `retrieve` it and continue it by
-`previous_response_id`. The follow-up's input tokens equal those of the same history sent
-written out, so the stored turn really was in the prompt; the answer is the scripted one.
+Each layout's config is the real `serve_config.yaml` on a port of its own. The runs follow
+one another over one `ORCHARD_CACHE_DIR`, each in the next layout: default, two-hop,
+store-actor, default again. Each run but the last stores a function call (`store: true`,
+the official `openai` SDK); each run but the first must still `retrieve` the call the run
+before it stored and continue it by `previous_response_id`. So every layout writes a
+response that a restarted server reads, and reads one that a stopped server wrote (four
+Ray starts for the six of a write and a read per layout). The follow-up's input tokens
+equal those of the same history sent written out, so the stored turn really was in the
+prompt; the answer is the scripted one.
 
 Layouts: the default (HTTP from the model's replica, the store in it), two-hop with three
 models (the issue's report: the store in the one ingress replica), and two ingress
@@ -104,8 +108,11 @@ def stored_rows(cache: Path) -> int:
         return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_stored_response_survives_a_restart(layout: str, tmp_path: Path) -> None:
+# The layouts in the order they run: each reads what the one before it stored.
+RUNS = ["default", "two-hop", "store-actor", "default"]
+
+
+def test_a_stored_response_survives_a_restart_in_every_layout(tmp_path: Path) -> None:
     ensure_builtin("tiny")  # built once here, then shared with the private cache below
     cache = tmp_path / "cache"  # the store starts empty: nothing from an earlier run answers
     cache.mkdir()
@@ -113,28 +120,41 @@ def test_a_stored_response_survives_a_restart(layout: str, tmp_path: Path) -> No
     # A Ray of its own (short path: Ray puts Unix sockets under it), whatever else runs here.
     ray_tmp = Path(tempfile.mkdtemp(prefix="ors-", dir="/tmp"))
     env = {"ORCHARD_CACHE_DIR": str(cache), "RAY_TMPDIR": str(ray_tmp)}
-    port = free_port()
-    config = layout_config(tmp_path, port, layout)
+    stored: Any = None  # what the run before stored, in its layout
+    rows = 0
     try:
-        with orchard(config, port, env, tmp_path / "first.log") as (client, serve):
-            assert titles(serve, PROCESSES[layout]) == PROCESSES[layout]
-            first = client.responses.create(**response_args("tool-one"))
-            assert first.store is True and calls(first) == list(script("tool-one").expected_calls)
-            assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
-        assert stored_rows(cache) == 1  # in the file, not only in a process now gone
-
-        with orchard(config, port, env, tmp_path / "second.log") as (client, _):
-            assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
-            # Only the call's output is sent: the question and the call come from the store.
-            follow = client.responses.create(**response_args(
-                "tool-result", input=round_trip_input(first), previous_response_id=first.id))
-            written_out = client.responses.create(**response_args(
-                "tool-result", store=False, input=[
-                    *response_args("tool-one")["input"],
-                    *(item_input(i) for i in first.output), *round_trip_input(first)]))
-        assert follow.previous_response_id == first.id and follow.status == "completed"
-        assert follow.output_text == written_out.output_text == script("tool-result").answer
-        assert follow.usage is not None and written_out.usage is not None
-        assert follow.usage.input_tokens == written_out.usage.input_tokens
+        for n, layout in enumerate(RUNS):
+            port = free_port()  # each run its own: a port held a minute may be taken meanwhile
+            config = layout_config(tmp_path, port, layout)
+            with orchard(config, port, env, tmp_path / f"{n}-{layout}.log") as (client, serve):
+                assert titles(serve, PROCESSES[layout]) == PROCESSES[layout], layout
+                if stored is not None:
+                    check_follow_up(client, stored)
+                    rows += 1  # the follow-up is stored too
+                if n < len(RUNS) - 1:
+                    stored = client.responses.create(**response_args("tool-one"))
+                    assert stored.store is True, layout
+                    assert calls(stored) == list(script("tool-one").expected_calls), layout
+                    assert client.responses.retrieve(stored.id).model_dump() == \
+                        stored.model_dump()
+                    rows += 1
+            # In the file, not only in a process now gone.
+            assert stored_rows(cache) == rows, layout
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def check_follow_up(client: openai.OpenAI, first: Any) -> None:
+    """`first`, stored by a server now gone, is retrieved whole and continued by its id."""
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # Only the call's output is sent: the question and the call come from the store.
+    follow = client.responses.create(**response_args(
+        "tool-result", input=round_trip_input(first), previous_response_id=first.id))
+    written_out = client.responses.create(**response_args(
+        "tool-result", store=False, input=[
+            *response_args("tool-one")["input"],
+            *(item_input(i) for i in first.output), *round_trip_input(first)]))
+    assert follow.previous_response_id == first.id and follow.status == "completed"
+    assert follow.output_text == written_out.output_text == script("tool-result").answer
+    assert follow.usage is not None and written_out.usage is not None
+    assert follow.usage.input_tokens == written_out.usage.input_tokens
