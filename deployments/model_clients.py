@@ -100,6 +100,10 @@ class LocalModelClient:
     def models(self) -> Sequence[ModelCard]:
         return [self._card]
 
+    def set_cards(self, cards: list[ModelCard]) -> None:
+        """The card with the adapters loaded at run time (`deployments/adapter_admin.py`)."""
+        self._card = cards[0]
+
     def resolve(self, model: str) -> ModelCard | None:
         return self._card if model in (self._card.id, *self._card.aliases) else None
 
@@ -170,6 +174,12 @@ class RayModelClient:
 
     def models(self) -> Sequence[ModelCard]:
         return self._cards
+
+    def set_cards(self, cards: list[ModelCard]) -> None:
+        """The cards with the adapters loaded at run time (`deployments/adapter_admin.py`):
+        swapped whole, so a request reads either the old set or the new."""
+        by_name = {name: card for card in cards for name in (card.id, *card.aliases)}
+        self._cards, self._by_name = list(cards), by_name
 
     def resolve(self, model: str) -> ModelCard | None:
         return self._by_name.get(model)
@@ -266,14 +276,16 @@ class RayModelClient:
     async def _ready(self, model: str) -> None:
         """Waits, within the replica wait, while no replica of the model runs (it loads, or a
         rolling update restarts it); past the wait, `ModelLoadingError` (the protocol's
-        overloaded status with Retry-After). Waiting rather than refusing at once keeps a
+        overloaded status with Retry-After), at once where its replicas failed to start. Waiting rather than refusing at once keeps a
         rescale or rolling update free of errors: its requests go on once a replica runs."""
         if self._states is None:
             return
         loop = asyncio.get_running_loop()
         wait_s = self._replica_wait_s
         deadline = None if wait_s is None else loop.time() + wait_s
-        while (await self._states.states()).get(model) == "loading":
+        while (state := (await self._states.states()).get(model)) in ("loading", "failed"):
+            if state == "failed":  # no use waiting: Serve's next try is far off
+                raise ModelLoadingError(model, failed=True)
             if deadline is not None and loop.time() >= deadline:
                 raise ModelLoadingError(model)
             await asyncio.sleep(_STATE_POLL_S if deadline is None

@@ -8,6 +8,9 @@ replica is `loading` for a moment too, which is why requests wait rather than bo
 replicas by state; it is one controller call, made on a worker thread and kept for
 `ttl_s`, so a burst of requests costs one. Where the controller does not answer, every
 model counts as ready: requests then wait for a replica as before (`replica_wait_s`).
+A model with no replica running whose deployment Serve marks failed (its replicas failed to
+start, or their health checks) is `failed`: its requests are refused at once, with a longer
+`Retry-After`, and the ingress logs Serve's reason.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ import time
 from typing import Any, Callable, Mapping
 
 from ray import serve
-from ray.serve.schema import ReplicaState
+from ray.serve.schema import DeploymentStatus, ReplicaState
 
 from ingress.client import ModelState
 
 log = logging.getLogger(__name__)
 
 _TTL_S = 1.0
+# Serve's word for a deployment whose replicas failed to start its threshold of times
+# (3 per replica), or failed their health checks: it retries them with a growing backoff.
+_GAVE_UP = (DeploymentStatus.DEPLOY_FAILED, DeploymentStatus.UNHEALTHY)
 
 
 class ServeModelStates:
@@ -63,7 +69,15 @@ class ServeModelStates:
         states: dict[str, ModelState] = {}
         for model, name in self._deployments.items():
             deployment = app.deployments.get(name)
-            running = deployment.replica_states.get(ReplicaState.RUNNING, 0) \
-                if deployment is not None else 0
-            states[model] = "ready" if running else "loading"
+            if deployment is None:
+                states[model] = "loading"
+            elif deployment.replica_states.get(ReplicaState.RUNNING, 0):
+                states[model] = "ready"
+            elif deployment.status in _GAVE_UP:
+                states[model] = "failed"
+                if self._states.get(model) != "failed":  # once per failure, not per ask
+                    log.warning("model %s: no replica runs, Serve says %s: %s", model,
+                                deployment.status.value, deployment.message[-500:])
+            else:
+                states[model] = "loading"
         return states

@@ -44,8 +44,9 @@ class ModelCard:
 VISION = "vision"  # the capability of a model that is sent images, not placeholders
 
 # A configured model's state: `loading` until a replica serves it (its requests wait, then
-# get the overloaded answer with Retry-After, `ingress.errors.ModelLoadingError`), then `ready`.
-ModelState = Literal["loading", "ready"]
+# get the overloaded answer with Retry-After, `ingress.errors.ModelLoadingError`), then `ready`;
+# `failed` while none serves and Serve gave up on its starts for now (refused at once).
+ModelState = Literal["loading", "ready", "failed"]
 
 
 class ModelStates(Protocol):

@@ -129,20 +129,24 @@ class CodedError(ReplicaError):
 
 # How long a client waits before it asks a loading model again.
 LOADING_RETRY_AFTER_S = 2.0
+# ... and a model whose replicas failed to start: Serve retries them, with a growing backoff.
+FAILED_RETRY_AFTER_S = 30.0
 
 
 class ModelLoadingError(ReplicaError):
-    """A configured model with no replica serving yet, past the replica wait: the
-    protocol's overloaded answer (OpenAI's 503, Anthropic's 529 `overloaded_error`, what
-    every other "no replica now" is) with `Retry-After`, which both SDKs honour."""
+    """A configured model with no replica serving yet, past the replica wait, or at once
+    where its replicas failed to start: the protocol's overloaded answer (OpenAI's 503,
+    Anthropic's 529 `overloaded_error`, what every other "no replica now" is) with
+    `Retry-After`, which both SDKs honour."""
 
     kind = ErrorKind.OVERLOADED
 
-    def __init__(self, model: str, retry_after_s: float = LOADING_RETRY_AFTER_S) -> None:
-        super().__init__(f"no replica of the model '{model}' serves yet: it is still loading "
-                         f"(or waits for a node to run on); retry in "
-                         f"{math.ceil(retry_after_s)} s", param="model")
-        self.retry_after_s = retry_after_s
+    def __init__(self, model: str, *, failed: bool = False) -> None:
+        self.retry_after_s = FAILED_RETRY_AFTER_S if failed else LOADING_RETRY_AFTER_S
+        why = ("its replicas failed to start (Serve retries them; the replica's log says why)"
+               if failed else "it is still loading (or waits for a node to run on)")
+        super().__init__(f"no replica of the model '{model}' serves yet: {why}; retry in "
+                         f"{math.ceil(self.retry_after_s)} s", param="model")
 
 
 def replica_error_response(exc: ReplicaError, protocol: ErrorRenderer) -> JSONBody:

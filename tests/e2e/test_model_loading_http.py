@@ -4,7 +4,10 @@ hold (`replicas.engine.failpoints`, armed through `ORCHARD_FAILPOINTS`) until th
 lets it go. Meanwhile `/v1/models` lists both with their states, the slow one's requests
 wait out the replica wait (3 s here) and are then the protocol's overloaded answer with
 `Retry-After` (OpenAI's 503, Anthropic's 529: the SDKs raise their own errors), an unknown model is still a 404, and the cluster snapshot shows the loading
-replica; SDKs that retry get their answer once it is ready. One `serve run` for all.
+replica; SDKs that retry get their answer once it is ready. `orchard-broken` names weights
+that are not there: once Serve gives up on its starts it is listed `failed`, and its
+requests are refused at once (no replica wait) with a longer `Retry-After`. One `serve run`
+for all.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tests.serve_process import ServeProcess, config_copy, free_port, serve_run
 
 pytestmark = pytest.mark.e2e
 
-FAST, SLOW = "orchard-tiny", "orchard-slow"
+FAST, SLOW, BROKEN = "orchard-tiny", "orchard-slow", "orchard-broken"
 HI = [{"role": "user", "content": "Say hi."}]
 
 
@@ -51,7 +54,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess
     (fast,) = config["applications"][0]["args"]["models"]
     assert fast["id"] == FAST
     args = config["applications"][0]["args"]
-    args["models"] = [fast, {**fast, "id": SLOW}]
+    args["models"] = [fast, {**fast, "id": SLOW},
+                      {**fast, "id": BROKEN, "source": str(tmp / "no-such-model")}]
     args["ingress"] = {**args.get("ingress", {}), "replica_wait_s": 3}
     path.write_text(yaml.safe_dump(config))
     ray_tmp = Path(tempfile.mkdtemp(prefix="orl-", dir="/tmp"))
@@ -86,7 +90,8 @@ def test_a_loading_model_is_a_503_until_it_is_ready(
                         timeout=120)
     ant = anthropic.Anthropic(base_url=serve.base_url, api_key="x", max_retries=0,
                               timeout=120)
-    assert states(oai) == {FAST: "ready", SLOW: "loading"}
+    assert {m: s for m, s in states(oai).items() if m != BROKEN} == \
+        {FAST: "ready", SLOW: "loading"}
 
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as raised:
@@ -139,7 +144,31 @@ def test_a_loading_model_is_a_503_until_it_is_ready(
         thread.join(timeout=600)
     assert set(answers) == {"openai", "anthropic"}
     assert (seen_oai[0], seen_ant[0]) == (503, 529) and seen_oai[-1] == seen_ant[-1] == 200
-    assert states(oai) == {FAST: "ready", SLOW: "ready"}
+    assert states(oai)[SLOW] == "ready"
+
+
+def test_a_model_whose_replicas_fail_to_start_is_refused_at_once(
+        app: tuple[ServeProcess, Path]) -> None:
+    serve, _ = app
+    oai = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="x", max_retries=0,
+                        timeout=120)
+    # Serve marks the deployment failed after its replica's third failed start.
+    wait_for(lambda: states(oai)[BROKEN] == "failed", 300)
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as raised:
+        oai.chat.completions.create(model=BROKEN, messages=HI, max_tokens=4)
+    # At once: the 3 s replica wait is not waited out for a model that failed.
+    assert time.monotonic() - started < 3
+    response = raised.value.response
+    assert response.status_code == 503 and int(response.headers["retry-after"]) >= 10
+    assert "failed to start" in response.json()["error"]["message"]
+    ant = anthropic.Anthropic(base_url=serve.base_url, api_key="x", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.OverloadedError) as refused:
+        ant.messages.create(model=BROKEN, messages=HI, max_tokens=4)  # type: ignore[arg-type]
+    assert refused.value.response.status_code == 529
+    # The others serve on.
+    done = oai.chat.completions.create(model=FAST, messages=HI, max_tokens=4)
+    assert done.choices[0].finish_reason in ("stop", "length")
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float) -> None:

@@ -28,19 +28,24 @@ from deployments.model_clients import RayModelClient
 from deployments.model_states import ServeModelStates
 from ingress.app import create_app
 from ingress.client import ModelCard
-from ingress.errors import LOADING_RETRY_AFTER_S
+from ingress.errors import FAILED_RETRY_AFTER_S, LOADING_RETRY_AFTER_S
 from replicas.contract import Channel, Finished, FinishReason, TextDelta, Usage
 from tests.fakes import ScriptedCall
 
 DEPLOYMENTS = {"fast": "model:fast", "slow": "model:slow"}
 
 
-def status(replicas: dict[str, dict[ReplicaState, int]], app: str = "orchard") -> ServeStatus:
+def status(replicas: dict[str, dict[ReplicaState, int]], app: str = "orchard",
+           failed: str = "") -> ServeStatus:
+    """Serve's status: each deployment's replicas by state; `failed`: the deployment Serve
+    marks DEPLOY_FAILED, as after its replicas' third failed start."""
     return ServeStatus(applications={app: ApplicationStatusOverview(
         ApplicationStatus.DEPLOYING, "", 0.0, {
-            name: DeploymentStatusOverview(DeploymentStatus.UPDATING,
-                                           DeploymentStatusTrigger.CONFIG_UPDATE_STARTED,
-                                           states, "")
+            name: DeploymentStatusOverview(
+                DeploymentStatus.DEPLOY_FAILED if name == failed else DeploymentStatus.UPDATING,
+                DeploymentStatusTrigger.REPLICA_STARTUP_FAILED if name == failed
+                else DeploymentStatusTrigger.CONFIG_UPDATE_STARTED,
+                states, "FileNotFoundError: no model at /nowhere" if name == failed else "")
             for name, states in replicas.items()})})
 
 
@@ -75,6 +80,45 @@ def test_a_deployment_with_no_replica_running_is_loading() -> None:
         "model:fast": {ReplicaState.RUNNING: 1},
         "model:slow": {ReplicaState.RUNNING: 1, ReplicaState.STARTING: 1}}))) == \
         {"fast": "ready", "slow": "ready"}
+
+
+def test_a_deployment_serve_gave_up_on_is_failed_until_a_replica_runs() -> None:
+    failed = status({"model:fast": {ReplicaState.RUNNING: 1},
+                     "model:slow": {ReplicaState.STARTING: 1}}, failed="model:slow")
+    assert states_of(Counted(failed)) == {"fast": "ready", "slow": "failed"}
+    # Serve's retry brought one up: it serves, whatever the deployment's status still says.
+    recovered = status({"model:fast": {ReplicaState.RUNNING: 1},
+                        "model:slow": {ReplicaState.RUNNING: 1}}, failed="model:slow")
+    assert states_of(Counted(recovered)) == {"fast": "ready", "slow": "ready"}
+
+
+def test_a_failed_model_is_refused_at_once_and_listed_failed() -> None:
+    failed = status({"model:fast": {ReplicaState.RUNNING: 1}, "model:slow": {}},
+                    failed="model:slow")
+    states = ServeModelStates("orchard", DEPLOYMENTS, Counted(failed))
+    handles = {"fast": Handle(), "slow": Handle()}
+    # A replica wait far past the test: a failed model is not waited for.
+    client = RayModelClient([ModelCard("fast"), ModelCard("slow")], handles,  # type: ignore[arg-type]
+                            replica_wait_s=600.0, states=states)
+    http = TestClient(create_app(client, model_states=states))
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
+                        max_retries=0)
+    ant = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=http,
+                              max_retries=0)
+    listed = {m.id: (m.model_extra or {}).get("state") for m in oai.models.list()}
+    assert listed == {"fast": "ready", "slow": "failed"}
+    with pytest.raises(openai.InternalServerError) as raised:
+        oai.chat.completions.create(model="slow", max_tokens=4,
+                                    messages=[{"role": "user", "content": "hi"}])
+    response = raised.value.response
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == str(int(FAILED_RETRY_AFTER_S))
+    assert "failed to start" in response.json()["error"]["message"]
+    with pytest.raises(anthropic.OverloadedError) as refused:
+        ant.messages.create(model="slow", max_tokens=4,
+                            messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.response.status_code == 529
+    assert handles["slow"].calls == 0
 
 
 def test_no_answer_from_the_controller_counts_as_ready() -> None:
