@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
+from deployments.adapter_admin import ServedAdapters, StoreCalls
+from deployments.adapter_store import adapter_store
 from deployments.board import BoardView
 from deployments.config import ModelSettings
 from deployments.ingress_deployment import EdgeArgs
@@ -44,8 +46,15 @@ class ColocatedModel(ReplicaOwner):
         self._usage = usage_store(edge.responses, serve.get_replica_context().app_name) \
             if edge.tenants else None  # usage per tenant, beside the stored responses
         self._cluster = BoardView(serve.get_replica_context().app_name)
+        # LoRA adapters loaded at run time: checked here, then every replica follows.
+        self._adapter_control = ServedAdapters(
+            [ModelCard(**card)], self._client.set_cards,
+            StoreCalls(adapter_store(serve.get_replica_context().app_name)),
+            lambda model, name, path: self.load_adapter(name, path))
+        self._adapter_control.watch()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's engine.
         return create_app(self._client, self._options, response_store=self._store,
-                          observer=self._observer, usage=self._usage, cluster=self._cluster)
+                          observer=self._observer, usage=self._usage, cluster=self._cluster,
+                          adapter_control=self._adapter_control)

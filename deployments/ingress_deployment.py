@@ -11,6 +11,8 @@ from pydantic import SecretStr
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.adapter_admin import ServedAdapters, StoreCalls
+from deployments.adapter_store import adapter_store
 from deployments.board import BoardView
 from deployments.config import AppArgs, IngressSettings, ObservabilitySettings, ResponsesSettings
 from deployments.metrics import stream_resumes
@@ -90,6 +92,15 @@ class Ingress:
             model_cards, by_id, replica_wait_s=settings.replica_wait_s,
             resume=ResumePolicy(settings.resume_attempts, settings.resume_wait_s),
             on_resume=resumed, states=self._states)
+        # LoRA adapters loaded at run time: checked on one replica, then every one follows.
+        async def validate(model: str, name: str, path: str) -> str | None:
+            why: str | None = await by_id[model].load_adapter.remote(name, path)
+            return why
+
+        self._adapters = ServedAdapters(
+            model_cards, self._client.set_cards,
+            StoreCalls(adapter_store(serve.get_replica_context().app_name)), validate)
+        self._adapters.watch()
         self._options = edge.options(os.environ)
         self._store = response_store(edge.ingress.num_replicas, edge.responses)
         self._observer = request_observer(edge.observability)
@@ -102,4 +113,4 @@ class Ingress:
         # (an app built at import time would be pickled and served as a copy).
         return create_app(self._client, self._options, response_store=self._store,
                           observer=self._observer, usage=self._usage, cluster=self._cluster,
-                          model_states=self._states)
+                          model_states=self._states, adapter_control=self._adapters)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from contextlib import aclosing
@@ -12,6 +13,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
+from deployments.adapter_store import AdapterSync, adapter_store
 from deployments.board import Reporter
 from deployments.cluster import require_metal
 from deployments.config import (
@@ -38,9 +40,12 @@ from replicas.contract import (
 )
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.transfer import PrefixKV, PrefixPull
+from replicas.errors import InvalidRequestError
 from replicas.kv_pull import Fetch, Source
 from replicas.replica import ModelReplica, ReplicaOptions
 
+
+log = logging.getLogger(__name__)
 
 # The ingress's per-request stop limit when a deployment is built without one (tests).
 _REQUEST_MAX_STOPS: int = IngressSettings.model_fields["max_stops"].default
@@ -123,9 +128,30 @@ class ReplicaOwner:
         # Load before the replica reports ready, so Serve routes nothing to a cold model.
         self._replica.start()
         replica = self._replica
+        self._adapters: AdapterSync | None = None
+        if context is not None and config.shards == 1:
+            # The adapters loaded at run time (`adapter_store.py`), before this one serves.
+            self._adapters = AdapterSync.over_store(
+                replica, config.id, context.replica_id.to_full_id_str(),
+                tuple(config.adapters), adapter_store(context.app_name))
+            try:
+                self._adapters.once()
+            except Exception:  # noqa: BLE001 - no store yet: the thread tries again
+                log.warning("%s: the run-time adapters could not be read", config.id,
+                            exc_info=True)
+            self._adapters.start()
         self._poller = engine_poller(observability, config.id,
                                      lambda: (replica.stats(), replica.drain_timings()),
                                      shards=config.shards)
+
+    async def load_adapter(self, name: str, path: str) -> str | None:
+        """A run-time adapter loaded here (`deployments/adapter_admin.py` checks one on a
+        replica before every replica follows the store); why not, or None."""
+        try:
+            await self._replica.load_adapter(name, path)
+        except InvalidRequestError as exc:
+            return str(exc)
+        return None
 
     def check_health(self) -> None:
         self._replica.check_health()  # raises when the engine thread died or is stuck
@@ -143,6 +169,9 @@ class ReplicaOwner:
                 "sync_steps": steps, "sync_seconds": sync_s}
 
     def __del__(self) -> None:
+        adapters = getattr(self, "_adapters", None)
+        if adapters is not None:
+            adapters.stop()
         poller = getattr(self, "_poller", None)
         if poller is not None:
             poller.stop()

@@ -19,6 +19,7 @@ from ingress.cluster import ClusterView, router as cluster_router
 from ingress.errors import error_response, replica_error_response
 from ingress.guard import GuardMiddleware
 from ingress.limits import BodyLimitMiddleware, LimitedClient
+from ingress.lora_admin import AdapterControl, router as adapters_router
 from ingress.observe import ObservedClient, ObserveMiddleware, RequestObserver
 from ingress.options import EdgeOptions
 from ingress.registry import PROTOCOLS, protocol_for
@@ -40,13 +41,15 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
                observer: RequestObserver | None = None,
                cluster: ClusterView | None = None,
                usage: UsageStore | None = None,
-               model_states: ModelStates | None = None) -> FastAPI:
+               model_states: ModelStates | None = None,
+               adapter_control: AdapterControl | None = None) -> FastAPI:
     """The app. `response_store` keeps stored Responses API responses; the default lives in
     this process only, so deployments with several ingress replicas pass a shared one.
     `observer` gets one record per finished generation request (metrics, request logs);
     without one, nothing is traced. `cluster`: the snapshot `GET /v1/cluster` and
     `/dashboard` show (`ingress/cluster.py`); without one they are a 404. `model_states`:
-    which models are still loading, for `/v1/models` (without one, all are ready)."""
+    which models are still loading, for `/v1/models` (without one, all are ready).
+    `adapter_control`: LoRA adapters loaded at run time (`ingress/lora_admin.py`)."""
     app = FastAPI(title="Orchard", version="0.1.0")
     # Each key's tenant, its limits and usage (`ingress/tenancy/`; `usage`: where it is kept).
     limited = tenanted_client(app, LimitedClient(client, options), options.tenants, usage)
@@ -55,6 +58,7 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
     app.state.image_limits = options.images  # for the routes' `MediaParts.for_model`
     app.state.cluster = cluster
     app.state.model_states = model_states
+    app.state.adapter_control = adapter_control
     # `is None`, not `or`: a store with `__len__` is falsy while empty, and `or` would
     # swap a fresh durable store for one in memory (issue 32).
     app.state.response_store = MemoryResponseStore() if response_store is None \
@@ -114,6 +118,7 @@ def _install_routes(app: FastAPI) -> None:
         app.include_router(protocol.router)
     app.include_router(usage_router)
     app.include_router(cluster_router)
+    app.include_router(adapters_router)
 
 
 async def _served_lengths(app: FastAPI, cards: Sequence[ModelCard]) -> dict[str, int | None]:

@@ -41,15 +41,14 @@ from replicas.beside_model import kv_fingerprint, load_draft
 from replicas.engine.kv.disk import DiskTier
 from replicas.engine.kv.directory import DIRECTORY_FILE, PrefixDirectory
 from replicas.engine.stats import EngineStats
-from replicas.errors import InvalidRequestError, ReplicaError
+from replicas.errors import ReplicaError
 from replicas.engine.model.loading import LoadedModel, load_model
 from replicas.versions import MODEL_STACK, check as check_versions
 from replicas.engine.sharded.lockstep import LockstepBatch
 from replicas.engine.kv.quantized import cache_maker
 from replicas.engine.kv.budget import RankMemory, plan_memory
-from replicas.engine.model.adapters import AdapterError, AdapterTable, load_adapters, \
-    read_adapter
 from replicas.options import ReplicaOptions
+from replicas.replica_adapters import ReplicaAdapters
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
 from replicas.sources import model_config, model_files, resolve_source
@@ -112,6 +111,7 @@ class ModelReplica:
         # Which prompt prefixes the cache holds, as the router names them (routing stats).
         self._directory = PrefixDirectory()
         self._directory_file: Path | None = None  # where it is kept, with a disk tier
+        self._adapters = ReplicaAdapters(options.model_id, options.adapters, self._engine)
 
     def _open(self) -> tuple[LoadedModel, Batch, tuple[RankMemory, ...]]:
         """The model, its batch and each rank's memory, on the engine thread: whole, or
@@ -130,7 +130,7 @@ class ModelReplica:
             model = load_model(self.options.source, resolve_source(self.options.source))
             if sees(model.config, self.options.kind):
                 self._vision = VisionModel.load(model.path, model.model, self._timings)
-            adapters = self._load_adapters(model)
+            adapters = self._adapters.open(model, self._vision is not None)
             engine = self.options.engine
             draft = load_draft(self.options, model)
             # The adapters' tables are weights beside the model's, counted by admission.
@@ -141,6 +141,7 @@ class ModelReplica:
             self._batch = LocalBatch(model.model, self.options.engine,
                                      disk=self._disk_tier(model), held=self._directory.held,
                                      draft=draft, adapters=adapters)
+            self._adapters.batch = self._batch if self._vision is None else None
             return model, self._batch, (memory,)
         if self.options.adapters:
             raise ValueError("LoRA adapters are served by whole-model replicas: set shards: 1")
@@ -154,58 +155,18 @@ class ModelReplica:
         self._batch = LockstepBatch(local, group, self._wake_shards, on_sync=self._timings.sync)
         return model, self._batch, ranks
 
-    def _load_adapters(self, model: LoadedModel) -> AdapterTable | None:
-        """The configured LoRA adapters, each read and checked (`AdapterError` names the
-        one that is wrong); None without any."""
-        if not self.options.adapters:
-            return None
-        if self._vision is not None:
-            raise ValueError("LoRA adapters on a model that sees images are not served yet: "
-                             "set kind: text to serve the adapters on its text")
-        return load_adapters(model.model, dict(self.options.adapters))
-
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters this replica serves now."""
-        batch = self._batch
-        table = batch.adapters if isinstance(batch, LocalBatch) else None
-        return table.names if table is not None else ()
+        return self._adapters.names()
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Serve LoRA adapter `name` from `path` (mlx-lm's format) from the next step on,
-        beside the rows decoding now: read and checked on a worker thread, installed on the
-        engine thread between steps. `InvalidRequestError`: a bad adapter, a replica that
-        cannot serve adapters, or one in use under that name."""
-        batch = self._batch
-        if not isinstance(batch, LocalBatch) or self._vision is not None or self._encoder_only:
-            raise InvalidRequestError(f"model '{self.options.model_id}' cannot serve LoRA "
-                                      "adapters (a sharded, vision or encoder replica)")
-        try:
-            files = await asyncio.to_thread(read_adapter, self.model.model, name, path)
-            await asyncio.wrap_future(self._engine.call(lambda: batch.load_adapter(files)))
-        except (AdapterError, ValueError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
+        """Serve LoRA adapter `name` from `path` from the next step on, beside the rows
+        decoding now (`ReplicaAdapters.load`: its weights come out of the KV budget)."""
+        await self._adapters.load(name, path)
 
     async def unload_adapter(self, name: str) -> None:
-        """Stop serving LoRA adapter `name`; `InvalidRequestError` if it is not loaded or
-        rows use it now."""
-        batch = self._batch
-        if not isinstance(batch, LocalBatch):
-            raise InvalidRequestError(f"model '{self.options.model_id}' has no adapters")
-        try:
-            await asyncio.wrap_future(self._engine.call(lambda: batch.unload_adapter(name)))
-        except KeyError as exc:
-            raise InvalidRequestError(f"model '{self.options.model_id}' has no adapter "
-                                      f"'{name}'") from exc
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from exc
-
-    def _cache_ids(self, request: GenerationRequest, prompt_ids: tuple[int, ...]) -> list[int]:
-        """The prompt as the prefix cache, its disk tier, the directory and pulls key it:
-        a LoRA adapter's in that adapter's key space (`replicas.engine.kv.namespace`)."""
-        batch = self._batch
-        if request.adapter is None or not isinstance(batch, LocalBatch):
-            return list(prompt_ids)
-        return batch.cache_ids(prompt_ids, request.adapter)
+        """Stop serving LoRA adapter `name`; refused while rows use it (`ReplicaAdapters`)."""
+        await self._adapters.unload(name)
 
     def _disk_tier(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, under the model's fingerprint, where configured."""
@@ -357,7 +318,7 @@ class ModelReplica:
             return
         warnings = prepared.warnings
         ready = prepared.request
-        cache_ids = self._cache_ids(request, ready.prompt_ids)  # an adapter's key space
+        cache_ids = self._adapters.cache_ids(request, ready.prompt_ids)  # an adapter's key space
         if self._disk_reads is not None and ready.embeddings is None:
             await self._disk_reads.before(cache_ids)  # off the engine thread
         if source is not None and self._puller is not None and ready.embeddings is None \
@@ -435,7 +396,7 @@ class ModelReplica:
         if self.options.engine.prompt_cache_bytes and ready.embeddings is None:
             prompt = len(ready.prompt_ids) - ready.sampled_before  # a resume's ids end it
             self._directory.learn(token_spans(request, prompt, ready.boundary),
-                                  self._cache_ids(request, ready.prompt_ids))
+                                  self._adapters.cache_ids(request, ready.prompt_ids))
         return prepared
 
     def held_prefixes(self) -> frozenset[bytes]:

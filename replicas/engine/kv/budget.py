@@ -26,6 +26,7 @@ Engine thread only, except the pure arithmetic (`default_budget`, `tightest`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import deque
@@ -220,6 +221,8 @@ class KvBudget:
         self.max_waiting = max_waiting
         self._reserved: dict[Hashable, int] = {}
         self._told: int | None = None  # the prefix cache's bound, as last told
+        self._weighed = 0  # weights added at run time (`weigh`)
+        self._paged_blocks: int | None = None  # the pool's blocks before any of them
         self.refused = 0
         self.preempted = 0
 
@@ -258,6 +261,24 @@ class KvBudget:
         self._bound(room, bound)
         self._reserved[key] = want
         return True
+
+    def weigh(self, nbytes: int) -> None:
+        """Weights grew by `nbytes` at run time (a LoRA adapter; negative: one unloaded):
+        the budget gives them up, or takes them back. `MemoryTooSmall` where one sequence
+        of a cache step would no longer fit; a paged batch loses (or regains) blocks."""
+        budget = self.budget_bytes - nbytes
+        weighed = self._weighed + nbytes
+        paging = self.paging
+        if paging is not None:
+            base = self._paged_blocks if self._paged_blocks is not None else paging.blocks
+            self._paged_blocks = base
+            blocks = base - (max(0, weighed) + paging.block_bytes - 1) // paging.block_bytes
+            paging = dataclasses.replace(paging, blocks=blocks)
+        if nbytes > 0 and (budget < self.layout.bytes_for(CACHE_STEP)
+                           or (paging is not None and paging.blocks < 1)):
+            raise MemoryTooSmall(f"{nbytes} bytes of weights would leave {budget} bytes of "
+                                 f"KV, less than one sequence of {CACHE_STEP} tokens")
+        self.budget_bytes, self._weighed, self.paging = budget, weighed, paging
 
     def reserved(self, key: Hashable) -> int:
         return self._reserved.get(key, 0)

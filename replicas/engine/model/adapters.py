@@ -183,6 +183,12 @@ class AdapterTable:
         assert adapter is not None
         return adapter.namespace
 
+    def files(self, name: str) -> AdapterFiles:
+        """Loaded adapter `name`'s weights (a KeyError for one not loaded)."""
+        adapter = self._loaded[self.slot(name) - 1]
+        assert adapter is not None
+        return adapter
+
     def rows_using(self, name: str) -> int:
         """Rows of the batch on adapter `name` now."""
         slot = self.slot(name)
@@ -207,6 +213,8 @@ class AdapterTable:
     def unload(self, name: str) -> None:
         """Drop an adapter, its slot left free (the caller makes sure no row uses it)."""
         self._loaded[self.slot(name) - 1] = None
+        while self._loaded and self._loaded[-1] is None:  # free slots past the last in use
+            self._loaded.pop()  # go, so their tables' rows do (no loaded slot moves)
         self._rebuild()
 
     def _rebuild(self) -> None:
