@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_embeddings.models import xlm_roberta
 
 from replicas.cross_encoder import load_sequence_classifier
+from replicas.engine.model.loading import _context_length
 from replicas.rerank_scores import classifier_scores
 
 HIDDEN = 32
@@ -81,3 +82,16 @@ def test_a_weight_the_head_does_not_have_fails_the_load(tmp_path: Path) -> None:
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
     with pytest.raises(ValueError):
         load_sequence_classifier(tmp_path, CONFIG)
+
+
+def test_the_input_limit_is_the_positions_past_the_pad_offset(tmp_path: Path) -> None:
+    """RoBERTa numbers positions from pad + 1: a table of 40 holds 38 tokens. A row that
+    long runs through the library's encoder; one token more indexes past the table."""
+    limit = _context_length(CONFIG)
+    assert limit == CONFIG["max_position_embeddings"] - CONFIG["pad_token_id"] - 1 == 38
+    assert _context_length({**CONFIG, "model_type": "bert"}) == 40  # BERT counts from 0
+    encoder = xlm_roberta.Model(xlm_roberta.ModelArgs.from_dict(
+        {**CONFIG, "add_pooling_layer": False}))
+    longest = encoder.embeddings.create_position_ids_from_input_ids(
+        mx.array([[5] * limit]), CONFIG["pad_token_id"])
+    assert int(mx.max(longest).item()) == CONFIG["max_position_embeddings"] - 1

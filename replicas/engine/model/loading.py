@@ -75,10 +75,17 @@ def _generation_config_eos(resolved: Path | str) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
+# RoBERTa-style encoders number positions from `pad_token_id + 1` (positions 0..pad are
+# never used), so `max_position_embeddings` of 514 holds 512 tokens.
+_PAD_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert"})
+
+
 def _context_length(config: dict[str, Any]) -> int:
     text_config = config.get("text_config", config)
     for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
         if isinstance(text_config.get(key), int):
+            if text_config.get("model_type") in _PAD_OFFSET_POSITIONS:
+                return int(text_config[key]) - int(text_config.get("pad_token_id", 1)) - 1
             return int(text_config[key])
     return 4096
 
