@@ -104,10 +104,6 @@ class LocalModelClient:
         """The card with the adapters loaded at run time (`deployments/adapter_admin.py`)."""
         self._card = cards[0]
 
-    def set_cards(self, cards: list[ModelCard]) -> None:
-        """The card with the adapters loaded at run time (`deployments/adapter_admin.py`)."""
-        self._card = cards[0]
-
     def resolve(self, model: str) -> ModelCard | None:
         return self._card if model in (self._card.id, *self._card.aliases) else None
 
