@@ -24,6 +24,7 @@ from deployments.model_deployment import ReplicaOwner
 from deployments.observability import request_observer
 from deployments.responses.store import response_store
 from deployments.responses.usage import usage_store
+from deployments.tenant_counts import shared_counts
 from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
 from ingress.client import ModelCard
@@ -45,6 +46,9 @@ class ColocatedModel(ReplicaOwner):
         self._observer = request_observer(edge.observability)
         self._usage = usage_store(edge.responses, serve.get_replica_context().app_name) \
             if edge.tenants else None  # usage per tenant, beside the stored responses
+        # Tenant limits counted across the replicas serving HTTP, where there are several.
+        self._tenant_counts = shared_counts("auto" if scaled else config.num_replicas,
+                                            edge.limited, serve.get_replica_context().app_name)
         self._cluster = BoardView(serve.get_replica_context().app_name)
         # LoRA adapters loaded at run time: checked here, then every replica follows.
         self._adapter_control = ServedAdapters(
@@ -57,4 +61,5 @@ class ColocatedModel(ReplicaOwner):
         # Built in the replica, after __init__, so the app holds this replica's engine.
         return create_app(self._client, self._options, response_store=self._store,
                           observer=self._observer, usage=self._usage, cluster=self._cluster,
-                          adapter_control=self._adapter_control)
+                          adapter_control=self._adapter_control,
+                          tenant_counts=self._tenant_counts)

@@ -21,6 +21,7 @@ from deployments.model_states import ServeModelStates
 from deployments.observability import request_observer
 from deployments.responses.store import response_store
 from deployments.responses.usage import usage_store
+from deployments.tenant_counts import shared_counts
 from deployments.tenants import TenantSettings, tenant_policies
 from deployments.serve_options import bind_like_serves_proxy
 from ingress.app import create_app
@@ -39,6 +40,12 @@ class EdgeArgs:
     observability: ObservabilitySettings = ObservabilitySettings()
     responses: ResponsesSettings = ResponsesSettings()
     tenants: tuple[tuple[str, TenantSettings], ...] = ()  # names key env variables, not keys
+
+    @property
+    def limited(self) -> bool:
+        """Whether some tenant has a limit to count."""
+        return any(t.max_concurrent is not None or t.tokens_per_minute is not None
+                   for _, t in self.tenants)
 
     @classmethod
     def from_config(cls, config: AppArgs) -> "EdgeArgs":
@@ -107,10 +114,14 @@ class Ingress:
         # Usage per tenant, beside the stored responses (only with tenants: it is per tenant).
         self._usage = usage_store(edge.responses, serve.get_replica_context().app_name) \
             if edge.tenants else None
+        # Tenant limits counted across the HTTP replicas, where there are several.
+        self._tenant_counts = shared_counts(settings.num_replicas, edge.limited,
+                                            serve.get_replica_context().app_name)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Built in the replica, after __init__, so the app holds this replica's client
         # (an app built at import time would be pickled and served as a copy).
         return create_app(self._client, self._options, response_store=self._store,
                           observer=self._observer, usage=self._usage, cluster=self._cluster,
-                          model_states=self._states, adapter_control=self._adapters)
+                          model_states=self._states, adapter_control=self._adapters,
+                          tenant_counts=self._tenant_counts)

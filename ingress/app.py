@@ -25,6 +25,7 @@ from ingress.options import EdgeOptions
 from ingress.registry import PROTOCOLS, protocol_for
 from ingress.responses.store import MemoryResponseStore, ResponseStore
 from ingress.tenancy.door import TenantMiddleware, tenanted_client
+from ingress.tenancy.shared import SharedCounts
 from ingress.tenancy.usage import UsageStore, router as usage_router
 from replicas.contract import ErrorKind
 from replicas.errors import ReplicaError
@@ -42,17 +43,20 @@ def create_app(client: ModelClient, options: EdgeOptions = EdgeOptions(),
                cluster: ClusterView | None = None,
                usage: UsageStore | None = None,
                model_states: ModelStates | None = None,
-               adapter_control: AdapterControl | None = None) -> FastAPI:
+               adapter_control: AdapterControl | None = None,
+               tenant_counts: SharedCounts | None = None) -> FastAPI:
     """The app. `response_store` keeps stored Responses API responses; the default lives in
     this process only, so deployments with several ingress replicas pass a shared one.
     `observer` gets one record per finished generation request (metrics, request logs);
     without one, nothing is traced. `cluster`: the snapshot `GET /v1/cluster` and
     `/dashboard` show (`ingress/cluster.py`); without one they are a 404. `model_states`:
     which models are still loading, for `/v1/models` (without one, all are ready).
-    `adapter_control`: LoRA adapters loaded at run time (`ingress/lora_admin.py`)."""
+    `adapter_control`: LoRA adapters loaded at run time (`ingress/lora_admin.py`).
+    `tenant_counts`: where tenant limits are counted across HTTP replicas (none: here)."""
     app = FastAPI(title="Orchard", version="0.1.0")
     # Each key's tenant, its limits and usage (`ingress/tenancy/`; `usage`: where it is kept).
-    limited = tenanted_client(app, LimitedClient(client, options), options.tenants, usage)
+    limited = tenanted_client(app, LimitedClient(client, options), options.tenants, usage,
+                              tenant_counts)
     app.state.client = limited if observer is None else ObservedClient(limited)
     app.state.served_lengths = {}  # model id -> the context its replica serves
     app.state.image_limits = options.images  # for the routes' `MediaParts.for_model`

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,8 +27,10 @@ from ingress.tenancy.ledger import Ledger
 from ingress.tenancy.policy import PRIORITY_HEADER, TenantPolicy
 from ingress.tenancy.seat import SEAT, Seat
 from ingress.tenancy.usage import MemoryUsageStore, UsageCounts, UsageStore
-from replicas.contract import (ErrorKind, Finished, GenerationRequest, OutputEvent, Tenancy,
-                               TextDelta, ToolCallDelta)
+from ingress.tenancy.shared import SharedCounts, SharedLedger
+from replicas.contract import (EmbeddingRequest, EmbeddingResult, ErrorKind, Finished,
+                               GenerationRequest, OutputEvent, RerankRequest, RerankResult,
+                               Tenancy, TextDelta, ToolCallDelta)
 from replicas.errors import NotFoundError
 
 log = logging.getLogger(__name__)
@@ -115,27 +117,68 @@ class TenantClient(WrappedClient):
         seat = SEAT.get()
         if seat is None:  # an open path: the default tenancy, no limits
             return self._counted(self._inner.stream(request), None, request.model)
+        policy = self._allowed(request.model)
+        tenancy = Tenancy(policy.name, policy.effective_priority(seat.asked_priority),
+                          policy.share)
+        return self._admitted(policy, dataclasses.replace(request, tenancy=tenancy))
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        result: EmbeddingResult = await self._unary(request.model, self._inner.embed, request)
+        return result
+
+    async def rerank(self, request: RerankRequest) -> RerankResult:
+        result: RerankResult = await self._unary(request.model, self._inner.rerank, request)
+        return result
+
+    def _allowed(self, model: str) -> TenantPolicy:
+        """The current request's tenant, or the 404 of a model it may not use."""
+        seat = SEAT.get()
+        assert seat is not None
         policy = seat.policy
-        if policy.models is not None and not self._allowed(policy, request.model):
-            raise NotFoundError(f"model '{request.model}' is not available to this key",
+        if policy.models is not None and not any(
+                card is not None and card.id == model
+                for card in map(self._inner.resolve, policy.models)):
+            raise NotFoundError(f"model '{model}' is not available to this key",
                                 param="model")
-        self._ledger.enter(policy)
+        return policy
+
+    async def _admitted(self, policy: TenantPolicy, request: GenerationRequest
+                        ) -> AsyncIterator[list[OutputEvent]]:
+        # Admitted on the first read, which the routes await before answering: a refusal
+        # is still a 429, and a shared ledger's seat is an await.
+        await self._ledger.admit(policy)
         try:
-            tenancy = Tenancy(policy.name, policy.effective_priority(seat.asked_priority),
-                              policy.share)
-            events = self._inner.stream(dataclasses.replace(request, tenancy=tenancy))
+            events = self._inner.stream(request)
         except BaseException:
             self._ledger.leave(policy.name)
             raise
-        return self._counted(events, policy.name, request.model)
+        counted = self._counted(events, policy.name, request.model)
+        try:
+            async for batch in counted:
+                yield batch
+        finally:  # closing us closes it now: its seat is given back, its generation ended
+            await counted.aclose()
 
-    def _allowed(self, policy: TenantPolicy, model: str) -> bool:
-        assert policy.models is not None
-        return any(card is not None and card.id == model
-                   for card in map(self._inner.resolve, policy.models))
+    async def _unary(self, model: str, call: Callable[[Any], Awaitable[Any]],
+                     request: Any) -> Any:
+        """An embedding or rerank call: the tenant's models, its limits (its prompt tokens
+        spent), its usage."""
+        if SEAT.get() is None:  # an open path: the default tenancy, no limits
+            return await call(request)
+        policy = self._allowed(model)
+        await self._ledger.admit(policy)
+        tokens = 0
+        try:
+            result = await call(request)
+            tokens = result.prompt_tokens
+            return result
+        finally:
+            self._ledger.spend(policy.name, tokens)
+            self._ledger.leave(policy.name)
+            self._record(policy.name, model, UsageCounts(1, tokens))
 
     async def _counted(self, events: AsyncIterator[list[OutputEvent]], tenant: str | None,
-                       model: str) -> AsyncIterator[list[OutputEvent]]:
+                       model: str) -> AsyncGenerator[list[OutputEvent], None]:
         spent, finished = 0, None
         try:
             async for batch in events:
@@ -176,11 +219,13 @@ class TenantClient(WrappedClient):
 
 
 def tenanted_client(app: Any, inner: ModelClient, tenants: Iterable[TenantPolicy],
-                    usage: UsageStore | None) -> ModelClient:
+                    usage: UsageStore | None, shared: SharedCounts | None = None
+                    ) -> ModelClient:
     """`inner` behind the tenants' door, where tenants are configured; the app's state keeps
-    what the middleware and `GET /v1/usage` read (`create_app`)."""
+    what the middleware and `GET /v1/usage` read (`create_app`). `shared`: where the limits
+    are counted when several HTTP replicas serve (`ingress.tenancy.shared`)."""
     app.state.tenants = TenantKeys(tenants)
-    app.state.ledger = Ledger()
+    app.state.ledger = Ledger() if shared is None else SharedLedger(shared)
     app.state.usage = MemoryUsageStore() if usage is None else usage
     if not app.state.tenants:  # no tenants: nothing to count or limit, nothing wrapped
         return inner

@@ -1,8 +1,9 @@
 """Each tenant's limits as this HTTP replica counts them: requests in flight, and tokens
 (prompt + completion) over a sliding minute, spent as they stream.
 
-The counts are this process's: with N ingress replicas a tenant may reach N times its
-limits (Serve spreads requests evenly, so each replica sees about 1/N of them).
+These counts are this process's. With several HTTP replicas the deployments layer hands
+the app a `SharedLedger` (`ingress.tenancy.shared`) instead, which keeps the same counts
+cluster-wide, so N replicas do not give a tenant N times its limits.
 """
 
 from __future__ import annotations
@@ -43,15 +44,24 @@ class Ledger:
         account = self._account(policy.name)
         limit = policy.max_concurrent
         if limit is not None and account.in_flight >= limit:
-            raise RateLimitedError(
-                f"tenant '{policy.name}' has {account.in_flight} requests in flight, its "
-                f"limit ({limit}); retry when one ends", retry_after_s=1.0)
+            raise busy(policy.name, account.in_flight, limit)
+        self._check_tokens(policy, account)
+        account.in_flight += 1
+
+    async def admit(self, policy: TenantPolicy) -> None:
+        """`enter`, for a ledger whose counts may live elsewhere (`SharedLedger`)."""
+        self.enter(policy)
+
+    def _check_tokens(self, policy: TenantPolicy, account: _Account) -> None:
         tpm = policy.tokens_per_minute
         if tpm is not None and account.total >= tpm:
             raise RateLimitedError(
                 f"tenant '{policy.name}' used {account.total} tokens in the last minute, its "
                 f"limit ({tpm} per minute)", retry_after_s=self._reset_s(account, tpm))
-        account.in_flight += 1
+
+    def _in_flight(self, tenant: str, account: _Account) -> int:
+        """Requests in flight as the headers report them (`SharedLedger`: cluster-wide)."""
+        return account.in_flight
 
     def leave(self, tenant: str) -> None:
         account = self._account(tenant)
@@ -78,7 +88,7 @@ class Ledger:
         account = self._account(policy.name)
         out: list[tuple[bytes, bytes]] = []
         if policy.max_concurrent is not None:
-            left = max(0, policy.max_concurrent - account.in_flight)
+            left = max(0, policy.max_concurrent - self._in_flight(policy.name, account))
             out += [(b"x-ratelimit-limit-requests", str(policy.max_concurrent).encode()),
                     (b"x-ratelimit-remaining-requests", str(left).encode()),
                     (b"x-ratelimit-reset-requests", b"0s" if left else b"1s")]
@@ -89,3 +99,8 @@ class Ledger:
                     (b"x-ratelimit-remaining-tokens", str(max(0, tpm - account.total)).encode()),
                     (b"x-ratelimit-reset-tokens", f"{math.ceil(reset)}s".encode())]
         return out
+
+
+def busy(tenant: str, in_flight: int, limit: int) -> RateLimitedError:
+    return RateLimitedError(f"tenant '{tenant}' has {in_flight} requests in flight, its limit "
+                            f"({limit}); retry when one ends", retry_after_s=1.0)

@@ -228,3 +228,29 @@ def test_a_key_is_never_logged(caplog: pytest.LogCaptureFixture) -> None:
     for key in (AGENT, CI, "sk-stranger-0123456789"):
         assert key not in caplog.text
     assert CI not in repr(client.app.state.tenants)  # type: ignore[attr-defined]
+
+
+def test_embeddings_and_rerank_keep_to_the_tenants_models_and_limits() -> None:
+    """Not only generation: a model outside the tenant is a 404 on `/v1/embeddings` and
+    `/v1/rerank` too, their prompt tokens count against its minute, and their usage."""
+    fake = FakeClient(ANSWER, models=(ModelCard("orchard-tiny", aliases=("tiny",)),
+                                      ModelCard("big")))
+    client, _ = app(fake)
+    calls = [("/v1/embeddings", {"input": ["abcdefghij" * 3]}),
+             ("/v1/rerank", {"query": "q", "documents": ["a" * 29]})]
+    for path, body in calls:
+        refused = client.post(path, json={**body, "model": "big"}, headers=auth(CI))
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["param"] == "model"
+        assert client.post(path, json={**body, "model": "big"},
+                           headers=auth(AGENT)).status_code == 200
+    assert len(fake.embedded) == len(fake.reranked) == 1  # the refused never left the edge
+    for path, body in calls:  # 30 tokens each (the fake counts characters)
+        assert client.post(path, json={**body, "model": "tiny"},
+                           headers=auth(CI)).status_code == 200
+    over = client.post("/v1/embeddings", json={"model": "tiny", "input": "x"}, headers=auth(CI))
+    assert over.status_code == 429 and "60 per minute" in over.json()["error"]["message"]
+    rows = {(r["tenant"], r["model"]): r for r in
+            client.get("/v1/usage", headers=auth(ADMIN)).json()["data"]}
+    assert rows[("ci", "orchard-tiny")]["requests"] == 2
+    assert rows[("ci", "orchard-tiny")]["prompt_tokens"] == 60
