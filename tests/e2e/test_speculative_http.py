@@ -1,6 +1,6 @@
 """Speculative decoding over a real `serve run` of the default config, with the official
 SDKs over loopback, once per method: prompt lookup (`method: ngram`) and a draft model
-(`method: draft`, the built-in model drafting for itself).
+(`method: draft`, the built-in model drafting for itself), each on a model of its own.
 
 Greedy output must be the output without speculation: the built-in model reproduces its
 scripts exactly, so every API (Chat Completions, Responses, Anthropic Messages), streamed
@@ -9,7 +9,8 @@ schemas, forced tool calls) included: their grammar checks each draft as it is k
 Off-script guided outputs must not change when they share passes with other rows. Then the speculative metrics must show drafts verified
 and more than one token per target pass for one row at a time.
 
-One server for the module (one model replica serving HTTP itself: the default layout).
+One server for the module: the config's model twice, one per method (an ingress replica in
+front of the two), so one Ray start serves both methods' tests.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -34,7 +36,7 @@ from tests.e2e.test_anthropic_http import PLAIN
 from tests.e2e.test_anthropic_http import args as anthropic_text_args
 from tests.e2e.test_anthropic_http import text_of
 from tests.e2e.test_features_http import SCHEMA as PROFILE_SCHEMA
-from tests.e2e.test_openai_http import chat_args, check_chat_script, stream_chat
+from tests.e2e.test_openai_http import chat_args, stream_chat
 from tests.e2e.test_responses_http import (
     calls,
     check_streamed,
@@ -44,10 +46,10 @@ from tests.e2e.test_responses_http import (
 from tests.e2e.test_tools_http import UNIT_TOOL, anthropic_args, calls_of, stream_calls, uses_of
 from tests.e2e.test_tools_http import chat_args as tool_chat_args
 from tests.observability.test_observability_http import App, _samples, _total
-from tests.serve_process import ROOT, config_copy, free_port, serve_run
+from tests.serve_process import ROOT, config_copy, free_port, ready, serve_run
 
 pytestmark = pytest.mark.e2e
-MODEL = "orchard-tiny"
+MODEL = "orchard-tiny"  # the config's model, speculating by each method under an id of its own
 METHODS = {
     # The config's block, with prompt_lookup_min 1: the scripts' outputs repeat little of
     # their prompts, and single-token matches draft (and so verify and reject) far more.
@@ -61,6 +63,7 @@ METHODS = {
     "draft": {"method": "draft", "draft_model": "builtin:tiny", "num_speculative_tokens": 4,
               "disable_by_batch_size": None, "disable_when_slower": False},
 }
+MODELS = {"ngram": MODEL, "draft": f"{MODEL}-draft"}
 SPEC_METRICS = ("orchard_spec_target_passes_total", "orchard_spec_output_tokens_total",
                 "orchard_spec_draft_tokens_total", "orchard_spec_accepted_tokens_total")
 METRICS_DEADLINE_S = 120.0
@@ -72,11 +75,17 @@ def method(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory, method: str) -> Iterator[App]:
-    """The real serve_config.yaml, each model speculating, on a free port, with a Ray
-    temp dir (its metrics discovery file names this app's ports only) and an Orchard cache
-    of its own (the built-in models linked in, as `private_serve` does), metrics every
-    half second."""
+def model(method: str) -> str:
+    """The model that speculates by `method`."""
+    return MODELS[method]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+    """The real serve_config.yaml, its model once per method, speculating, on a free port,
+    with a Ray temp dir (its metrics discovery file names this app's ports only) and an
+    Orchard cache of its own (the built-in models linked in, as `private_serve` does),
+    metrics every half second."""
     from replicas.builtin.build import default_cache_root
 
     ensure_builtin("tiny")
@@ -85,9 +94,9 @@ def app(tmp_path_factory: pytest.TempPathFactory, method: str) -> Iterator[App]:
     cache.mkdir()
     (cache / "builtin").symlink_to(default_cache_root(), target_is_directory=True)
     real = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    models = [{**m, "speculative": dict(METHODS[method])}
-              for m in real["applications"][0]["args"]["models"]]
-    assert [m["id"] for m in models] == [MODEL]
+    [base] = real["applications"][0]["args"]["models"]
+    assert base["id"] == MODEL
+    models = [{**base, "id": MODELS[m], "speculative": dict(METHODS[m])} for m in METHODS]
     port = free_port()
     path = config_copy(tmp, port, models=models)
     config = yaml.safe_load(path.read_text())
@@ -98,6 +107,12 @@ def app(tmp_path_factory: pytest.TempPathFactory, method: str) -> Iterator[App]:
            "RAY_metrics_report_interval_ms": "1000"}
     try:
         with serve_run(path, port, tmp / "serve.log", env=env) as serve:
+            deadline = time.monotonic() + 300
+            with httpx.Client() as http:  # the other model up too, not only the first
+                while not ready(http, serve.base_url, MODELS["draft"]):
+                    assert serve.proc.poll() is None and time.monotonic() < deadline, \
+                        f"{MODELS['draft']} did not come up; log:\n{serve.log()[-5000:]}"
+                    time.sleep(1)
             yield App(serve, ray_tmp)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -120,15 +135,23 @@ def claude(app: App) -> anthropic.Anthropic:
 
 @pytest.mark.parametrize("sid", ["cities", "tea-steps", "unicode", "sum-think",
                                  "feathers-think", "riddle-nothink"])
-def test_chat_scripts_are_exact_streamed_or_not(oai: openai.OpenAI, sid: str) -> None:
-    check_chat_script(oai, sid)
+def test_chat_scripts_are_exact_streamed_or_not(oai: openai.OpenAI, model: str,
+                                               sid: str) -> None:
+    # `check_chat_script` of the OpenAI module, on this method's model.
+    full = oai.chat.completions.create(**chat_args(sid, model=model))
+    content, reasoning, final = stream_chat(oai, **chat_args(sid, model=model))
+    message = full.choices[0].message
+    assert message.content == content == script(sid).answer
+    assert (getattr(message, "reasoning_content", None) or "") == reasoning \
+        == (script(sid).reasoning or "")
+    assert full.choices[0].finish_reason == final.finish_reason == "stop"
 
 
-def test_completion_script_is_exact_streamed_or_not(oai: openai.OpenAI) -> None:
+def test_completion_script_is_exact_streamed_or_not(oai: openai.OpenAI, model: str) -> None:
     s = script("count-completion")
-    full = oai.completions.create(model=MODEL, prompt=s.prompt, temperature=0, max_tokens=100)
+    full = oai.completions.create(model=model, prompt=s.prompt, temperature=0, max_tokens=100)
     streamed = "".join(c.choices[0].text for c in oai.completions.create(
-        model=MODEL, prompt=s.prompt, temperature=0, max_tokens=100, stream=True) if c.choices)
+        model=model, prompt=s.prompt, temperature=0, max_tokens=100, stream=True) if c.choices)
     assert full.choices[0].text == streamed == s.answer
 
 
@@ -140,24 +163,25 @@ def test_completion_script_is_exact_streamed_or_not(oai: openai.OpenAI) -> None:
     ("tea-steps", ["Step 3"]),
     ("cities", ["\n"]),
 ])
-def test_chat_stop_strings_cut_exactly_streamed_or_not(oai: openai.OpenAI, sid: str,
+def test_chat_stop_strings_cut_exactly_streamed_or_not(oai: openai.OpenAI, model: str, sid: str,
                                                        stops: list[str]) -> None:
     text = script(sid).answer
     _, _, winner = min((text.index(s) + len(s), i, s) for i, s in enumerate(stops) if s in text)
     expected = text[: text.index(winner)]
-    body = oai.chat.completions.create(**chat_args(sid, stop=stops))
-    content, _, final = stream_chat(oai, **chat_args(sid, stop=stops))
+    body = oai.chat.completions.create(**chat_args(sid, stop=stops, model=model))
+    content, _, final = stream_chat(oai, **chat_args(sid, stop=stops, model=model))
     assert body.choices[0].message.content == content == expected
     assert body.choices[0].finish_reason == final.finish_reason == "stop"
     assert body.choices[0].model_extra["matched_stop"] == final.model_extra["matched_stop"] \
         == winner
 
 
-def test_chat_max_tokens_cuts_at_the_count(oai: openai.OpenAI) -> None:
+def test_chat_max_tokens_cuts_at_the_count(oai: openai.OpenAI, model: str) -> None:
     # Accepted drafts must not run past max_tokens.
     s = script("tool-parallel")
     for n in (3, 7, 13):
-        body = oai.chat.completions.create(**tool_chat_args("tool-parallel", max_tokens=n))
+        body = oai.chat.completions.create(**tool_chat_args("tool-parallel", max_tokens=n,
+                                                            model=model))
         assert body.choices[0].finish_reason == "length"
         assert body.usage.completion_tokens == n
         assert s.answer.startswith(body.choices[0].message.content or "")
@@ -165,13 +189,14 @@ def test_chat_max_tokens_cuts_at_the_count(oai: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("sid", ["tool-one", "tool-parallel", "tool-text-then-call",
                                  "tool-after-reasoning"])
-def test_chat_tool_calls_are_exact_streamed_or_not(oai: openai.OpenAI, sid: str) -> None:
+def test_chat_tool_calls_are_exact_streamed_or_not(oai: openai.OpenAI, model: str,
+                                                   sid: str) -> None:
     s = script(sid)
-    full = oai.chat.completions.create(**tool_chat_args(sid))
+    full = oai.chat.completions.create(**tool_chat_args(sid, model=model))
     assert full.choices[0].finish_reason == "tool_calls"
     assert calls_of(full.choices[0].message) == list(s.expected_calls)
     assert (full.choices[0].message.content or "").rstrip("\n") == s.answer_text
-    final, pieces = stream_calls(oai, **tool_chat_args(sid))
+    final, pieces = stream_calls(oai, **tool_chat_args(sid, model=model))
     assert final.finish_reason == "tool_calls"
     assert calls_of(final.message) == list(s.expected_calls)
     assert pieces == [a for _, a in s.expected_calls]
@@ -193,8 +218,8 @@ def record_format() -> dict[str, Any]:
 @pytest.mark.parametrize("response_format", [record_format(), {"type": "json_object"}],
                          ids=["json_schema", "json_object"])
 def test_guided_json_is_the_scripted_record_streamed_or_not(
-        oai: openai.OpenAI, response_format: dict[str, Any]) -> None:
-    args = chat_args("json-record", response_format=response_format)
+        oai: openai.OpenAI, model: str, response_format: dict[str, Any]) -> None:
+    args = chat_args("json-record", response_format=response_format, model=model)
     body = oai.chat.completions.create(**args)
     content, _, final = stream_chat(oai, **args)
     assert body.choices[0].message.content == content == script("json-record").answer
@@ -207,12 +232,12 @@ def forced_weather(api: str) -> Any:
         {"type": "tool", "name": "get_weather"}
 
 
-def test_forced_tool_calls_have_the_scripted_arguments(oai: openai.OpenAI,
+def test_forced_tool_calls_have_the_scripted_arguments(oai: openai.OpenAI, model: str,
                                                        claude: anthropic.Anthropic) -> None:
     """A named tool_choice (the tool the script calls: the grammar writes the call, the
     model its arguments) and `required` with one call allowed give the scripted calls."""
     one, parallel = script("tool-one"), script("tool-parallel")
-    args = tool_chat_args("tool-one", tool_choice=forced_weather("chat"))
+    args = tool_chat_args("tool-one", tool_choice=forced_weather("chat"), model=model)
     full = oai.chat.completions.create(**args)
     assert full.choices[0].finish_reason == "tool_calls"
     assert calls_of(full.choices[0].message) == list(one.expected_calls)
@@ -222,58 +247,59 @@ def test_forced_tool_calls_have_the_scripted_arguments(oai: openai.OpenAI,
     assert calls_of(final.message) == list(one.expected_calls)
 
     single = oai.chat.completions.create(**tool_chat_args(
-        "tool-parallel", parallel_tool_calls=False, tool_choice="required"))
+        "tool-parallel", parallel_tool_calls=False, tool_choice="required", model=model))
     assert calls_of(single.choices[0].message) == list(parallel.expected_calls[:1])
 
-    forced = anthropic_args("tool-one", tool_choice=forced_weather("anthropic"))
+    forced = anthropic_args("tool-one", tool_choice=forced_weather("anthropic"), model=model)
     message = claude.messages.create(**forced)
     assert message.stop_reason == "tool_use" and uses_of(message) == list(one.expected_calls)
     with claude.messages.stream(**forced) as stream:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use" and uses_of(streamed) == list(one.expected_calls)
     any_one = claude.messages.create(**anthropic_args(
-        "tool-parallel", tool_choice={"type": "any", "disable_parallel_tool_use": True}))
+        "tool-parallel", tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        model=model))
     assert uses_of(any_one) == list(parallel.expected_calls[:1])
 
 
 @pytest.mark.parametrize("sid", ["hello", "riddle-think"])
-def test_responses_text_and_reasoning_are_exact_streamed_or_not(oai: openai.OpenAI,
+def test_responses_text_and_reasoning_are_exact_streamed_or_not(oai: openai.OpenAI, model: str,
                                                                 sid: str) -> None:
     s = script(sid)
-    for response in (oai.responses.create(**response_args(sid)),
-                     check_streamed(oai, response_args(sid))):
+    for response in (oai.responses.create(**response_args(sid, model=model)),
+                     check_streamed(oai, response_args(sid, model=model))):
         assert response.status == "completed" and response.output_text == s.answer
         assert reasoning_text(response) == (s.reasoning or "") and not calls(response)
 
 
 @pytest.mark.parametrize("sid", ["tool-parallel", "tool-after-reasoning"])
-def test_responses_function_calls_are_exact_streamed_or_not(oai: openai.OpenAI,
+def test_responses_function_calls_are_exact_streamed_or_not(oai: openai.OpenAI, model: str,
                                                             sid: str) -> None:
     s = script(sid)
-    for response in (oai.responses.create(**response_args(sid)),
-                     check_streamed(oai, response_args(sid))):
+    for response in (oai.responses.create(**response_args(sid, model=model)),
+                     check_streamed(oai, response_args(sid, model=model))):
         assert response.status == "completed", response
         assert calls(response) == list(s.expected_calls)
         assert response.output_text.rstrip("\n") == s.answer_text
         assert reasoning_text(response) == (s.reasoning or "")
 
 
-def test_responses_forced_call_and_json_schema(oai: openai.OpenAI) -> None:
-    args = response_args("tool-one", tool_choice=forced_weather("responses"))
+def test_responses_forced_call_and_json_schema(oai: openai.OpenAI, model: str) -> None:
+    args = response_args("tool-one", tool_choice=forced_weather("responses"), model=model)
     for response in (oai.responses.create(**args), check_streamed(oai, args)):
         assert calls(response) == list(script("tool-one").expected_calls), response
     fmt = record_format()["json_schema"]
     text_format = {"format": {"type": "json_schema", "name": fmt["name"],
                               "schema": fmt["schema"], "strict": True}}
-    args = response_args("json-record", text=text_format)
+    args = response_args("json-record", text=text_format, model=model)
     for response in (oai.responses.create(**args), check_streamed(oai, args)):
         assert response.output_text == script("json-record").answer, response
 
 
 def test_anthropic_text_thinking_and_stop_are_exact_streamed_or_not(
-        claude: anthropic.Anthropic) -> None:
-    full = claude.messages.create(**anthropic_text_args(PLAIN))
-    with claude.messages.stream(**anthropic_text_args(PLAIN)) as stream:
+        claude: anthropic.Anthropic, model: str) -> None:
+    full = claude.messages.create(**anthropic_text_args(PLAIN, model=model))
+    with claude.messages.stream(**anthropic_text_args(PLAIN, model=model)) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text_of(full) == streamed == text_of(final) == script(PLAIN).answer
@@ -281,20 +307,21 @@ def test_anthropic_text_thinking_and_stop_are_exact_streamed_or_not(
 
     thinking = {"type": "enabled", "budget_tokens": 300}
     s = script("feathers-think")
-    message = claude.messages.create(**anthropic_text_args("feathers-think", thinking=thinking))
+    message = claude.messages.create(**anthropic_text_args("feathers-think", thinking=thinking,
+                                                           model=model))
     assert [b.type for b in message.content] == ["thinking", "text"]
     assert text_of(message, "thinking") == s.reasoning and text_of(message) == s.answer
     with claude.messages.stream(**anthropic_text_args("feathers-think",
-                                                      thinking=thinking)) as stream:
+                                                      thinking=thinking, model=model)) as stream:
         final = stream.get_final_message()
     assert [getattr(b, "thinking", None) or getattr(b, "text", None) for b in final.content] \
         == [s.reasoning, s.answer]
 
     stop = "none of them"
     expected = script(PLAIN).answer[: script(PLAIN).answer.index(stop)]
-    cut = claude.messages.create(**anthropic_text_args(PLAIN, stop_sequences=["zzz", stop]))
-    with claude.messages.stream(**anthropic_text_args(PLAIN, stop_sequences=["zzz", stop])) \
-            as stream:
+    stops = {"stop_sequences": ["zzz", stop], "model": model}
+    cut = claude.messages.create(**anthropic_text_args(PLAIN, **stops))
+    with claude.messages.stream(**anthropic_text_args(PLAIN, **stops)) as stream:
         cut_streamed = "".join(stream.text_stream)
         cut_final = stream.get_final_message()
     assert text_of(cut) == cut_streamed == expected
@@ -303,11 +330,11 @@ def test_anthropic_text_thinking_and_stop_are_exact_streamed_or_not(
 
 
 @pytest.mark.parametrize("sid", ["tool-parallel", "tool-after-reasoning"])
-def test_anthropic_tool_use_is_exact_streamed_or_not(claude: anthropic.Anthropic,
+def test_anthropic_tool_use_is_exact_streamed_or_not(claude: anthropic.Anthropic, model: str,
                                                      sid: str) -> None:
     s = script(sid)
-    full = claude.messages.create(**anthropic_args(sid))
-    with claude.messages.stream(**anthropic_args(sid)) as stream:
+    full = claude.messages.create(**anthropic_args(sid, model=model))
+    with claude.messages.stream(**anthropic_args(sid, model=model)) as stream:
         final = stream.get_final_message()
     for message in (full, final):
         assert message.stop_reason == "tool_use" and uses_of(message) == list(s.expected_calls)
@@ -355,20 +382,20 @@ def scripted_chat(sid: str) -> dict[str, Any]:
             "calls": list(s.expected_calls), "finish": "tool_calls" if s.tools else "stop"}
 
 
-async def eight_streams(app: App) -> dict[str, tuple[Any, Any]]:
+async def eight_streams(app: App, model: str) -> dict[str, tuple[Any, Any]]:
     """Eight streams of different scripts at once (chat, one with tools and one guided, a
     Responses stream and an Anthropic one with thinking): {label: (got, expected)}."""
     oai, claude = async_clients(app)
 
     async def chat(sid: str, **extra: Any) -> tuple[Any, Any]:
-        base = tool_chat_args(sid) if script(sid).tools else chat_args(sid)
+        base = (tool_chat_args if script(sid).tools else chat_args)(sid, model=model)
         got = await chat_stream(oai, **{**base, **extra})
         if script(sid).tools:  # the text before a call, without its separating newline
             got["content"] = got["content"].rstrip("\n")
         return got, scripted_chat(sid)
 
     async def responses(sid: str) -> tuple[Any, Any]:
-        async with oai.responses.stream(**response_args(sid)) as stream:
+        async with oai.responses.stream(**response_args(sid, model=model)) as stream:
             async for _ in stream:
                 pass
             final = await stream.get_final_response()
@@ -376,7 +403,8 @@ async def eight_streams(app: App) -> dict[str, tuple[Any, Any]]:
             ("completed", "", script(sid).answer)
 
     async def messages(sid: str) -> tuple[Any, Any]:
-        args = anthropic_text_args(sid, thinking={"type": "enabled", "budget_tokens": 300})
+        args = anthropic_text_args(sid, thinking={"type": "enabled", "budget_tokens": 300},
+                                   model=model)
         async with claude.messages.stream(**args) as stream:
             async for _ in stream:
                 pass
@@ -400,22 +428,23 @@ async def eight_streams(app: App) -> dict[str, tuple[Any, Any]]:
     return dict(zip(jobs, results))
 
 
-def test_eight_concurrent_streams_are_each_exact(app: App) -> None:
+def test_eight_concurrent_streams_are_each_exact(app: App, model: str) -> None:
     for _ in range(2):  # two rounds: the rows meet the batch at different steps
-        results = asyncio.run(eight_streams(app))
+        results = asyncio.run(eight_streams(app, model))
         wrong = {label: pair for label, pair in results.items() if pair[0] != pair[1]}
         assert not wrong, json.dumps(wrong, indent=1, ensure_ascii=False)
 
 
-def test_guided_rows_beside_speculating_rows_keep_their_output(oai: openai.OpenAI,
+def test_guided_rows_beside_speculating_rows_keep_their_output(oai: openai.OpenAI, model: str,
                                                                app: App) -> None:
     """Off-script guided outputs (a JSON schema on a prose prompt, a call to a tool no
     script has): valid alone, and the same beside rows that draft, sharing their verifying
     passes (the engine-level tests compare guided rows with and without speculation)."""
     profile = chat_args("profile-prose", response_format={"type": "json_schema", "json_schema": {
-        "name": "person", "schema": PROFILE_SCHEMA, "strict": True}})
+        "name": "person", "schema": PROFILE_SCHEMA, "strict": True}}, model=model)
     unit = tool_chat_args("tool-one", tools=[*script("tool-one").tool_dicts, UNIT_TOOL],
-                          tool_choice={"type": "function", "function": {"name": "get_unit"}})
+                          tool_choice={"type": "function", "function": {"name": "get_unit"}},
+                          model=model)
     alone_json = stream_chat(oai, **profile)[0]
     alone_calls = calls_of(oai.chat.completions.create(**unit).choices[0].message)
     jsonschema.validate(json.loads(alone_json), PROFILE_SCHEMA)
@@ -430,7 +459,7 @@ def test_guided_rows_beside_speculating_rows_keep_their_output(oai: openai.OpenA
         try:
             return await asyncio.gather(chat_stream(client, **profile),
                                         chat_stream(client, **unit),
-                                        *(chat_stream(client, **chat_args(sid))
+                                        *(chat_stream(client, **chat_args(sid, model=model))
                                           for sid in beside))
         finally:
             await client.close()
@@ -446,7 +475,8 @@ def test_guided_rows_beside_speculating_rows_keep_their_output(oai: openai.OpenA
 
 def spec_counts(app: App, method: str) -> dict[str, float]:
     text = app.scrape()
-    return {name: _total(text, name, model=MODEL, method=method) for name in SPEC_METRICS}
+    return {name: _total(text, name, model=MODELS[method], method=method)
+            for name in SPEC_METRICS}
 
 
 def settled(app: App, method: str, quiet_s: float = 4.0, *,
@@ -473,7 +503,7 @@ def settled(app: App, method: str, quiet_s: float = 4.0, *,
 SEQUENTIAL = ("sum-think", "cities", "tea-steps", "unicode")
 
 
-def test_metrics_show_drafts_and_more_than_one_token_per_pass(oai: openai.OpenAI,
+def test_metrics_show_drafts_and_more_than_one_token_per_pass(oai: openai.OpenAI, model: str,
                                                               app: App, method: str) -> None:
     """All the traffic before: drafts verified and kept. Then one row at a time, so a pass
     emits one row's tokens (a batch of n rows emits n per pass without any draft): plain
@@ -483,7 +513,7 @@ def test_metrics_show_drafts_and_more_than_one_token_per_pass(oai: openai.OpenAI
     print(f"\nspeculative metrics before the sequential phase: {before}")
     text = app.scrape()
     assert {tags.get("method") for name in SPEC_METRICS for tags, _ in _samples(text, name)
-            if tags.get("model") == MODEL} == {method}
+            if tags.get("model") == model} == {method}
     assert before["orchard_spec_draft_tokens_total"] > 0, before
     assert 0 < before["orchard_spec_accepted_tokens_total"] <= \
         before["orchard_spec_draft_tokens_total"], before
@@ -492,7 +522,7 @@ def test_metrics_show_drafts_and_more_than_one_token_per_pass(oai: openai.OpenAI
 
     emitted = 0
     for sid in SEQUENTIAL:
-        body = oai.chat.completions.create(**chat_args(sid))
+        body = oai.chat.completions.create(**chat_args(sid, model=model))
         assert body.choices[0].message.content == script(sid).answer, sid
         emitted += body.usage.completion_tokens
     after = settled(app, method, past=before)
