@@ -17,7 +17,10 @@ naming it, unless config says `kind: text`. Qwen-VL's language model takes 3-D r
 positions (M-RoPE, `MROPE_MODEL_TYPES`): its image prefix is prefilled with mlx-vlm's
 positions (`get_rope_index`, returned with the embeddings), and every later token of the row
 sits at its offset plus the row's `rope_delta` (`PromptEmbeddings.rope_delta`), which the
-batch applies per row through mlx-lm's layers (`replicas.engine.model.mrope`).
+batch applies per row through mlx-lm's layers (`replicas.engine.model.mrope`). Gemma 3's
+image tokens attend to each other both ways (`BIDIRECTIONAL_MODEL_TYPES`): the prefix
+carries each image's span (`PromptEmbeddings.blocks`), which the batch prefills whole under
+that mask (`replicas.engine.model.bidirectional`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from replicas.contract import ImageData
+from replicas.engine.model.bidirectional import image_blocks
 from replicas.engine.model.mrope import install
 from replicas.engine.request import PromptEmbeddings
 from replicas.errors import InvalidRequestError
@@ -45,10 +49,14 @@ from replicas.timings import Timings
 
 # Model types served with images: each checked against mlx-vlm's generation
 # (tests/integration/test_vision.py on `builtin:vision`, a mistral3; test_vision_qwen.py on
-# `builtin:vision-qwen` and `builtin:vision-qwen25`).
-VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl"})
+# `builtin:vision-qwen` and `builtin:vision-qwen25`; test_vision_gemma.py on
+# `builtin:vision-gemma3`).
+VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl",
+                                                "gemma3"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
 MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# Those whose image tokens attend to each other both ways (`model.bidirectional`).
+BIDIRECTIONAL_MODEL_TYPES: frozenset[str] = frozenset({"gemma3"})
 
 
 class VisionUnsupported(ValueError):
@@ -83,9 +91,16 @@ class VisionModel:
     """The vision half of a vision-language model: processor, tower and projector."""
 
     def __init__(self, encoder: nn.Module, processor: Any, image_token_id: int,
-                 timings: Timings, mrope: bool = False, end: int | None = None) -> None:
+                 timings: Timings, mrope: bool = False, end: int | None = None,
+                 bidirectional: bool = False) -> None:
         self._encoder = encoder
         self._mrope = mrope  # the prefix's 3-D positions go with its embeddings
+        # Each image's span goes with them, attending both ways (Gemma); tests turn it off
+        # to show that it matters.
+        self.bidirectional = self._gemma = bidirectional
+        # What the chat template writes per image: Gemma's start-of-image token, which its
+        # processor expands; the others' image token itself.
+        self._placeholder: str = processor.boi_token if self._gemma else processor.image_token
         self._timings = timings
         self._processor = processor
         self.image_token_id = image_token_id
@@ -122,8 +137,10 @@ class VisionModel:
             token = getattr(encoder.config, "image_token_id", None)
         if not isinstance(token, int):
             raise VisionUnsupported(f"{path}: config.json names no image_token_index")
-        end = json.loads((Path(path) / "config.json").read_text()).get("vision_end_token_id")
-        return cls(encoder, processor, token, timings, mrope, end)
+        config = json.loads((Path(path) / "config.json").read_text())
+        end = config.get("vision_end_token_id", config.get("eoi_token_index"))  # Qwen's, Gemma's
+        return cls(encoder, processor, token, timings, mrope, end,
+                   bidirectional=encoder.config.model_type in BIDIRECTIONAL_MODEL_TYPES)
 
     def prompt(self, text: str, images: Sequence[ImageData]) -> RenderedPrompt:
         """`text` (the chat template's output, one image token per image) and its images
@@ -131,7 +148,7 @@ class VisionModel:
         Runs off the engine thread; the embeddings are computed on it, when the request
         is inserted."""
         pictures = [_open(image, n) for n, image in enumerate(images)]
-        marks = text.count(self._processor.image_token)
+        marks = text.count(self._placeholder)
         if marks != len(pictures):
             raise InvalidRequestError(
                 f"the model's chat template placed {marks} of the request's {len(pictures)} "
@@ -152,6 +169,9 @@ class VisionModel:
         pixels = inputs["pixel_values"]
         extra = {name: inputs[name] for name in ("image_sizes", "image_grid_thw")
                  if inputs.get(name) is not None}
+        if self._gemma:  # its merge reads the attention mask
+            extra["mask"] = np.ones((1, length), dtype=np.int32)
+        blocks = image_blocks(ids[:length], self.image_token_id) if self.bidirectional else ()
         delta = _rope_delta(inputs["image_grid_thw"], self._merge) if self._mrope else 0
         encoder, timings, mrope = self._encoder, self._timings, self._mrope
 
@@ -170,7 +190,8 @@ class VisionModel:
             return embeddings, features.position_ids
 
         return RenderedPrompt(tuple(ids), text,
-                              PromptEmbeddings(tuple(key), compute, rope_delta=delta))
+                              PromptEmbeddings(tuple(key), compute, rope_delta=delta,
+                                               blocks=blocks))
 
     @property
     def _merge(self) -> int:

@@ -31,6 +31,9 @@ class PromptEmbeddings:
     compute: Callable[[], Any]
     # With M-RoPE: what every position after the prefix adds to its index (0: 1-D RoPE).
     rope_delta: int = 0
+    # (start, end) spans whose tokens attend to each other both ways (Gemma's images,
+    # `replicas.engine.model.bidirectional`): a prefill chunk never splits one.
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -37,14 +37,14 @@ def test_the_content_key_follows_each_image() -> None:
 
 
 def test_which_checkpoints_see() -> None:
-    for served in ("mistral3", "qwen2_vl", "qwen2_5_vl"):
+    for served in ("mistral3", "qwen2_vl", "qwen2_5_vl", "gemma3"):
         config = {"model_type": served, "vision_config": {}}
         assert sees(config) and sees(config, "vision")
         assert not sees(config, "text")
     assert not sees({"model_type": "qwen3"})
-    gemma3 = {"model_type": "gemma3", "vision_config": {}}
-    with pytest.raises(VisionUnsupported, match="model type gemma3 has a vision tower"):
-        sees(gemma3)  # never text only by surprise
-    assert not sees(gemma3, "text")
+    gemma4 = {"model_type": "gemma4", "vision_config": {}}
+    with pytest.raises(VisionUnsupported, match="model type gemma4 has a vision tower"):
+        sees(gemma4)  # never text only by surprise
+    assert not sees(gemma4, "text")
     with pytest.raises(VisionUnsupported, match="images are served only for model types"):
         sees({"model_type": "qwen3"}, "vision")

@@ -1,0 +1,236 @@
+"""Gemma 3 with images (`builtin:vision-gemma3`) in a replica in-process: each image's
+tokens attend to each other both ways inside the causal mask, with the language model
+driven by the ordinary batch.
+
+The reference is mlx-vlm's own model: its vision tower and merge (`get_input_embeddings`)
+and its Gemma 3 language model, prefilled under Gemma 3's mask as transformers builds it
+(causal, OR query and key in the same image), then decoded greedily. mlx-vlm's own
+`generate` leaves that mask out for Gemma 3 (it computes a 4-D mask its language model
+never reads), so it is the reference for Orchard with the mask turned off: equal token
+for token there too, and different from the masked answers, which shows the mask matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from replicas.contract import (
+    ChatMessage,
+    ChatPrompt,
+    Finished,
+    GenerationRequest,
+    ImageAt,
+    ImageData,
+    OutputEvent,
+    SamplingParams,
+    TokenIds,
+)
+from replicas.engine.config import EngineConfig
+from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.sources import resolve_source
+from tests.streams import collect, stream_events
+
+SOURCE = "builtin:vision-gemma3"
+QUESTION = "What is in this picture?"
+Reference = Callable[[GenerationRequest], list[int]]
+
+
+def image(color: str, size: tuple[int, int] = (64, 64)) -> ImageData:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return ImageData(buffer.getvalue(), "image/png")
+
+
+def ask(rid: str, *pictures: ImageData, text: str = QUESTION,
+        max_tokens: int = 10) -> GenerationRequest:
+    """One user turn: `text`, then the pictures after it."""
+    at = tuple(ImageAt(len(text), p) for p in pictures)
+    return GenerationRequest(rid, "g3", ChatPrompt((ChatMessage("user", text, images=at),)),
+                             SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                             report_tokens=True)
+
+
+def tokens(events: list[OutputEvent]) -> list[int]:
+    return [t for e in events if isinstance(e, TokenIds) for t in e.ids]
+
+
+def finished(events: list[OutputEvent]) -> Finished:
+    last = events[-1]
+    assert isinstance(last, Finished), last
+    return last
+
+
+def requests() -> list[GenerationRequest]:
+    """Text rows, and rows with 0, 1 and 2 images of different shapes."""
+    return [ask("text", text="Hello there"), ask("red", image("red")),
+            ask("blue", image("blue", (64, 48))),
+            ask("two", image("green", (48, 40)), image("purple", (64, 32))),
+            ask("words", text="Tell me a story", max_tokens=12)]
+
+
+def answers(rep: ModelReplica, rows: list[GenerationRequest]) -> list[list[int]]:
+    """All rows at once, in one batch."""
+    async def together() -> list[list[OutputEvent]]:
+        return list(await asyncio.gather(*(collect(rep.stream(r)) for r in rows)))
+
+    return [tokens(events) for events in asyncio.run(together())]
+
+
+def replica_with(**engine: Any) -> ModelReplica:
+    rep = ModelReplica(ReplicaOptions(model_id="g3", source=SOURCE,
+                                      engine=EngineConfig(**engine)))
+    rep.start()
+    return rep
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[ModelReplica]:
+    rep = replica_with()
+    assert rep.sees
+    yield rep
+    rep.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vlm() -> tuple[Any, Any]:
+    from mlx_vlm import load
+
+    return load(str(resolve_source(SOURCE)))  # type: ignore[no-any-return]
+
+
+def _prompt(processor: Any, request: GenerationRequest) -> tuple[str, list[Any]]:
+    assert isinstance(request.prompt, ChatPrompt)
+    message = request.prompt.messages[0]
+    content: list[dict[str, Any]] = [{"type": "text", "text": message.content}]
+    content += [{"type": "image"} for _ in message.images]
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    return prompt, [Image.open(io.BytesIO(at.image.data)) for at in message.images]
+
+
+def gemma_mask(ids: np.ndarray, image_token: int) -> np.ndarray:
+    """transformers' Gemma 3 prefill mask, written out: causal, or query and key in the
+    same run of image tokens (the builtin's window is longer than these prompts)."""
+    is_image = ids == image_token
+    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+    group = np.where(is_image, np.cumsum(starts) - 1, -1)
+    n = len(ids)
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    return causal | ((group[:, None] == group[None]) & (group[:, None] >= 0))
+
+
+@pytest.fixture(scope="module")
+def reference(vlm: tuple[Any, Any]) -> Reference:
+    """mlx-vlm's Gemma 3 under Gemma 3's mask, greedy: the reference."""
+    import mlx.core as mx
+
+    model, processor = vlm
+
+    def generate(request: GenerationRequest) -> list[int]:
+        prompt, pictures = _prompt(processor, request)
+        inputs = processor(text=prompt, images=pictures or None, return_tensors="np")
+        ids = np.asarray(inputs["input_ids"])
+        pixels = mx.array(np.asarray(inputs["pixel_values"])) if pictures else None
+        embeddings = model.get_input_embeddings(mx.array(ids), pixels,
+                                                mask=mx.ones(ids.shape)).inputs_embeds
+        mask = mx.array(gemma_mask(ids[0], model.config.image_token_index))
+        cache = model.language_model.make_cache()
+        logits = model.language_model(mx.array(ids), inputs_embeds=embeddings, mask=mask,
+                                      cache=cache).logits
+        out: list[int] = []
+        assert request.sampling.max_tokens is not None
+        while len(out) < request.sampling.max_tokens:
+            out.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = model.language_model(mx.array([[out[-1]]]), cache=cache).logits
+        return out
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def vlm_generate(vlm: tuple[Any, Any]) -> Reference:
+    """mlx-vlm's own `stream_generate`: Gemma 3 without the image mask."""
+    from mlx_vlm import stream_generate
+
+    model, processor = vlm
+
+    def generate(request: GenerationRequest) -> list[int]:
+        prompt, pictures = _prompt(processor, request)
+        n = request.sampling.max_tokens
+        extra = {"image": pictures} if pictures else {}
+        return [r.token for r in stream_generate(model, processor, prompt, max_tokens=n,
+                                                 temperature=0.0, **extra)][:n]
+
+    return generate
+
+
+def test_answers_are_gemmas_alone(replica: ModelReplica, reference: Reference) -> None:
+    ours = {r.request_id: tokens(stream_events(replica, r)) for r in requests()}
+    assert ours == {r.request_id: reference(r) for r in requests()}
+    assert len({tuple(t) for t in ours.values()}) == len(ours)  # images matter
+
+
+def test_images_batch_with_text_rows(replica: ModelReplica, reference: Reference) -> None:
+    assert answers(replica, requests()) == [reference(r) for r in requests()]
+
+
+def test_the_mask_matters(reference: Reference, vlm_generate: Reference) -> None:
+    """With the image mask turned off, Orchard answers as mlx-vlm's own generation does
+    (the causal mask everywhere), and the rows with images that the mask changes answer
+    otherwise than Gemma 3's reference."""
+    rep = replica_with(prompt_cache_bytes=0)
+    try:
+        assert rep._vision is not None  # noqa: SLF001
+        rep._vision.bidirectional = False  # noqa: SLF001
+        causal = answers(rep, requests())
+    finally:
+        rep.shutdown()
+    assert causal == [vlm_generate(r) for r in requests()]
+    masked = [reference(r) for r in requests()]
+    changed = [r.request_id for r, c, m in zip(requests(), causal, masked) if c != m]
+    assert {"blue", "two"} <= set(changed)
+    assert not {"text", "words"} & set(changed)  # text rows never see the mask
+
+
+def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica,
+                                           reference: Reference) -> None:
+    """A second request with the same image reuses the first's KV (the image's, prefilled
+    under the mask, and the text's after it) and answers as the reference does."""
+    first = stream_events(replica, ask("c1", image("orange", (64, 40))))
+    again = stream_events(replica, ask("c2", image("orange", (64, 40))))
+    other = stream_events(replica, ask("c3", image("teal", (64, 40))))
+    assert tokens(again) == tokens(first) == reference(ask("c", image("orange", (64, 40))))
+    prompt = finished(again).usage.prompt_tokens
+    assert finished(again).usage.cached_tokens == prompt - 1
+    assert finished(other).usage.cached_tokens == 0
+    assert tokens(other) != tokens(first)
+
+
+@pytest.mark.parametrize("step", [3, 20])
+def test_chunked_prefill_keeps_each_image_whole(step: int, reference: Reference) -> None:
+    """A prefill step shorter than an image (16 tokens), or ending inside one: each image
+    is prefilled in one chunk (the one that reaches it), and the answers are the
+    reference's. No prefix cache: every prompt is prefilled whole."""
+    rep = replica_with(prefill_step_size=step, prompt_cache_bytes=0)
+    try:
+        batched = answers(rep, requests())
+    finally:
+        rep.shutdown()
+    assert batched == [reference(r) for r in requests()]
+
+
+def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:
+    """`/tokenize` and `count_tokens` see each image's 16 tokens, not one placeholder."""
+    request = ask("count", image("red"), image("blue", (64, 32)))
+    ids = asyncio.run(replica.tokenize(request))
+    assert isinstance(ids, tuple)
+    vision = replica._vision  # noqa: SLF001
+    assert vision is not None
+    assert ids.count(vision.image_token_id) == 16 + 16
+    assert len(ids) == finished(stream_events(replica, request)).usage.prompt_tokens
