@@ -10,7 +10,6 @@ many ranks there are.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -33,6 +32,7 @@ from replicas.engine.kv.directory import HeldBlocks
 from replicas.engine.kv.namespace import namespaced
 from replicas.engine.model.adapters import AdapterFiles, AdapterTable
 from replicas.engine.model.mrope import row_positions
+from replicas.engine.batch.image_prefix import Prefill, prefill_chunk
 from replicas.engine.batch.prefill import Prefilling
 from replicas.engine.request import PromptEmbeddings
 from replicas.engine.batch.scoring import score_prompt
@@ -75,18 +75,6 @@ class Done:
 
     uid: int
     keep: bool
-
-
-@dataclass
-class Prefill:
-    """A row whose prompt starts with embeddings (an image prefix), prefilled one chunk per
-    engine loop (`LocalBatch.begin`, `advance`) so that decoding rows go on between chunks,
-    then inserted as a prefix cache hit."""
-
-    row: Row
-    cache: list[Any]
-    done: int = 0  # positions prefilled so far
-    embeddings: Any = None  # computed with the first chunk (with M-RoPE: and positions)
 
 
 @dataclass(frozen=True)
@@ -328,23 +316,12 @@ class LocalBatch:
     def advance(self, prefill: Prefill) -> bool:
         """One prefill-sized chunk of `prefill` (the vision tower with the first); True when
         the prefix is done and kept in the prefix cache under its content key."""
-        row, step = prefill.row, self._config.prefill_step_size
+        if not prefill_chunk(self._model, prefill, self._config.prefill_step_size,
+                             self.stream, self._positions):
+            return False
+        row = prefill.row
         assert row.embeddings is not None
         key = row.embeddings.key
-        start, end = prefill.done, min(prefill.done + step, len(key))
-        with mx.stream(self.stream):
-            if prefill.embeddings is None:
-                prefill.embeddings = row.embeddings.compute()
-            embeddings, positions = (prefill.embeddings if isinstance(prefill.embeddings, tuple)
-                                     else (prefill.embeddings, None))
-            with (self._positions.explicit(positions[:, :, start:end])
-                  if self._positions is not None and positions is not None else nullcontext()):
-                self._model(mx.array([row.prompt_ids[start:end]]), cache=prefill.cache,
-                            input_embeddings=embeddings[None, start:end])
-            mx.eval([c.state for c in prefill.cache])
-        prefill.done = end
-        if end < len(key):
-            return False
         cache = prefill.cache
         if self._cache is not None:
             self._cache.save(list(key), cache)
