@@ -49,6 +49,7 @@ from replicas.engine.kv.quantized import cache_maker
 from replicas.engine.kv.budget import RankMemory, plan_memory
 from replicas.options import ReplicaOptions
 from replicas.replica_adapters import ReplicaAdapters
+from replicas.replica_prefixes import PrefixMoves
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
 from replicas.sources import model_config, model_files, resolve_source
@@ -63,8 +64,7 @@ from replicas.families.tool_format import ToolFormat
 from replicas.pipeline.detokenizer import make_decode
 from replicas.pipeline.prepare import InputProcessor, Prepared
 from replicas.routing_keys import token_spans
-from replicas.disk_reads import DiskReads
-from replicas.kv_pull import KvPuller, PullResult, Ranks, Source
+from replicas.kv_pull import PullResult, Ranks, Source
 from replicas.engine.kv.transfer import PrefixKV, PrefixPull
 from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
@@ -90,12 +90,8 @@ class ModelReplica:
         faulthandler.enable(all_threads=True)
         self.options = options
         self._wake_shards = wake_shards or (lambda: None)
-        self._on_pull = on_pull or (lambda result: None)
-        self._ranks = ranks
         # The generating batch: pulled KV lands in its cache, exported KV comes from it.
         self._batch: LocalBatch | LockstepBatch | None = None
-        self._puller: KvPuller | None = None  # set at start where KV may move
-        self._disk_reads: DiskReads | None = None  # set at start with a disk tier
         self._timings = Timings()
         self._engine = Engine(self._open, options.engine, on_step=self._timings.step,
                               name=options.model_id)
@@ -112,6 +108,8 @@ class ModelReplica:
         self._directory = PrefixDirectory()
         self._directory_file: Path | None = None  # where it is kept, with a disk tier
         self._adapters = ReplicaAdapters(options.model_id, options.adapters, self._engine)
+        self._prefixes = PrefixMoves(options.model_id, options.pull, self._engine,
+                                     on_pull or (lambda result: None), ranks)
 
     def _open(self) -> tuple[LoadedModel, Batch, tuple[RankMemory, ...]]:
         """The model, its batch and each rank's memory, on the engine thread: whole, or
@@ -206,17 +204,8 @@ class ModelReplica:
                                        self._engine.call, self._timings)
         self._reranker = Reranker.open(self.options, model, self._encoder_only,
                                        self.context_length, self._engine.call)
-        batch = self._batch
-        if batch is not None and batch.cache is not None and batch.cache.disk is not None:
-            self._disk_reads = DiskReads(self._engine.call, batch.cache)
-        if batch is not None and batch.cache is not None:
-            sharded = self.options.shard is not None
-            if sharded and self._ranks is None:
-                log.warning("%s: KV pulls are off (no transport to the other ranks)",
-                            self.options.model_id)
-            else:
-                self._puller = KvPuller(self.options.pull, self._engine.call, batch,
-                                        kv_fingerprint(self.options, model), self._ranks)
+        self._prefixes.open(self._batch, kv_fingerprint(self.options, model),
+                            sharded=self.options.shard is not None)
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
                                       self._format, self._tool_format, self.context_length,
                                       self._timings, self._engine.kv_budget.max_tokens,
@@ -319,13 +308,8 @@ class ModelReplica:
         warnings = prepared.warnings
         ready = prepared.request
         cache_ids = self._adapters.cache_ids(request, ready.prompt_ids)  # an adapter's key space
-        if self._disk_reads is not None and ready.embeddings is None:
-            await self._disk_reads.before(cache_ids)  # off the engine thread
-        if source is not None and self._puller is not None and ready.embeddings is None \
-                and ready.sampled_before == 0:
-            result = await self._puller.before(tuple(cache_ids), source)
-            if result is not None:
-                self._on_pull(result)
+        if ready.embeddings is None:  # a prompt with images is cached under its own keys
+            await self._prefixes.before(cache_ids, source, ready.sampled_before > 0)
         submitted = loop.time()
         first: float | None = None
         try:
@@ -346,26 +330,15 @@ class ModelReplica:
                     batch = [_with_warnings(e, warnings) for e in batch]
                 yield batch
                 next_flush = loop.time() + self._chunk_interval()
-            self._timed_prefill(batch, first - submitted if first is not None else 0.0)
+            self._prefixes.prefilled(batch, first - submitted if first is not None else 0.0)
         finally:
             self._streams -= 1
             if not done:  # the consumer left: free the batch slot
                 self._engine.cancel(request.request_id)
 
-    def _timed_prefill(self, last: list[OutputEvent], to_first: float) -> None:
-        """Teach the puller this replica's prefill rate from a finished request."""
-        finished = [e for e in last if isinstance(e, Finished)]
-        if self._puller is not None and finished:
-            usage = finished[-1].usage
-            self._puller.prefilled(usage.prompt_tokens - usage.cached_tokens, to_first)
-
     async def export_prefix(self, pull: PrefixPull) -> PrefixKV | None:
         """Another replica's pull: the KV of the longest prefix of its prompt held here."""
-        if self._puller is None:
-            return None
-        if self._disk_reads is not None:  # a prefix on disk is read off the engine thread
-            await self._disk_reads.before(pull.tokens)
-        return await self._puller.export(pull)
+        return await self._prefixes.export(pull)
 
     async def prefill_prefix(self, tokens: tuple[int, ...]) -> PrefixKV | None:
         """A prefill replica's job (`role: prefill`): prefill `tokens` here (one greedy
@@ -383,11 +356,7 @@ class ModelReplica:
 
     def pull_totals(self) -> dict[str, Any]:
         """Prefix pulls so far: outcomes, and the prompt tokens and bytes pulled."""
-        puller = self._puller
-        if puller is None:
-            return {}
-        return {"outcomes": dict(puller.outcomes), "tokens": puller.pulled_tokens,
-                "bytes": puller.pulled_bytes}
+        return self._prefixes.totals()
 
     def _prepare(self, request: GenerationRequest, buffer: EventBuffer) -> Prepared:
         """The request ready for the engine; its prefix keys learnt by the directory."""
