@@ -13,6 +13,7 @@ for token there too, and different from the masked answers, which shows the mask
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 from typing import Any, Callable, Iterator
 
@@ -32,6 +33,7 @@ from replicas.contract import (
     TokenIds,
 )
 from replicas.engine.config import EngineConfig
+from replicas.engine.kv.layout import CACHE_STEP
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
 from tests.streams import collect, stream_events
@@ -234,3 +236,48 @@ def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:
     assert vision is not None
     assert ids.count(vision.image_token_id) == 16 + 16
     assert len(ids) == finished(stream_events(replica, request)).usage.prompt_tokens
+
+
+def test_a_resumed_stream_goes_on_exactly(replica: ModelReplica) -> None:
+    """A stream about two images cut after some tokens and resumed with the ids sent so far
+    (`GenerationRequest.resume`): the rest is the uninterrupted stream's."""
+    request = ask("whole", image("maroon", (64, 48)), image("navy"), max_tokens=16)
+    whole = tokens(stream_events(replica, request))
+    for cut in (1, 7, 15):
+        resumed = dataclasses.replace(request, request_id=f"resumed-{cut}",
+                                      resume=tuple(whole[:cut]))
+        assert whole[:cut] + tokens(stream_events(replica, resumed)) == whole, cut
+
+
+def test_preempted_image_rows_continue_exactly() -> None:
+    """Under a KV budget of four cache steps, rows about images that grow past a step are
+    preempted and resume by prefill (the image prefix again, under the mask): each answer
+    is an ample budget's."""
+    never_end: dict[int, float] = {}
+    per_token: list[int] = []
+
+    def run(budget: int | None) -> tuple[list[list[int]], int]:
+        rep = ModelReplica(ReplicaOptions(model_id="g3", source=SOURCE, max_model_len=320,
+                                          engine=EngineConfig(kv_budget_bytes=budget)))
+        rep.start()
+        try:
+            never_end.update({t: -100.0 for t in rep.model.eos_token_ids})
+            per_token.append(rep._engine.kv_budget.layout.per_token)  # noqa: SLF001
+            rows = []
+            for i, request in enumerate(requests() * 2):
+                sampling = dataclasses.replace(request.sampling, max_tokens=None,
+                                               logit_bias=dict(never_end))
+                rows.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}",
+                                                sampling=sampling))
+            got = answers(rep, rows)
+            memory = rep.stats().memory
+            assert memory is not None
+            return got, memory.preempted
+        finally:
+            rep.shutdown()
+
+    ample, _ = run(None)
+    squeezed, preempted = run(4 * CACHE_STEP * per_token[0])
+    assert preempted > 0  # the budget did force rows out
+    assert squeezed == ample
+    assert all(len(a) > CACHE_STEP - 64 for a in ample)  # each ran past its first step
