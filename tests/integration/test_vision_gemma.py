@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import json
+import shutil
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -116,43 +119,54 @@ def _prompt(processor: Any, request: GenerationRequest) -> tuple[str, list[Any]]
     return prompt, [Image.open(io.BytesIO(at.image.data)) for at in message.images]
 
 
-def gemma_mask(ids: np.ndarray, image_token: int) -> np.ndarray:
-    """transformers' Gemma 3 prefill mask, written out: causal, or query and key in the
-    same run of image tokens (the builtin's window is longer than these prompts)."""
+def gemma_masks(ids: np.ndarray, image_token: int, window: int) -> tuple[Any, Any]:
+    """transformers' Gemma 3 prefill masks, written out (`create_masks_for_vision_model`):
+    a global layer's is causal OR query and key in the same run of image tokens; a sliding
+    layer's is that AND the key less than `window` positions back."""
+    import mlx.core as mx
+
     is_image = ids == image_token
     starts = is_image & ~np.concatenate([[False], is_image[:-1]])
     group = np.where(is_image, np.cumsum(starts) - 1, -1)
-    n = len(ids)
-    causal = np.tril(np.ones((n, n), dtype=bool))
-    return causal | ((group[:, None] == group[None]) & (group[:, None] >= 0))
+    rows, cols = np.indices((len(ids), len(ids)))
+    full = (cols <= rows) | ((group[:, None] == group[None]) & (group[:, None] >= 0))
+    return mx.array(full), mx.array(full & (rows - cols < window))
+
+
+def masked_generate(model: Any, processor: Any, request: GenerationRequest) -> list[int]:
+    """mlx-vlm's Gemma 3, greedy, its prompt prefilled under Gemma 3's masks: mlx-vlm's
+    merge (`get_input_embeddings`) and its own layers, each given its kind's mask."""
+    import mlx.core as mx
+
+    prompt, pictures = _prompt(processor, request)
+    inputs = processor(text=prompt, images=pictures or None, return_tensors="np")
+    ids = np.asarray(inputs["input_ids"])
+    pixels = mx.array(np.asarray(inputs["pixel_values"])) if pictures else None
+    embeddings = model.get_input_embeddings(mx.array(ids), pixels,
+                                            mask=mx.ones(ids.shape)).inputs_embeds
+    text = model.language_model.model
+    full, sliding = gemma_masks(ids[0], model.config.image_token_index,
+                                text.config.sliding_window)
+    cache = model.language_model.make_cache()
+    # Gemma3Model's own forward, but each layer with its kind's mask (it takes one for all).
+    h = embeddings * mx.array(text.config.hidden_size ** 0.5, mx.bfloat16).astype(
+        embeddings.dtype)
+    for layer, c in zip(text.layers, cache):
+        h = layer(h, sliding if layer.self_attn.is_sliding else full, c)
+    logits = model.language_model.lm_head(text.norm(h))
+    out: list[int] = []
+    assert request.sampling.max_tokens is not None
+    while len(out) < request.sampling.max_tokens:
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model.language_model(mx.array([[out[-1]]]), cache=cache).logits
+    return out
 
 
 @pytest.fixture(scope="module")
 def reference(vlm: tuple[Any, Any]) -> Reference:
-    """mlx-vlm's Gemma 3 under Gemma 3's mask, greedy: the reference."""
-    import mlx.core as mx
-
+    """mlx-vlm's Gemma 3 under Gemma 3's masks, greedy: the reference."""
     model, processor = vlm
-
-    def generate(request: GenerationRequest) -> list[int]:
-        prompt, pictures = _prompt(processor, request)
-        inputs = processor(text=prompt, images=pictures or None, return_tensors="np")
-        ids = np.asarray(inputs["input_ids"])
-        pixels = mx.array(np.asarray(inputs["pixel_values"])) if pictures else None
-        embeddings = model.get_input_embeddings(mx.array(ids), pixels,
-                                                mask=mx.ones(ids.shape)).inputs_embeds
-        mask = mx.array(gemma_mask(ids[0], model.config.image_token_index))
-        cache = model.language_model.make_cache()
-        logits = model.language_model(mx.array(ids), inputs_embeds=embeddings, mask=mask,
-                                      cache=cache).logits
-        out: list[int] = []
-        assert request.sampling.max_tokens is not None
-        while len(out) < request.sampling.max_tokens:
-            out.append(int(mx.argmax(logits[0, -1]).item()))
-            logits = model.language_model(mx.array([[out[-1]]]), cache=cache).logits
-        return out
-
-    return generate
+    return lambda request: masked_generate(model, processor, request)
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +295,40 @@ def test_preempted_image_rows_continue_exactly() -> None:
     assert preempted > 0  # the budget did force rows out
     assert squeezed == ample
     assert all(len(a) > CACHE_STEP - 64 for a in ample)  # each ran past its first step
+
+
+def test_a_sliding_window_shorter_than_the_prompt(tmp_path: Path) -> None:
+    """The builtin with a 24-token window (its sliding layer's cache rotates inside these
+    prompts, an image's 16 tokens fit): answers are the reference's, whole and in
+    chunks; with the mask off, mlx-vlm's own generation's."""
+    from mlx_vlm import load, stream_generate
+
+    copy = tmp_path / "gemma3-window"
+    shutil.copytree(resolve_source(SOURCE), copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 24
+    (copy / "config.json").write_text(json.dumps(config))
+    model, processor = load(str(copy))
+    masked = [masked_generate(model, processor, r) for r in requests()]
+
+    def served(bidirectional: bool = True, **engine: Any) -> list[list[int]]:
+        rep = ModelReplica(ReplicaOptions(model_id="g3", source=str(copy),
+                                          engine=EngineConfig(**engine)))
+        rep.start()
+        try:
+            assert rep._vision is not None  # noqa: SLF001
+            rep._vision.bidirectional = bidirectional  # noqa: SLF001
+            return answers(rep, requests())
+        finally:
+            rep.shutdown()
+
+    assert served() == masked
+    assert served(prefill_step_size=3, prompt_cache_bytes=0) == masked
+    causal = []
+    for request in requests():
+        prompt, pictures = _prompt(processor, request)
+        extra = {"image": pictures} if pictures else {}
+        n = request.sampling.max_tokens
+        causal.append([r.token for r in stream_generate(model, processor, prompt, max_tokens=n,
+                                                        temperature=0.0, **extra)][:n])
+    assert served(False, prompt_cache_bytes=0) == causal != masked
