@@ -274,7 +274,7 @@ def test_peak_memory_stays_within_budget_plus_reserve() -> None:
 
 def test_prefix_hits_and_boundaries_on_the_paged_batch() -> None:
     """With the prefix cache on: a conversation's second turn is served from its first
-    turn's KV (copied into blocks, this slice) and its message boundary's KV is kept; the
+    turn's KV (its blocks, shared: `test_paged_prefix.py`) and its message boundary's KV is kept; the
     text is mlx-lm's for the whole prompt, token for token."""
     m = model("builtin:tiny")
     batch = LocalBatch(m, EngineConfig(prompt_cache_bytes=16 * 1024**2, paged_kv="on"))
@@ -307,4 +307,6 @@ def test_prefix_hits_and_boundaries_on_the_paged_batch() -> None:
         for r in gen.next()[1]:
             want[r.uid].append(r.token)
     assert got == [want[u] for u in uids]
-    assert kv.blocks is not None and kv.blocks().used == 0
+    assert kv.blocks is not None and kv.blocks().used == kv.blocks().shared  # the cache's
+    batch.cache.evict_to(0)
+    assert kv.blocks().used == 0

@@ -16,6 +16,7 @@ from replicas.engine.kv import attention
 from replicas.engine.kv.attention import plan_groups
 from replicas.engine.kv.blocks import BlockPool, PoolExhausted
 from replicas.engine.kv.paged import PagedBatchKVCache, PagedRowKVCache
+from replicas.engine.kv.rows import plain
 
 H, D = 2, 8
 
@@ -28,11 +29,18 @@ def test_pool_allocates_shares_and_frees() -> None:
     with pytest.raises(PoolExhausted):
         layer.allocate(2)
     layer.share(a[:1])
-    assert layer.refs(0) == 2 and pool.stats().shared == 1
+    assert layer.refs(0) == 2 and layer.multi == 1 and pool.stats().shared == 0
+    layer.hold(a[:1])  # its second ref is the prefix cache's: "shared" counts it
+    assert pool.stats().shared == 1 and layer.cache_only == 0
     layer.release(a)
     assert layer.free == 3 and layer.refs(0) == 1  # block 0 still held by its second owner
+    assert layer.cache_only == 1 and layer.multi == 0
+    with pytest.raises(AssertionError):
+        layer.release([0])  # the prefix cache's ref goes back by `unhold` first
+    layer.unhold([0])
     layer.release([0])
-    assert layer.free == 4 and pool.stats().used == 0
+    assert layer.free == 4 and pool.stats().used == 0 and pool.stats().shared == 0
+    assert layer.cached == layer.cache_only == 0
     with pytest.raises(AssertionError):
         layer.release([0])
 
@@ -152,11 +160,16 @@ def test_filter_extend_extract_trim_match(pool: BlockPool) -> None:
     assert paged.tables[0] == before and paged2.tables == []  # nothing moved
     _step(ref, paged, 1, 3)
 
+    used = pool.stats().used
+    extracted = []
     for i in range(4):
         r, p = ref.extract(i), paged.extract(i)
-        assert r.offset == p.offset
-        assert np.array_equal(np.array(r.keys), np.array(p.keys))
-        assert np.array_equal(np.array(r.values), np.array(p.values))
+        assert r.offset == p.offset and p.blocks is not None  # by its blocks: no copy
+        extracted.append(p)
+        [got] = plain([p])
+        assert np.array_equal(np.array(r.keys), np.array(got.keys))
+        assert np.array_equal(np.array(r.values), np.array(got.values))
+    assert pool.stats().used == used
 
     assert ref.trim(2) == paged.trim(2)
     _same(ref, paged)
@@ -248,3 +261,30 @@ def test_one_row_in_one_run_is_sliced() -> None:
         _step(ref, paged, 1, 2 + s)
     assert not isinstance(paged._step.view, int)  # type: ignore[union-attr]
     del other
+
+
+def test_rows_sharing_a_partial_block_copy_it_on_write(pool: BlockPool) -> None:
+    """Two rows join by one entry's blocks (6 positions: the second block partial, as a
+    prefix hit) and write different KV: each copies the shared block first, both match
+    mlx-lm's batch of two copies, and the entry still holds what it held."""
+    source = _row(6, 3)
+    _, batch = _pair([6], pool, seed=3)
+    entry = batch.extract(0)  # by blocks: the prefix cache's entry
+    batch.filter([])
+    assert entry.blocks is not None and pool.stats().used == 2
+    before = plain([entry])[0]
+    hits = [copy.deepcopy(entry), copy.deepcopy(entry)]
+    paged = PagedRowKVCache(pool, 0).merge(hits)
+    assert paged.tables == [entry.blocks, entry.blocks] and pool.stats().used == 2
+    ref = BatchKVCache.merge([source, copy.deepcopy(source)])
+    for s in range(3):
+        _step(ref, paged, 1 if s else 3, 70 + s)
+    assert paged.tables[0][0] == paged.tables[1][0] == entry.blocks[0]  # full: still shared
+    assert len({paged.tables[0][1], paged.tables[1][1], entry.blocks[1]}) == 3  # copied
+    after = plain([entry])[0]
+    assert np.array_equal(np.array(before.keys), np.array(after.keys))
+    assert np.array_equal(np.array(before.values), np.array(after.values))
+    del hits
+    paged.release()
+    entry.release()
+    assert pool.stats().used == 0 and pool.layer(0).multi == 0

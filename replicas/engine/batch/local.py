@@ -278,7 +278,12 @@ class LocalBatch:
         plan = paging_plan(kv.budget_bytes, kv.layout.per_token, layers,
                            self._config.prompt_cache_bytes, BLOCK_SIZE,
                            self._config.max_batch_size * context_length)
-        self._pool = BlockPool(plan.blocks, plan.block_size)
+        # The prefix cache's share of the budget is blocks of the same pool: its entries
+        # are block refs (`PromptCache.attach`), a hit joins the batch without a copy.
+        self._pool = BlockPool(plan.blocks + plan.cache_bytes // max(1, plan.block_bytes),
+                               plan.block_size)
+        if self._cache is not None:
+            self._cache.attach(self._pool)
         self._make_cache = partial(make_paged_prompt_cache, pool=self._pool)
         kv.paging, kv.blocks = plan, self._pool.stats
         log.info("paged KV: %d blocks of %d tokens (%d bytes each, %d layers), a %d-byte "
@@ -361,6 +366,8 @@ class LocalBatch:
                        [u for u in keep if u not in self._ended])
         if batched:
             self._gen.remove(batched)
+        for d in done:  # an ended row's KV (paged: its blocks) goes back now, not next step
+            self._ended.pop(d.uid, None)
         self._forget(d.uid for d in done)
 
     def _key(self, uid: int, tokens: Sequence[int]) -> list[int]:

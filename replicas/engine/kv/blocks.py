@@ -13,17 +13,22 @@ arrays are allocated once, at its first write (only then are its heads and dtype
 
 Every layer has its own free list: mlx-lm calls each layer's cache on its own, and all
 layers of a batch grow alike, so their tables stay in step without a shared row object.
-Refcounts let a block be held by more than one owner (a batch and its `split` copy today,
-the prefix cache later); a block returns to its free list when its count reaches zero.
+Refcounts let a block be held by more than one owner (a batch and its `split` copy, rows
+that share a prefix, the prefix cache's entries); a block returns to its free list when its
+count reaches zero. A holder never writes a block another holds (`copy_on_write`). Of each
+block's refs, those the prefix cache holds are counted apart (`hold`/`unhold`), so the pool
+knows which blocks the cache holds (`cached`) and which only the cache holds (`cache_only`:
+what evicting the cache would free), without a walk.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 # Tokens per block: 32 measured no slower than 16 on the CPU here and halves the tables
 # (load/results/paged_kv.md); a row wastes under one block per layer.
@@ -40,18 +45,24 @@ class PoolStats:
     total: int  # blocks per layer
     used: int  # blocks held (in the layer that holds the most)
     free: int
-    shared: int  # blocks held by more than one owner (0 until the prefix cache shares)
+    shared: int  # blocks the prefix cache holds (a hit reads them in place, uncopied)
 
 
 class LayerBlocks:
     """One layer's blocks: its storage, its free list and each block's refcount."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 reclaim: Callable[[int], None] | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # Lowest ids first: a fresh pool hands out 0, 1, 2, ... (tests read tables easily).
         self._free = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks
+        self._cache_refs = [0] * num_blocks  # of `_refs`, those the prefix cache holds
+        self.cached = 0  # blocks the prefix cache holds
+        self.cache_only = 0  # blocks only the prefix cache holds
+        self.multi = 0  # blocks more than one holder holds (a write copies them first)
+        self._reclaim = reclaim  # asked to free blocks (the prefix cache evicts) when short
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.heads = 0
@@ -65,13 +76,12 @@ class LayerBlocks:
     def used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def shared(self) -> int:
-        return sum(1 for r in self._refs if r > 1)
-
     def allocate(self, n: int) -> list[int]:
         """`n` free blocks, lowest first from a fresh pool (a row growing alone takes one
-        run of blocks, which its view slices without a gather)."""
+        run of blocks, which its view slices without a gather). Where too few are free, the
+        prefix cache is asked to give back blocks only it holds first."""
+        if n > len(self._free) and self._reclaim is not None:
+            self._reclaim(n - len(self._free))
         if n > len(self._free):
             raise PoolExhausted(f"the KV block pool has {len(self._free)} free blocks of "
                                 f"{self.num_blocks}, {n} asked for")
@@ -83,17 +93,81 @@ class LayerBlocks:
     def share(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             assert self._refs[b] > 0, f"block {b} is free"
-            self._refs[b] += 1
+            self._change(b, 1, 0)
 
     def release(self, blocks: Sequence[int]) -> None:
         for b in blocks:
-            assert self._refs[b] > 0, f"block {b} released twice"
-            self._refs[b] -= 1
+            assert self._refs[b] > self._cache_refs[b], f"block {b} released twice"
+            self._change(b, -1, 0)
             if self._refs[b] == 0:
                 self._free.append(b)
 
+    def hold(self, blocks: Sequence[int]) -> None:
+        """One ref each of `blocks` (already held) is the prefix cache's from now on."""
+        for b in blocks:
+            assert self._refs[b] > self._cache_refs[b], f"block {b} is not held"
+            self._change(b, 0, 1)
+
+    def unhold(self, blocks: Sequence[int]) -> None:
+        """The prefix cache gives its ref back: a plain ref again (then `release`d)."""
+        for b in blocks:
+            assert self._cache_refs[b] > 0, f"block {b} is not the prefix cache's"
+            self._change(b, 0, -1)
+
+    def _change(self, b: int, refs: int, cache: int) -> None:
+        c, r = self._cache_refs[b], self._refs[b]
+        was_cached, was_only = c > 0, c > 0 and c == r
+        self.multi -= r > 1
+        c, r = c + cache, r + refs
+        self._cache_refs[b], self._refs[b] = c, r
+        self.multi += r > 1
+        self.cached += (c > 0) - was_cached
+        self.cache_only += (c > 0 and c == r) - was_only
+
     def refs(self, block: int) -> int:
         return self._refs[block]
+
+    def uncached(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` the prefix cache holds no ref to yet."""
+        return sum(1 for b in set(blocks) if self._cache_refs[b] == 0)
+
+    def copy_on_write(self, block: int) -> int:
+        """A fresh block holding `block`'s KV, for a holder about to write into `block`
+        while others hold it too: it drops its ref to `block` and writes the copy."""
+        [fresh] = self.allocate(1)
+        if self.keys is not None and self.values is not None:
+            bs = self.block_size
+            heads = mx.array((self.slots * np.arange(self.heads)[:, None] +
+                              np.arange(bs)).astype(np.int32))
+            src, dst = heads + block * bs, heads + fresh * bs
+            k, v = self.keys[src], self.values[src]
+            mx.eval(k, v)  # read before the write: the pool's arrays stay donatable
+            self.keys[dst] = k
+            self.values[dst] = v
+        self.release([block])
+        return fresh
+
+    def write(self, table: Sequence[int], keys: mx.array, values: mx.array) -> None:
+        """One sequence's KV (`[1, H, n, D]`) into the blocks of `table`, position p in
+        slot p of the table."""
+        n = keys.shape[2]
+        store_k, store_v = self.storage(keys, values)
+        at = mx.array(self.rows_of(table, np.arange(n)).reshape(-1))
+        store_k[at] = keys[0].reshape(-1, keys.shape[3])
+        store_v[at] = values[0].reshape(-1, values.shape[3])
+
+    def read(self, table: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
+        """Positions `[0, length)` of the sequence in `table`, gathered (`[1, H, n, D]`)."""
+        assert self.keys is not None and self.values is not None
+        at = mx.array(self.rows_of(table, np.arange(length)))
+        return self.keys[at][None], self.values[at][None]
+
+    def rows_of(self, table: Sequence[int], positions: np.ndarray) -> np.ndarray:
+        """The storage rows of a sequence's `positions` (`[n]`), every head's: `[H, n]`."""
+        bs = self.block_size
+        slots = np.asarray(table, dtype=np.int64)[positions // bs] * bs + positions % bs
+        heads = np.arange(self.heads)[:, None] * self.slots
+        return (heads + slots[None, :]).astype(np.int32)
 
     def storage(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The layer's arrays, allocated at the first write, shaped as `keys`/`values`
@@ -129,6 +203,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._layers: dict[int, LayerBlocks] = {}
+        # Frees blocks only the prefix cache holds when a layer runs short (set by the
+        # prefix cache that keeps its entries in this pool: `PromptCache.attach`).
+        self.reclaim: Callable[[int], None] | None = None
         # The last index arrays a paged batch built, by kind, with the shape they are for
         # (`PagedBatchKVCache._shared`): the other layers of the step reuse them.
         self.memo: dict[str, tuple[tuple[Any, ...], Any]] = {}
@@ -145,8 +222,13 @@ class BlockPool:
 
     def layer(self, index: int) -> LayerBlocks:
         if index not in self._layers:
-            self._layers[index] = LayerBlocks(self.num_blocks, self.block_size)
+            self._layers[index] = LayerBlocks(self.num_blocks, self.block_size,
+                                              self._reclaimed)
         return self._layers[index]
+
+    def _reclaimed(self, n: int) -> None:
+        if self.reclaim is not None:
+            self.reclaim(n)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -155,8 +237,18 @@ class BlockPool:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self._layers.values())
 
+    @property
+    def block_bytes(self) -> int:
+        """One block's KV in every layer that has written (0 before the first write)."""
+        return self.nbytes // (self.num_blocks + 1)  # the scratch block is allocated too
+
+    @property
+    def cache_only(self) -> int:
+        """Blocks only the prefix cache holds, in the layer that holds the most."""
+        return max((layer.cache_only for layer in self._layers.values()), default=0)
+
     def stats(self) -> PoolStats:
         layers = list(self._layers.values())
         used = max((layer.used for layer in layers), default=0)
-        shared = max((layer.shared for layer in layers), default=0)
+        shared = max((layer.cached for layer in layers), default=0)
         return PoolStats(self.block_size, self.num_blocks, used, self.num_blocks - used, shared)

@@ -12,76 +12,28 @@ whose rows differ in length attends by groups of like width instead
 (`replicas.engine.kv.attention`), and MLX never computes the unused whole view. A join
 appends block tables, a leave returns the leaving rows' blocks: no other row's KV moves.
 
-`PagedRowKVCache` is one sequence's plain `KVCache` that a batch merges into the paged
-form (mlx-lm's `_merge_caches` asks row 0's class), as `quantized.QuantizedRowKVCache`
-does for the quantized batch. Only plain attention layers page (`paged_layers` says which
-models qualify); a model with any other cache kind stays on mlx-lm's padded batch.
+`PagedRowKVCache` (`replicas.engine.kv.rows`) is one sequence's cache that a batch merges
+into the paged form (mlx-lm's `_merge_caches` asks row 0's class), as
+`quantized.QuantizedRowKVCache` does for the quantized batch; a row by blocks (a prefix
+cache hit) joins by sharing its blocks, and `extract` hands a row out the same way, so
+neither copies KV. A row never writes a block it shares: a step copies a shared block
+before writing into it (`_own`). Only plain attention layers page (`paged_layers` says
+which models qualify); a model with any other cache kind stays on mlx-lm's padded batch.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable, Sequence, cast
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache
 
-from replicas.engine.kv.attention import Step, attend_groups, install, plan_step
+from replicas.engine.kv.attention import Step, attend_groups, plan_step
 from replicas.engine.kv.blocks import BlockPool, LayerBlocks
-
-
-class PagedRowKVCache(KVCache):
-    """One sequence's KV, mlx-lm's `KVCache`, that merges into a `PagedBatchKVCache` on
-    `pool`'s layer `layer`."""
-
-    def __init__(self, pool: BlockPool, layer: int) -> None:
-        super().__init__()
-        self.pool, self.layer = pool, layer
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> PagedRowKVCache:
-        out = PagedRowKVCache(self.pool, self.layer)  # the pool is the replica's: shared
-        out.keys = copy.deepcopy(self.keys, memo)
-        out.values = copy.deepcopy(self.values, memo)
-        out.offset = self.offset
-        return out
-
-    def merge(self, caches: Sequence[Any]) -> PagedBatchKVCache:  # type: ignore[override]
-        # mlx-lm calls `caches[0][i].merge(...)` on the instance: the pool comes with it.
-        return PagedBatchKVCache.merge(caches, self.pool, self.layer)
-
-
-def paged_layers(cache: list[Any]) -> bool:
-    """Whether a model's fresh cache (`make_prompt_cache`) pages: every layer plain
-    attention (`KVCache`). Sliding windows, recurrent state, `CacheList`s and quantized
-    KV keep mlx-lm's padded batch for now."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
-
-
-def make_paged_prompt_cache(model: nn.Module, pool: BlockPool) -> list[Any]:
-    """`make_prompt_cache(model)` with every layer a `PagedRowKVCache` on `pool`."""
-    cache = make_prompt_cache(model)
-    if not paged_layers(cache):
-        kinds = sorted({type(c).__name__ for c in cache})
-        raise ValueError(f"paged KV: this model's cache layers ({', '.join(kinds)}) are not "
-                         "all plain attention; serve it with memory.paged_kv off or auto")
-    install(model)  # attention by groups of like length (`replicas.engine.kv.attention`)
-    return [PagedRowKVCache(pool, i) for i in range(len(cache))]
-
-
-def as_paged_rows(cache: list[Any], pool: BlockPool) -> list[Any]:
-    """A row's cache (a prefix cache hit: mlx-lm's `KVCache`s) as rows the paged batch
-    merges, sharing the arrays (the merge copies what it reads into blocks)."""
-    out: list[Any] = []
-    for i, layer in enumerate(cache):
-        if type(layer) is not KVCache:
-            out.append(layer)
-            continue
-        row = PagedRowKVCache(pool, i)
-        row.keys, row.values, row.offset = layer.keys, layer.values, layer.offset
-        out.append(row)
-    return out
+# The row class lives beside the other ways a row is held (`replicas.engine.kv.rows`).
+from replicas.engine.kv.rows import (  # noqa: F401 - re-exported
+    PagedRowKVCache, as_paged_rows, make_paged_prompt_cache, paged_layers)
 
 
 class PagedBatchKVCache(_BaseCache):
@@ -131,21 +83,13 @@ class PagedBatchKVCache(_BaseCache):
             self._blocks.release(table[need:])
             del table[need:]
 
-    def _rows(self, slots: np.ndarray) -> np.ndarray:
-        """The storage rows of `slots` (`[n]`), every head's: `[H, n]`."""
-        heads = np.arange(self._blocks.heads)[:, None] * self._blocks.slots
-        return (heads + slots[None, :]).astype(np.int32)
-
-    def _slots(self, i: int, positions: np.ndarray) -> np.ndarray:
-        bs = self.pool.block_size
-        table = np.asarray(self.tables[i], dtype=np.int64)
-        return table[positions // bs] * bs + positions % bs
-
     # ---- what the model calls ---------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         B, H, n, _ = keys.shape
         prev, end = self._idx, self._idx + n
+        if self._blocks.multi:
+            self._own(prev, end)
         self._grow(end)
         store_k, store_v = self._blocks.storage(keys, values)
         step = self._shared("step", self._key(prev, n), lambda: self._plan(prev, n))
@@ -163,6 +107,17 @@ class PagedBatchKVCache(_BaseCache):
         block), which `make_mask` hides."""
         step = self._plan(self._idx, 0)
         return self._gather(step.view, step.width)
+
+    def _own(self, prev: int, end: int) -> None:
+        """Copy on write: each block a step writing view columns `[prev, end)` writes into
+        that another holder shares (a prefix cache entry, a row with the same prefix) is
+        copied first, into a block the row alone holds."""
+        bs, blocks = self.pool.block_size, self._blocks
+        for i, (table, pad) in enumerate(zip(self.tables, self._pads)):
+            first, stop = max(0, prev - pad), self._stop(i, end) - pad
+            for j in range(first // bs, min(len(table), -(-stop // bs))):
+                if blocks.refs(table[j]) > 1:
+                    table[j] = blocks.copy_on_write(table[j])
 
     def _grow(self, end: int) -> None:
         """Each row's table holds the blocks its positions up to view column `end` need."""
@@ -322,40 +277,40 @@ class PagedBatchKVCache(_BaseCache):
 
     # ---- rows in and out ----------------------------------------------------------------
 
-    def extract(self, idx: int) -> KVCache:
-        """Row `idx` as mlx-lm's one-sequence cache (a copy: the prefix cache keeps it)."""
-        cache = KVCache()
+    def extract(self, idx: int) -> PagedRowKVCache:
+        """Row `idx` as a one-sequence cache by its blocks (no copy: the prefix cache keeps
+        it, a ref each; the batch's later writes copy a block it shares first)."""
         length = self.lengths()[idx]
-        if length == 0 or self._blocks.keys is None or self._blocks.values is None:
-            return cache
-        at = mx.array(self._rows(self._slots(idx, np.arange(length))))
-        cache.keys = self._blocks.keys[at][None]
-        cache.values = self._blocks.values[at][None]
-        cache.offset = length
-        return cache
+        if self._ends is not None:
+            length = self._stored()[idx]
+        return PagedRowKVCache.shared(self.pool, self.layer, self.tables[idx], length)
 
     @classmethod
     def merge(cls, caches: Sequence[Any], pool: BlockPool | None = None,  # type: ignore[override]
               layer: int | None = None) -> PagedBatchKVCache:
-        """One batch from per-row caches (`KVCache`s), each copied into its own blocks."""
+        """One batch from per-row caches: a row by blocks (a prefix hit) shares them, a
+        `KVCache`'s arrays are copied into blocks of its own."""
         if pool is None or layer is None:
             first = caches[0]
             pool, layer = first.pool, first.layer
         assert pool is not None and layer is not None
-        lengths = [int(c.offset) if c.keys is not None else 0 for c in caches]
+        held = [getattr(c, "blocks", None) if getattr(c, "pool", None) is pool
+                and getattr(c, "layer", None) == layer else None for c in caches]
+        lengths = [int(c.offset) if c.keys is not None or b is not None else 0
+                   for c, b in zip(caches, held)]
         longest = max(lengths, default=0)
         out = cls(pool, layer, [longest - n for n in lengths])
         out._idx = longest
         out.offset = mx.array(lengths)
-        for i, (n, c) in enumerate(zip(lengths, caches)):
+        for i, (n, c, blocks) in enumerate(zip(lengths, caches, held)):
             if n == 0:
                 continue
+            if blocks is not None:  # the row's own refs: the hit keeps its own
+                out.tables[i] = list(blocks[:pool.blocks_for(n)])
+                out._blocks.share(out.tables[i])
+                continue
             out._fit(i, n)
-            k, v = c.keys[..., :n, :], c.values[..., :n, :]
-            store_k, store_v = out._blocks.storage(k, v)
-            at = mx.array(out._rows(out._slots(i, np.arange(n))).reshape(-1))
-            store_k[at] = k[0].reshape(-1, k.shape[3])
-            store_v[at] = v[0].reshape(-1, v.shape[3])
+            out._blocks.write(out.tables[i], c.keys[..., :n, :], c.values[..., :n, :])
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PagedBatchKVCache:

@@ -8,6 +8,12 @@ does not serve here: a hit does not refresh an entry's recency (a prefix every c
 shares would age out first), it reports no evictions, it deep-copies every hit (a second
 copy of a long prefix's KV, which the batch merge copies once more anyway), and an exact
 match leaves nothing to prefill, which `BatchGenerator.insert` refuses.
+
+On a paged replica (`attach`) the entries live in the batch's block pool as block refs
+(`replicas.engine.kv.rows`): an entry saved from the batch shares the row's blocks, a hit
+shares the entry's, entries with a common prefix share its blocks, and an entry counts only
+the blocks no row holds (`cache_only`: rows count the ones they hold), so a block counts
+once. Evicting an entry drops its refs; a block goes back to the pool at zero.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from replicas.engine.kv.blocks import BlockPool, PoolExhausted
 from replicas.engine.kv.disk import DiskHit, DiskTier
 from replicas.engine.kv.directory import HeldBlocks
 from replicas.engine.kv.trie import PrefixTrie
 from replicas.engine.kv.quantized import QuantizedRowKVCache
+from replicas.engine.kv.rows import PagedRowKVCache, into_blocks, plain
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +71,7 @@ class PromptCacheStats:
 @dataclass
 class _Entry:
     cache: list[Any]
-    nbytes: int
+    nbytes: int  # its arrays' bytes (scaled); 0 for an entry by blocks (`PromptCache.nbytes`)
 
 
 class PromptCache:
@@ -82,6 +90,7 @@ class PromptCache:
         # A pulled prefix too big for the bound, waiting for its request (`adopt`).
         self._adopted: tuple[tuple[int, ...], list[Any]] | None = None
         self._trie = PrefixTrie()
+        self._pool: BlockPool | None = None  # the paged batch's pool, where entries live
         self._lru: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()  # oldest first
         self._bytes = 0
         # What running requests leave of the replica's KV budget (`bound`); None: no budget.
@@ -97,8 +106,19 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        """What the entries count against `max_bytes` (scaled by `cost_scale`)."""
-        return self._bytes
+        """What the entries count against `max_bytes` (scaled by `cost_scale`): their
+        arrays, and the pool's blocks that only this cache holds."""
+        pool = self._pool
+        if pool is None:
+            return self._bytes
+        pooled = pool.cache_only * pool.block_bytes * self._scale[0] // self._scale[1]
+        return self._bytes + pooled
+
+    def attach(self, pool: BlockPool) -> None:
+        """Keep entries in `pool` from now on, by block refs (the paged batch's pool); the
+        pool asks this cache to evict when a row needs blocks only it holds."""
+        self._pool = pool
+        pool.reclaim = self._reclaim
 
     @property
     def limit(self) -> int:
@@ -115,7 +135,7 @@ class PromptCache:
 
     def stats(self) -> PromptCacheStats:
         disk = self._disk
-        return PromptCacheStats(self._hits, self._misses, self._evictions, self._bytes,
+        return PromptCacheStats(self._hits, self._misses, self._evictions, self.nbytes,
                                 len(self._lru), self._cached_tokens,
                                 disk.hits if disk else 0, disk.nbytes if disk else 0,
                                 len(disk) if disk else 0)
@@ -130,8 +150,8 @@ class PromptCache:
         hit = self._lookup(tokens[:-1]) if len(tokens) > 1 else None
         if count:
             hit = self._from_adopted(tokens, hit)
-        else:
-            return hit
+        else:  # a pull sends it elsewhere: a copy, not this pool's blocks
+            return CacheHit(plain(hit.cache), hit.length) if hit is not None else None
         if hit is None:
             self._misses += 1
         else:
@@ -221,7 +241,7 @@ class PromptCache:
         if self._disk is None:
             return
         for key, entry in self._lru.items():  # no batch waits for this memory: queue all
-            self._disk.put(key, entry.cache, wait_s=_CLOSE_WAIT_S)
+            self._disk.put(key, plain(entry.cache), wait_s=_CLOSE_WAIT_S)
         if not self._disk.flush():
             log.warning("disk KV cache: writes still pending at shutdown")
 
@@ -255,6 +275,9 @@ class PromptCache:
         `serve run`, a kill) loses only what was not written yet."""
         if not tokens or not cache:
             return
+        if self._pool is not None:
+            self._save_blocks(tokens, cache, spill, persist)
+            return
         mx.eval([c.state for c in cache])  # a lazy slice would pin the whole batch's KV
         nbytes = sum(c.nbytes for c in cache) * self._scale[0] // self._scale[1]
         if nbytes > self.limit:
@@ -283,18 +306,79 @@ class PromptCache:
         if self._disk is not None and spill and persist:
             self._disk.put(tokens, cache)
 
+    def _save_blocks(self, tokens: list[int], cache: list[Any], spill: bool,
+                     persist: bool) -> None:
+        """`save` on a paged replica: the entry by block refs (arrays copied into blocks
+        first), counting only the blocks this cache held no ref to before."""
+        assert self._pool is not None
+        pool = self._pool
+        try:
+            cache = into_blocks(cache, pool)
+        except PoolExhausted:
+            log.debug("prompt cache: no free blocks for %d tokens", len(tokens))
+            return
+        if self._new_bytes(cache) > self.limit:
+            if self._disk is not None and spill:
+                self._disk.put(tokens, plain(cache))
+            return
+        key = tuple(tokens)
+        replaced = self._lru.pop(key, None)
+        if replaced is not None:
+            self._drop(replaced)
+        for prefix_key in self._trie.remove_prefixes(key):  # it serves them by trimming
+            self._drop(self._lru.pop(prefix_key))
+            self._held.remove(prefix_key)
+        self.evict_to(self.limit - self._new_bytes(cache))
+        if replaced is None:
+            self._trie.add(key)
+            self._held.add(key)
+        for layer in cache:
+            if isinstance(layer, PagedRowKVCache) and layer.blocks:
+                pool.layer(layer.layer).hold(layer.blocks)
+        self._lru[key] = _Entry(cache, 0)
+        if self._disk is not None and spill and persist:
+            self._disk.put(tokens, plain(cache))
+
+    def _new_bytes(self, cache: list[Any]) -> int:
+        """What an entry by blocks would add: its blocks this cache holds no ref to yet."""
+        assert self._pool is not None
+        layers = [c for c in cache if isinstance(c, PagedRowKVCache) and c.blocks]
+        fresh = max((self._pool.layer(c.layer).uncached(c.blocks or []) for c in layers),
+                    default=0)
+        return fresh * self._pool.block_bytes * self._scale[0] // self._scale[1]
+
+    def _drop(self, entry: _Entry) -> None:
+        """An entry leaves: its arrays' bytes, or its block refs, go back."""
+        self._bytes -= entry.nbytes
+        for layer in entry.cache:
+            if isinstance(layer, PagedRowKVCache) and layer.blocks is not None:
+                if layer.blocks:
+                    layer.pool.layer(layer.layer).unhold(layer.blocks)
+                layer.release()
+
     def evict_to(self, limit: int) -> None:
         """Drop the least recently used entries until at most `limit` bytes remain."""
-        while self._bytes > max(0, limit) and self._lru:
-            old_key, old = self._lru.popitem(last=False)
-            self._trie.remove(old_key)
-            self._held.remove(old_key)
-            self._bytes -= old.nbytes
-            self._evictions += 1
-            if self._disk is not None:
-                self._disk.put(old_key, old.cache)
-            log.debug("prompt cache eviction: %d tokens, %d bytes (now %d of %d bytes)",
-                      len(old_key), old.nbytes, self._bytes, limit)
+        while self.nbytes > max(0, limit) and self._lru:
+            self._evict_oldest()
+
+    def _reclaim(self, blocks: int) -> None:
+        """The pool is `blocks` short: evict the oldest entries until as many blocks that
+        only this cache held are free (or none is left)."""
+        assert self._pool is not None
+        start = self._pool.cache_only
+        while self._lru and start - self._pool.cache_only < blocks:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        old_key, old = self._lru.popitem(last=False)
+        self._trie.remove(old_key)
+        self._held.remove(old_key)
+        self._evictions += 1
+        if self._disk is not None:
+            self._disk.put(old_key, plain(old.cache))
+        self._drop(old)
+        log.debug("prompt cache eviction: %d tokens (now %d of %d bytes)", len(old_key),
+                  self.nbytes, self.limit)
 
 
 def segments(prompt: list[int], cached: int, boundary: int) -> list[list[int]]:
