@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import time
+
+_IMPORTED = time.time()  # the startup split's mark (deployments.startup_split), first
+
+import os
 from typing import Any
 
 from ray.serve import Application, Deployment
@@ -15,11 +18,13 @@ from deployments.model_deployment import ModelDeployment
 from deployments.routing.prefix import PrefixAffinityRouter
 from deployments.roles import served
 from deployments.serve_options import check_http_ports
+from deployments.startup_split import BuildMarks
 from replicas.sources import BUILTIN_PREFIX, resolve_source
 from replicas.versions import MODEL_STACK, SERVING, check as check_versions
 
 
 def build_app(args: dict[str, Any]) -> Application:
+    marks = BuildMarks(imported=_IMPORTED)
     config = AppArgs.model_validate(args)
     # At `serve run`, before Ray starts anything: the head's versions; each replica checks
     # its own node's again before it loads (`replicas.replica`).
@@ -30,7 +35,9 @@ def build_app(args: dict[str, Any]) -> Application:
             # Build the project's own models here, once, before any replica starts: the app
             # then comes up ready instead of answering 503 while replicas build them. A
             # replica on another node still builds its own copy on first use.
+            began = time.perf_counter()
             resolve_source(model.source)
+            marks.builtin_s += time.perf_counter() - began
         if model.shards > 1:
             _check_sharding(model)
     created = int(time.time())
@@ -49,6 +56,7 @@ def build_app(args: dict[str, Any]) -> Application:
         # Serve's own limit sits above the replica's admission, so a full replica answers
         # with the API's overloaded error instead of queueing in Ray's router.
         only = settings[0]
+        marks.save([only.id])
         colocated = _deployment(ColocatedModel).options(
             **_deployment_options(only, only.max_ongoing_requests + _COLOCATED_HEADROOM))
         return colocated.bind(only.model_dump(), cards[0], edge=edge)
@@ -61,6 +69,7 @@ def build_app(args: dict[str, Any]) -> Application:
     models = [_model_deployment(m).bind(m.model_dump(), config.ingress.max_stops, observability,
                                         prefill=prefill.get(m.id))
               for m in served(settings)]
+    marks.save([m.id for m in settings])
     return _deployment(Ingress).options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,

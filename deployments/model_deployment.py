@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from contextlib import aclosing
 from typing import Any, AsyncGenerator
@@ -28,6 +29,7 @@ from deployments.metrics import kv_pulls
 from deployments.observability import engine_poller
 from deployments.routing.prefix import PREFIXES
 from deployments.shards import ShardGroup
+from deployments.startup_split import watch_first_token
 from replicas.contract import (
     EmbeddingRequest,
     EmbeddingResult,
@@ -40,6 +42,7 @@ from replicas.contract import (
 )
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.transfer import PrefixKV, PrefixPull
+from replicas.engine.stats import EngineStats
 from replicas.errors import InvalidRequestError
 from replicas.kv_pull import Fetch, Source
 from replicas.replica import ModelReplica, ReplicaOptions
@@ -90,6 +93,7 @@ class ReplicaOwner:
 
     def __init__(self, config: ModelSettings, request_max_stops: int = _REQUEST_MAX_STOPS,
                  observability: ObservabilitySettings = ObservabilitySettings()) -> None:
+        constructed = time.time()  # the startup split's mark (deployments.startup_split)
         if config.placement is not None and config.placement.metal_required:
             require_metal(config.id)  # before loading: fail fast, with what to do about it
         options = replica_options(config, request_max_stops)
@@ -143,6 +147,10 @@ class ReplicaOwner:
         self._poller = engine_poller(observability, config.id,
                                      lambda: (replica.stats(), replica.drain_timings()),
                                      shards=config.shards)
+        self._stopped = threading.Event()
+        if context is not None:  # `serve run`'s log: where the time to this first answer went
+            watch_first_token(config.id, constructed, lambda: _answered(replica.stats()),
+                              self._stopped)
 
     async def load_adapter(self, name: str, path: str) -> str | None:
         """A run-time adapter loaded here (`deployments/adapter_admin.py` checks one on a
@@ -169,6 +177,9 @@ class ReplicaOwner:
                 "sync_steps": steps, "sync_seconds": sync_s}
 
     def __del__(self) -> None:
+        stopped = getattr(self, "_stopped", None)
+        if stopped is not None:
+            stopped.set()
         adapters = getattr(self, "_adapters", None)
         if adapters is not None:
             adapters.stop()
@@ -184,6 +195,10 @@ class ReplicaOwner:
         shards = getattr(self, "_shards", None)
         if shards is not None:
             shards.stop()
+
+
+def _answered(stats: EngineStats) -> bool:
+    return stats.finished > 0 or (stats.decode is not None and stats.decode.tokens > 0)
 
 
 @serve.deployment

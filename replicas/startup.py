@@ -84,3 +84,9 @@ def report(detail: str) -> None:
     (a no-op outside one): its next heartbeat shows it."""
     if _current:
         _current[-1].update(detail)
+
+
+def announce(message: str) -> None:
+    """One INFO line on the startup log (`serve run`'s output, as Progress's lines)."""
+    _visible()
+    log.info("%s", message)

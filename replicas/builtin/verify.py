@@ -1,5 +1,12 @@
 """Check a built model the way production runs it: loaded by `mlx_lm.load`, decoded
-greedily one request at a time and as one padded batch through `BatchGenerator`."""
+greedily as one padded batch through `BatchGenerator`, and each request alone.
+
+Alone, a request is checked teacher-forced: one forward over its prompt and scripted
+completion, whose argmax at every completion position must be the scripted token. Greedy
+decoding then yields exactly the completion (it holds one eos, at its end), so this checks
+what decoding one token at a time does, in one pass instead of one per token: on the
+2-core box that was half of the first `serve run`'s check (load/results/first_answer.md).
+The batched pass still decodes token by token, through the KV cache."""
 
 from __future__ import annotations
 
@@ -9,7 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from .train import BuildError, Example
 
@@ -17,16 +25,27 @@ from .train import BuildError, Example
 _SLACK_TOKENS = 8
 
 
-def generate_single(
-    model: nn.Module, prompt: Sequence[int], max_tokens: int, eos_ids: Collection[int]
-) -> list[int]:
-    """Greedy tokens for one prompt, up to and including the first eos."""
-    tokens: list[int] = []
-    for token, _ in generate_step(mx.array(list(prompt)), model, max_tokens=max_tokens):
-        tokens.append(int(token))
-        if tokens[-1] in eos_ids:
-            break
-    return tokens
+def forced_argmax(model: nn.Module, prompt: Sequence[int], completion: Sequence[int]
+                  ) -> list[int]:
+    """The model's greedy token at each completion position, given the prompt and the
+    scripted completion before it (teacher forcing)."""
+    cache = make_prompt_cache(model)
+    if len(prompt) > 1:
+        # Prefilled into the cache only: its logits are never evaluated (MLX is lazy), so
+        # the output head runs on the completion's positions alone.
+        model(mx.array([list(prompt[:-1])]), cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = model(mx.array([[prompt[-1], *completion[:-1]]]), cache=cache)[0]
+    greedy: list[int] = mx.argmax(logits, axis=-1).tolist()  # type: ignore[assignment]
+    return greedy
+
+
+def _until_eos(tokens: Sequence[int], eos_ids: Collection[int]) -> list[int]:
+    """`tokens` up to and including the first eos, as greedy decoding would stop."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            return list(tokens[:i + 1])
+    return list(tokens)
 
 
 def generate_batched(
@@ -63,7 +82,8 @@ def verify_model_dir(path: Path, examples: Sequence[Example]) -> None:
     failures = []
     for example, batch_tokens in zip(examples, batched, strict=True):
         expected = list(example.completion)
-        single = generate_single(model, example.prompt, max_tokens, eos_ids)
+        forced = forced_argmax(model, example.prompt, expected)
+        single = expected if forced == expected else _until_eos(forced, eos_ids)
         for mode, got in (("single", single), ("batched", batch_tokens)):
             if got != expected:
                 failures.append(
