@@ -268,7 +268,8 @@ class EngineMetrics:
                                      "sequence, measured at load (linear-attention and SSM "
                                      "layers).", tag_keys=tags)
         self._blocks = Gauge("orchard_kv_blocks", "Paged KV's blocks per layer, by state: "
-                             "total, used, shared (held by more than one owner) and free.",
+                             "total, used, shared (held by the prefix cache: hits read "
+                             "them in place) and free.",
                              tag_keys=_keys("model", "state"))
         self._memory_waiting = Gauge("orchard_waiting_for_memory", "Requests waiting for KV "
                                      "memory to join the batch.", tag_keys=tags)

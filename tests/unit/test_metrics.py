@@ -176,7 +176,8 @@ def test_paged_kv_blocks_by_state(recorders: dict[str, _Recorder]) -> None:
     pool = BlockPool(8, block_size=4)
     layer = pool.layer(0)
     held = layer.allocate(3)
-    layer.share(held[:1])  # one block with two owners
+    layer.share(held[:1])  # one block with two owners, one of them the prefix cache
+    layer.hold(held[:1])
     memory = MemoryStats(budget_bytes=1000, projected_bytes=400, waiting=0, refused=0,
                          blocks=pool.stats())
     engine.record(_stats(memory=memory), TimingSamples((), ()))
