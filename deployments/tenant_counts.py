@@ -5,7 +5,8 @@ replica's `ingress.tenancy.shared.SharedLedger` reaches it through `RayTenantCou
 `TenantCounts` is the bookkeeping, plain (tested without Ray). A replica that stops syncing
 for `HOLDER_TTL_S` died holding its seats: they are freed. The actor is restarted by Ray if
 it dies, empty: the seats in flight then go uncounted until they end, and the minute's
-tokens start again (no limit is stricter for it, only briefly looser).
+tokens start again (no limit is stricter for it, only briefly looser). Seats are named
+by tickets, so a free whose take was cut short (or came after a restart) is harmless.
 """
 
 from __future__ import annotations
@@ -29,22 +30,21 @@ _ACTOR_NAME = "orchard-tenants-{app}"
 class TenantCounts:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._seats: dict[str, Counter[str]] = {}  # holder -> tenant -> seats
+        self._seats: dict[str, dict[str, set[str]]] = {}  # holder -> tenant -> tickets
         self._seen: dict[str, float] = {}  # holder -> its last call
         self._spent: dict[str, deque[list[float]]] = {}  # tenant -> [when, tokens]
 
-    def take_seat(self, holder: str, tenant: str, limit: int) -> bool:
+    def take_seat(self, holder: str, tenant: str, limit: int, ticket: str) -> bool:
         self._touch(holder)
-        if sum(seats[tenant] for seats in self._seats.values()) >= limit:
+        if sum(len(seats.get(tenant, ())) for seats in self._seats.values()) >= limit:
             return False
-        self._seats.setdefault(holder, Counter())[tenant] += 1
+        self._seats.setdefault(holder, {}).setdefault(tenant, set()).add(ticket)
         return True
 
-    def free_seat(self, holder: str, tenant: str) -> None:
+    def free_seat(self, holder: str, tenant: str, ticket: str) -> None:
+        """A ticket not held (never granted, freed already, or lost in a restart): nothing."""
         self._touch(holder)
-        seats = self._seats.get(holder)
-        if seats is not None and seats[tenant] > 0:  # none after a restart: nothing to free
-            seats[tenant] -= 1
+        self._seats.get(holder, {}).get(tenant, set()).discard(ticket)
 
     def sync(self, holder: str, spent: Mapping[str, int]) -> dict[str, TenantWindow]:
         now = self._touch(holder)
@@ -57,7 +57,7 @@ class TenantCounts:
         answer: dict[str, TenantWindow] = {}
         seats = Counter[str]()
         for held in self._seats.values():
-            seats.update(held)
+            seats.update({t: len(tickets) for t, tickets in held.items()})
         for tenant in set(self._spent) | {t for t, n in seats.items() if n}:
             window = self._spent.get(tenant, deque())
             while window and window[0][0] <= now - WINDOW_S:
@@ -82,11 +82,11 @@ class _CountsActor:
     def __init__(self) -> None:
         self._counts = TenantCounts()
 
-    async def take_seat(self, holder: str, tenant: str, limit: int) -> bool:
-        return self._counts.take_seat(holder, tenant, limit)
+    async def take_seat(self, holder: str, tenant: str, limit: int, ticket: str) -> bool:
+        return self._counts.take_seat(holder, tenant, limit, ticket)
 
-    async def free_seat(self, holder: str, tenant: str) -> None:
-        self._counts.free_seat(holder, tenant)
+    async def free_seat(self, holder: str, tenant: str, ticket: str) -> None:
+        self._counts.free_seat(holder, tenant, ticket)
 
     async def sync(self, holder: str, spent: Mapping[str, int]) -> dict[str, TenantWindow]:
         return self._counts.sync(holder, spent)
@@ -102,12 +102,12 @@ class RayTenantCounts:
             name=_ACTOR_NAME.format(app=app), namespace="orchard", get_if_exists=True,
             lifetime="detached").remote()
 
-    async def take_seat(self, holder: str, tenant: str, limit: int) -> bool:
-        seated: bool = await self._actor.take_seat.remote(holder, tenant, limit)
+    async def take_seat(self, holder: str, tenant: str, limit: int, ticket: str) -> bool:
+        seated: bool = await self._actor.take_seat.remote(holder, tenant, limit, ticket)
         return seated
 
-    async def free_seat(self, holder: str, tenant: str) -> None:
-        await self._actor.free_seat.remote(holder, tenant)
+    async def free_seat(self, holder: str, tenant: str, ticket: str) -> None:
+        await self._actor.free_seat.remote(holder, tenant, ticket)
 
     async def sync(self, holder: str, spent: Mapping[str, int]) -> dict[str, TenantWindow]:
         windows: dict[str, TenantWindow] = await self._actor.sync.remote(holder, dict(spent))

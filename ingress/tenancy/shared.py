@@ -46,13 +46,14 @@ class TenantWindow:
 
 class SharedCounts(Protocol):
     """The counts every HTTP replica shares. `holder` names the calling replica: its seats
-    are freed if it stops syncing (it died holding them)."""
+    are freed if it stops syncing (it died holding them). A seat is named by its `ticket`,
+    so freeing one whose taking was cut short (its answer never read) is safe either way."""
 
-    async def take_seat(self, holder: str, tenant: str, limit: int) -> bool:
+    async def take_seat(self, holder: str, tenant: str, limit: int, ticket: str) -> bool:
         """One more request in flight for `tenant`, unless `limit` are already."""
         ...
 
-    async def free_seat(self, holder: str, tenant: str) -> None: ...
+    async def free_seat(self, holder: str, tenant: str, ticket: str) -> None: ...
 
     async def sync(self, holder: str, spent: Mapping[str, int]) -> Mapping[str, TenantWindow]:
         """Add `spent` (tokens by tenant, since the last sync) and answer every tenant's
@@ -68,7 +69,7 @@ class SharedLedger(Ledger):
         self._period_s = period_s
         self.holder = uuid.uuid4().hex
         self._unsynced: Counter[str] = Counter()  # tokens spent here since the last sync
-        self._seats: Counter[str] = Counter()  # seats this replica holds, by tenant
+        self._seats: dict[str, list[str]] = {}  # tickets of the seats held here, by tenant
         self._others: dict[str, int] = {}  # other replicas' seats at the last sync
         self._loop: asyncio.Task[None] | None = None
         self._frees: set[asyncio.Task[None]] = set()
@@ -80,30 +81,39 @@ class SharedLedger(Ledger):
         self._check_tokens(policy, account)  # cluster-wide, as of the last sync
         limit = policy.max_concurrent
         if limit is not None:
+            ticket = uuid.uuid4().hex
             try:
                 seated = await asyncio.wait_for(
-                    self._shared.take_seat(self.holder, policy.name, limit), CALL_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - the limit holds here, if not across
+                    self._shared.take_seat(self.holder, policy.name, limit, ticket),
+                    CALL_TIMEOUT_S)
+            except BaseException as exc:
+                self._free_later(policy.name, ticket)  # in case it was taken after all
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: the request is gone
                 self._down("taking a seat", exc)
-                self.enter(policy)
+                self.enter(policy)  # the limit holds on this replica, if not across
                 return
             if not seated:
                 raise busy(policy.name, limit, limit)
-            self._seats[policy.name] += 1
+            self._seats.setdefault(policy.name, []).append(ticket)
         account.in_flight += 1
 
     def leave(self, tenant: str) -> None:
         super().leave(tenant)
-        if self._seats[tenant] > 0:
-            self._seats[tenant] -= 1
-            task = asyncio.get_running_loop().create_task(self._free(tenant))
-            self._frees.add(task)
-            task.add_done_callback(self._frees.discard)
+        tickets = self._seats.get(tenant)
+        if tickets:  # seats are alike: any one of the tenant's goes back
+            self._free_later(tenant, tickets.pop())
 
-    async def _free(self, tenant: str) -> None:
+    def _free_later(self, tenant: str, ticket: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._free(tenant, ticket))
+        self._frees.add(task)
+        task.add_done_callback(self._frees.discard)
+
+    async def _free(self, tenant: str, ticket: str) -> None:
         try:
-            await asyncio.wait_for(self._shared.free_seat(self.holder, tenant), CALL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the holder's seats expire with its syncs
+            await asyncio.wait_for(self._shared.free_seat(self.holder, tenant, ticket),
+                                   CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a lost free: the seat is the actor's to end
             self._down("freeing a seat", exc)
 
     def spend(self, tenant: str, tokens: int) -> None:
@@ -137,7 +147,7 @@ class SharedLedger(Ledger):
                                    *([(now, self._unsynced[tenant])]
                                      if self._unsynced[tenant] else [])])
             account.total = sum(n for _, n in account.spent)
-            self._others[tenant] = max(0, window.seats - self._seats[tenant])
+            self._others[tenant] = max(0, window.seats - len(self._seats.get(tenant, ())))
 
     def _start(self) -> None:
         if self._loop is None or self._loop.done():

@@ -14,25 +14,17 @@ the heavy one, and the total output tokens/s under both (the throughput fair sha
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
-from load.harness.servers import HOST, eos_bias, local_path, orchard_config, run_config, \
-    stop_server
+from load.harness.servers import eos_bias, local_path
 from load.harness.stats import nearest_rank
+from load.harness.tenant_server import MODEL, auth, server
 
-MODEL = "orchard-tiny"
-KEYS = {"heavy": "sk-bench-heavy-0123456789", "light": "sk-bench-light-0123456789"}
-KEYS_ENV = {"heavy": "ORCHARD_BENCH_HEAVY_KEYS", "light": "ORCHARD_BENCH_LIGHT_KEYS"}
-TENANTS = {name: {"keys_env": env, "share": 1} for name, env in KEYS_ENV.items()}
 LIGHT = [{"role": "user", "content": "Hello!"}]
 HEAVY = [{"role": "user", "content": "Tell me about the ocean."}]
 
@@ -50,46 +42,6 @@ class Phase:
                 f"requests)  output {self.output_tokens / self.seconds:7.1f} tok/s")
 
 
-def free_port() -> int:
-    """A free port whose next is free too (the replica serves it, Serve's proxy the next)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((HOST, 0))
-            port = int(sock.getsockname()[1])
-        try:
-            with socket.socket() as sock:
-                sock.bind((HOST, port + 1))
-            return port
-        except OSError:
-            continue
-
-
-@contextmanager
-def server(tenants: bool, rows: int) -> Iterator[str]:
-    port = free_port()
-    app: dict[str, Any] = {"args": {"tenants": TENANTS}} if tenants else {}
-    config = orchard_config("builtin:tiny", MODEL, settings={
-        "engine": {"max_batch_size": rows, "prefill_batch_size": min(rows, 8)}},
-        app=app, port=port)
-    base = f"http://{HOST}:{port}"
-    env = {KEYS_ENV[name]: key for name, key in KEYS.items()}
-
-    def ready() -> bool:
-        answer = httpx.post(f"{base}/v1/completions", timeout=60, headers=_auth("light"),
-                            json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
-        return answer.status_code == 200
-
-    proc = run_config(config, [MODEL], env=env, ready=ready, port=port)
-    try:
-        yield base
-    finally:
-        stop_server(proc)
-
-
-def _auth(tenant: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS[tenant]}"}
-
-
 def _stream(client: httpx.Client, base: str, tenant: str, messages: list[dict[str, str]],
             max_tokens: int, bias: dict[str, float]) -> tuple[float | None, int]:
     """(seconds to the first content, completion tokens) of one streamed chat request."""
@@ -97,7 +49,7 @@ def _stream(client: httpx.Client, base: str, tenant: str, messages: list[dict[st
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": bias}
     with client.stream("POST", f"{base}/v1/chat/completions", json=body,
-                       headers=_auth(tenant)) as response:
+                       headers=auth(tenant)) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if first is None and '"content":"' in line and '"content":""' not in line:

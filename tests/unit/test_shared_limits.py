@@ -37,13 +37,13 @@ class InProcess:
         if self.down:
             raise ConnectionError("the counts actor is gone")
 
-    async def take_seat(self, holder: str, tenant: str, limit: int) -> bool:
+    async def take_seat(self, holder: str, tenant: str, limit: int, ticket: str) -> bool:
         self._check()
-        return self.counts.take_seat(holder, tenant, limit)
+        return self.counts.take_seat(holder, tenant, limit, ticket)
 
-    async def free_seat(self, holder: str, tenant: str) -> None:
+    async def free_seat(self, holder: str, tenant: str, ticket: str) -> None:
         self._check()
-        self.counts.free_seat(holder, tenant)
+        self.counts.free_seat(holder, tenant, ticket)
 
     async def sync(self, holder: str, spent: Mapping[str, int]) -> dict[str, TenantWindow]:
         self._check()
@@ -88,15 +88,16 @@ def test_seats_and_tokens_are_counted_across_replicas() -> None:
 def test_a_replica_that_died_holding_seats_frees_them() -> None:
     now = [0.0]
     counts = TenantCounts(clock=lambda: now[0])
-    assert counts.take_seat("dead", "ci", 2) and counts.take_seat("dead", "ci", 2)
-    assert not counts.take_seat("live", "ci", 2)
+    assert counts.take_seat("dead", "ci", 2, "t1") and counts.take_seat("dead", "ci", 2, "t2")
+    assert not counts.take_seat("live", "ci", 2, "t3")
     now[0] = HOLDER_TTL_S / 2
     counts.sync("live", {})  # the live one syncs; the dead one never again
     now[0] = HOLDER_TTL_S + 1
     assert counts.sync("live", {"ci": 5})["ci"] == TenantWindow(((0.0, 5),), 0)
-    assert counts.take_seat("live", "ci", 2)
-    counts.free_seat("live", "ci")
-    counts.free_seat("live", "ci")  # one more than it took (after a restart): no debt
+    assert counts.take_seat("live", "ci", 2, "t4")
+    counts.free_seat("live", "ci", "t4")
+    counts.free_seat("live", "ci", "t4")  # twice, or a ticket never granted: no debt
+    counts.free_seat("live", "ci", "t9")
     assert counts.sync("live", {})["ci"].seats == 0
     now[0] += 61  # the minute slides: the 5 tokens leave
     assert counts.sync("live", {})["ci"].spent == ()
@@ -147,3 +148,31 @@ def test_two_apps_share_one_tenants_limit() -> None:
                ).status_code == 429 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ok.status_code == 200, ok.text
+
+
+def test_a_seat_whose_answer_came_too_late_is_given_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actor granted the seat but its answer missed the deadline (or the request was
+    cancelled meanwhile): the ticket is freed, so no seat leaks for good."""
+    import ingress.tenancy.shared as shared_module
+
+    monkeypatch.setattr(shared_module, "CALL_TIMEOUT_S", 0.1)
+
+    class SlowAnswer(InProcess):
+        async def take_seat(self, holder: str, tenant: str, limit: int, ticket: str) -> bool:
+            granted = await super().take_seat(holder, tenant, limit, ticket)
+            await asyncio.sleep(1.0)
+            return granted
+
+    async def run() -> int:
+        shared = SlowAnswer(TenantCounts())
+        ledger = SharedLedger(shared)
+        await ledger.admit(CI)  # timed out: admitted by the local count
+        await asyncio.sleep(0.1)
+        windows = shared.counts.sync("x", {})
+        taken = windows["ci"].seats if "ci" in windows else 0  # none held: not listed
+        assert ledger._loop is not None
+        ledger._loop.cancel()
+        return taken
+
+    assert asyncio.run(run()) == 0
