@@ -9,6 +9,8 @@ waits behind the heavy tenant's queue). On each: the light tenant's TTFT alone, 
 the heavy one, and the total output tokens/s under both (the throughput fair share costs).
 
     python -m load.serving.tenants --seconds 30
+
+The same with Locust user classes per tenant (the issue's form): `load.locust.run_tenants`.
 """
 
 from __future__ import annotations
