@@ -29,6 +29,7 @@ pytestmark = pytest.mark.e2e
 
 BASE = "orchard-lora"
 ADAPTERS = {"alpha": (1, False), "beta": (2, True)}  # name: (seed, DoRA)
+RUNTIME = {"gamma": (3, False)}  # loaded through POST /v1/adapters, not the config
 MODELS = [
     {"id": BASE, "source": "builtin:tiny", "max_ongoing_requests": 16,
      "adapters": {
@@ -43,7 +44,7 @@ MAX_TOKENS = 8
 
 def ensure_adapters() -> None:
     """The adapters MODELS names, built before the app starts (`shared_app.py`)."""
-    for name, (seed, dora) in ADAPTERS.items():
+    for name, (seed, dora) in {**ADAPTERS, **RUNTIME}.items():
         builtin_adapter("tiny", name, seed, dora=dora)
 
 
@@ -68,7 +69,8 @@ def reference_text(adapter: str | None) -> str:
     """mlx-lm alone: the model with that adapter loaded, greedy on PROMPT, to EOS."""
     path = ensure_builtin("tiny")
     model, tokenizer = mlx_load(str(path), adapter_path=str(
-        builtin_adapter("tiny", adapter, *ADAPTERS[adapter])) if adapter else None)[:2]
+        builtin_adapter("tiny", adapter, *{**ADAPTERS, **RUNTIME}[adapter])) if adapter
+        else None)[:2]
     tokens = []
     for token, _ in generate_step(mx.array(PROMPT), model, max_tokens=MAX_TOKENS):
         if int(token) in tokenizer.eos_token_ids:
@@ -130,3 +132,42 @@ def test_an_unknown_adapter_is_a_400_in_each_shape(oai: openai.OpenAI,
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert "adapter 'nope'" in error["error"]["message"]
     assert complete(oai, f"{BASE}:alpha")  # still serving
+
+
+def test_an_adapter_loaded_and_unloaded_at_run_time(base_url: str, oai: openai.OpenAI) -> None:
+    """`POST /v1/adapters` loads gamma onto the running model: it is listed, served under
+    `BASE:gamma` and its alias, greedy-equal to mlx-lm with gamma alone; `DELETE` unloads
+    it, and it is then a 400, and a second `DELETE` a 404. Bad loads change nothing."""
+    url = f"{base_url}/v1/adapters"
+    path = str(builtin_adapter("tiny", "gamma", *RUNTIME["gamma"], build=False))
+    bad = httpx.post(url, json={"model": BASE, "name": "gamma", "path": path + "-missing"},
+                     timeout=120)
+    assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+    assert httpx.post(url, json={"model": "no-such-model", "name": "gamma", "path": path},
+                      timeout=60).status_code == 404
+    assert httpx.post(url, json={"model": BASE, "name": "alpha", "path": path},
+                      timeout=60).status_code == 409
+    loaded = httpx.post(url, json={"model": BASE, "name": "gamma", "path": path,
+                                   "aliases": ["tiny-gamma"]}, timeout=120)
+    try:
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["replicas"] >= 1
+        listed = {m.id for m in oai.models.list()}
+        assert {f"{BASE}:gamma", "tiny-gamma", f"{BASE}:alpha"} <= listed
+        text = complete(oai, f"{BASE}:gamma")
+        assert text == reference_text("gamma")
+        assert text != complete(oai, BASE)
+        assert complete(oai, "tiny-gamma") == text
+        chat = oai.chat.completions.create(model=f"{BASE}:gamma", max_tokens=MAX_TOKENS,
+                                           messages=[{"role": "user", "content": "Hi"}],
+                                           temperature=0.0)
+        assert chat.model == f"{BASE}:gamma" and chat.choices[0].message.content
+    finally:
+        gone = httpx.delete(f"{url}/{BASE}:gamma", timeout=60)
+    assert gone.status_code == 200, gone.text
+    with pytest.raises(openai.BadRequestError) as caught:
+        complete(oai, f"{BASE}:gamma")
+    assert "adapter 'gamma'" in caught.value.message
+    assert httpx.delete(f"{url}/{BASE}:gamma", timeout=60).status_code == 404
+    assert f"{BASE}:gamma" not in {m.id for m in oai.models.list()}
+    assert complete(oai, f"{BASE}:alpha") == reference_text("alpha")  # still serving
