@@ -7,6 +7,7 @@ back; and the pool asks the cache for blocks when a row needs them."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
@@ -14,6 +15,7 @@ from mlx_lm.generate import BatchGenerator
 from replicas.engine.batch.local import Done, LocalBatch, Row
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.budget import KvBudget
+from replicas.engine.kv.disk import DiskTier
 from replicas.engine.kv.layout import measure_kv
 from replicas.engine.sampling.samplers import make_request_sampler
 from tests.integration.test_paged_kv import GREEDY, model
@@ -25,10 +27,11 @@ SYSTEM = [(13 * j) % 500 + 3 for j in range(70)]
 ARRIVALS = [(0, 3, 12), (0, 9, 7), (2, 1, 10), (4, 20, 6), (4, 5, 14), (9, 2, 8)]
 
 
-def _batch(name: str, cache_bytes: int = 16 * 1024**2,
-           budget: int = 64 * 1024**2) -> tuple[LocalBatch, KvBudget]:
+def _batch(name: str, cache_bytes: int = 16 * 1024**2, budget: int = 64 * 1024**2,
+           disk: DiskTier | None = None) -> tuple[LocalBatch, KvBudget]:
     m = model(name)
-    batch = LocalBatch(m, EngineConfig(prompt_cache_bytes=cache_bytes, paged_kv="on"))
+    batch = LocalBatch(m, EngineConfig(prompt_cache_bytes=cache_bytes, paged_kv="on"),
+                       disk=disk)
     kv = KvBudget(budget, measure_kv(m), 64)
     batch.page(kv, 32768)
     assert kv.paging is not None and kv.blocks is not None and batch.cache is not None
@@ -162,3 +165,54 @@ def test_a_row_short_of_blocks_evicts_the_cache() -> None:
     got = _drain(batch, [uid], keep=False)[uid]
     assert got == _theirs("builtin:tiny", [long], [5])[0]
     assert batch.cache.stats().evictions >= 1
+
+
+def test_the_disk_tier_gets_copies_and_its_entries_join_as_blocks(tmp_path: Path) -> None:
+    """An entry by blocks is written to the disk tier as a copy (its blocks may go back
+    meanwhile); read back after its eviction, it is copied into blocks, and the next
+    turn hits it with mlx-lm's text."""
+    disk = DiskTier(tmp_path, 1 << 30, "tiny")
+    try:
+        batch, kv = _batch("builtin:tiny", disk=disk)
+        cache = batch.cache
+        assert cache is not None
+        prompt = SYSTEM + _question(1, 40)
+        [(uid, _)] = batch.insert([_row(prompt, 6)])
+        answer = _drain(batch, [uid])[uid]
+        assert disk.flush() and len(disk) >= 1
+        cache.evict_to(0)
+        assert kv.blocks().used == 0  # type: ignore[misc]
+        second = prompt + answer + _question(2, 5)
+        found = cache.disk_wanted(second)
+        assert found is not None
+        layers = cache.read_disk(found)
+        assert layers is not None
+        cache.take_disk(found, layers)
+        assert kv.blocks().shared >= batch._pool.blocks_for(len(prompt))  # type: ignore
+        [(uid, served)] = batch.insert([_row(second, 8)])
+        assert served >= len(prompt) + len(answer) - 1
+        got = _drain(batch, [uid], keep=False)[uid]
+        assert got == _theirs("builtin:tiny", [second], [8])[0]
+    finally:
+        disk.close()
+
+
+def test_a_preempted_row_resumes_from_its_own_blocks() -> None:
+    """Preemption (the engine's `finish(keep=True)` mid-stream) parks the row's blocks in
+    the prefix cache by ref, no copy; resumed with what it streamed, it hits them and its
+    text is mlx-lm's for the whole answer."""
+    batch, kv = _batch("builtin:tiny")
+    prompt = SYSTEM + _question(3, 17)
+    [(uid, _)] = batch.insert([_row(prompt, 20)])
+    streamed: list[int] = []
+    while len(streamed) < 7:
+        streamed += [r.token for r in batch.step()]
+    held = len(batch._gen._generation_batch.prompt_cache[0].tables[0])
+    batch.finish([Done(uid, keep=True)])
+    blocks = kv.blocks()  # type: ignore[misc]
+    # The row's blocks are the cache's now (its prompt's entry, a prefix of it, is gone).
+    assert batch.empty and blocks.used == blocks.shared == held
+    [(uid, served)] = batch.insert([_row(prompt + streamed, 20 - len(streamed))])
+    assert served == len(prompt) + len(streamed) - 1
+    rest = _drain(batch, [uid])[uid]
+    assert streamed + rest == _theirs("builtin:tiny", [prompt], [20])[0]
