@@ -13,7 +13,7 @@ import faulthandler
 import logging
 import uuid
 from pathlib import Path
-from typing import Any, AsyncGenerator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, Callable
 
 from replicas.engine.batch.local import Batch, LocalBatch
 from replicas.contract import (
@@ -27,7 +27,6 @@ from replicas.contract import (
     RerankRequest,
     RerankResult,
     SamplingParams,
-    TextPrompt,
     TokenizerInfo,
     TokenPrompt,
     is_terminal,
@@ -49,6 +48,7 @@ from replicas.engine.kv.quantized import cache_maker
 from replicas.engine.kv.budget import RankMemory, plan_memory
 from replicas.options import ReplicaOptions
 from replicas.replica_adapters import ReplicaAdapters
+from replicas.replica_forwards import Forwards
 from replicas.replica_prefixes import PrefixMoves
 from replicas.encoder import ENCODER_FILES, NoGeneration, encoder_memory, is_encoder, \
     load_encoder
@@ -66,7 +66,6 @@ from replicas.pipeline.prepare import InputProcessor, Prepared
 from replicas.routing_keys import token_spans
 from replicas.kv_pull import PullResult, Ranks, Source
 from replicas.engine.kv.transfer import PrefixKV, PrefixPull
-from replicas.tokenizer_api import decode_ids, describe_tokenizer, encode_plain
 from replicas.engine.delivery import EventBuffer
 from replicas.timings import Timings, TimingSamples
 from replicas.vision import VisionModel, VisionUnsupported, sees
@@ -99,8 +98,7 @@ class ModelReplica:
         self._format: ChannelFormat = get_channel_format("none")
         self._tool_format: ToolFormat = get_tool_format("none")
         self._inputs: InputProcessor | None = None
-        self._embedder: Embedder | None = None
-        self._reranker: Reranker | None = None  # `/v1/rerank` (replicas/reranker.py)
+        self._forwards: Forwards | None = None  # tokenizer, embeddings, rerank: at start
         self._vision: VisionModel | None = None  # a model that sees: set by `_open`
         self._encoder_only = False  # an encoder (`replicas.encoder`): embeddings only
         self._streams = 0  # streams open now, which share the replica's chunk rate
@@ -200,16 +198,18 @@ class ModelReplica:
                 "context: requests are capped there (max_model_len). Raise memory.budget_bytes "
                 "if the machine has room, or set max_model_len to choose the cap yourself.",
                 self.options.model_id, kv_tokens, self.context_length)
-        self._embedder = Embedder.open(self.options, model, self.context_length,
-                                       self._engine.call, self._timings)
-        self._reranker = Reranker.open(self.options, model, self._encoder_only,
-                                       self.context_length, self._engine.call)
         self._prefixes.open(self._batch, kv_fingerprint(self.options, model),
                             sharded=self.options.shard is not None)
         self._inputs = InputProcessor(self.options, model, make_decode(model.hf_tokenizer),
                                       self._format, self._tool_format, self.context_length,
                                       self._timings, self._engine.kv_budget.max_tokens,
                                       seer=self._vision)
+        embedder = Embedder.open(self.options, model, self.context_length,
+                                 self._engine.call, self._timings)
+        reranker = Reranker.open(self.options, model, self._encoder_only,
+                                 self.context_length, self._engine.call)
+        self._forwards = Forwards(model, self._inputs, embedder, reranker,
+                                  lambda: self.served_context)
 
     @property
     def sees(self) -> bool:
@@ -381,62 +381,36 @@ class ModelReplica:
         shared = self._streams / rate if rate > 0 else 0.0
         return max(self.options.flush_interval_s, shared)
 
+    @property
+    def forwards(self) -> Forwards:
+        """The calls that run no generation (`replicas/replica_forwards.py`)."""
+        if self._forwards is None:
+            raise RuntimeError("the replica has not started")
+        return self._forwards
+
     async def tokenize(self, request: GenerationRequest,
                        add_special_tokens: bool = True) -> tuple[int, ...] | Failed:
-        """The prompt's token ids as generation would run them (`add_special_tokens`
-        false: a text prompt without the tokenizer's BOS), or why it cannot be rendered."""
-        try:
-            if not add_special_tokens and isinstance(request.prompt, TextPrompt):
-                return await asyncio.to_thread(encode_plain, self.model.hf_tokenizer,
-                                               request.prompt.text)
-            rendered = await asyncio.to_thread(self.inputs.render, request)
-        except ReplicaError as exc:
-            return exc.as_event()
-        return rendered.token_ids
+        return await self.forwards.tokenize(request, add_special_tokens)
 
     async def detokenize(self, token_ids: tuple[int, ...]) -> str | Failed:
-        """The ids' text, special tokens kept, or a 400 for an id outside the vocabulary."""
-        try:
-            return await asyncio.to_thread(decode_ids, self.model.hf_tokenizer,
-                                           self.model.vocab_size, token_ids)
-        except ReplicaError as exc:
-            return exc.as_event()
+        return await self.forwards.detokenize(token_ids)
 
     def tokenizer_info(self) -> TokenizerInfo:
-        return describe_tokenizer(self.model, self.served_context)
+        return self.forwards.tokenizer_info()
 
     @property
     def embedder(self) -> Embedder:
-        if self._embedder is None:
-            raise RuntimeError("the replica has not started")
-        return self._embedder
+        return self.forwards.embedder
 
     async def embed(self, request: EmbeddingRequest) -> EmbeddingResult | Failed:
-        """`/v1/embeddings`: the vectors, or why not (`replicas.embedder`)."""
-        return await _answered(self.embedder.embed(request))
+        return await self.forwards.embed(request)
 
     @property
     def reranker(self) -> Reranker:
-        if self._reranker is None:
-            raise RuntimeError("the replica has not started")
-        return self._reranker
+        return self.forwards.reranker
 
     async def rerank(self, request: RerankRequest) -> RerankResult | Failed:
-        """`/v1/rerank`: each document's score, or why not (`replicas.reranker`)."""
-        return await _answered(self.reranker.rerank(request))
-
-
-_Answer = TypeVar("_Answer", EmbeddingResult, RerankResult)
-
-
-async def _answered(call: Awaitable[_Answer]) -> _Answer | Failed:
-    """A forwards-only call's answer, or its failure as an event."""
-    try:
-        return await call
-    except ReplicaError as exc:
-        return exc.as_event()
-    except EngineDead as exc:  # fail fast: Serve replaces this replica on its health check
-        return Failed(ErrorKind.INTERNAL, f"the model is unavailable: {exc}", replica_fault=True)
+        return await self.forwards.rerank(request)
 
 
 def _with_warnings(event: OutputEvent, warnings: tuple[str, ...]) -> OutputEvent:

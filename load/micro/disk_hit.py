@@ -57,7 +57,7 @@ def entry(tokens: int) -> list[Any]:
 
 def on_engine_thread(rep: ModelReplica) -> Callable[..., Any]:
     """The way before: the file read and checked on the engine thread."""
-    reads = rep._disk_reads
+    reads = rep._prefixes._disk_reads
     assert reads is not None
 
     async def before(prompt: Any) -> int:
@@ -81,7 +81,7 @@ def on_engine_thread(rep: ModelReplica) -> Callable[..., Any]:
 
 def timed_reads(rep: ModelReplica) -> list[tuple[float, float]]:
     """Each disk read's start and end, as `PromptCache.read_disk` runs it."""
-    reads = rep._disk_reads
+    reads = rep._prefixes._disk_reads
     assert reads is not None
     cache, spans = reads._cache, []
     read = cache.read_disk
@@ -158,7 +158,7 @@ def run(tokens: int, rounds: int, directory: Path) -> None:
     rep = replica(directory)
     results: dict[str, list[tuple[float, float]]] = {}
     try:
-        worker = rep._disk_reads
+        worker = rep._prefixes._disk_reads
         assert worker is not None
         spans = timed_reads(rep)
         for way, prompts_of in prompts.items():

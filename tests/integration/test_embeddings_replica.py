@@ -249,15 +249,14 @@ def test_requests_at_once_share_forwards(embedder: ModelReplica) -> None:
     `dimensions`) take fewer forwards than requests, and each vector is as alone."""
     asks = [(TEXTS[i % len(TEXTS)], 64 if i % 2 else None) for i in range(16)]
     alone = [vectors(embedder, text, dimensions=dims)[0] for text, dims in asks]
-    assert embedder._embedder is not None
-    before = embedder._embedder.forwards
+    before = embedder.embedder.forwards
 
     async def together() -> list[EmbeddingResult | Failed]:
         return list(await asyncio.gather(*(embedder.embed(EmbeddingRequest(
             f"s{i}", "orchard-embed", (text,), dims)) for i, (text, dims) in enumerate(asks))))
 
     results = run(together())
-    forwards = embedder._embedder.forwards - before
+    forwards = embedder.embedder.forwards - before
     assert 1 <= forwards < len(asks)
     for result, expected in zip(results, alone):
         assert isinstance(result, EmbeddingResult)
