@@ -27,10 +27,12 @@ class TenantSettings(_Strict):
                          "batch: tenants that all keep a replica busy get its rows in "
                          "proportion; one alone gets them all.")
     max_concurrent: int | None = Field(None, ge=1, description="Requests in flight at once, "
-                                       "per HTTP replica; past it a 429. null: no bound.")
+                                       "across every HTTP replica (`deployments."
+                                       "tenant_counts`); past it a 429. null: no bound.")
     tokens_per_minute: int | None = Field(None, ge=1, description="Prompt plus completion "
-                                          "tokens over a sliding minute, per HTTP replica, "
-                                          "spent as they stream; past it a 429.")
+                                          "tokens over a sliding minute, across every HTTP "
+                                          "replica (synced every 0.5 s), spent as they "
+                                          "stream; past it a 429.")
     models: list[str] | None = Field(None, description="Model names (ids or aliases) it may "
                                      "use; any other is a 404. null: all.")
     admin: bool = Field(False, description="Its keys may read `GET /v1/usage`.")
