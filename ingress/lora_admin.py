@@ -17,7 +17,7 @@ answers 200 once every replica has, or 202 with how many still hold it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Annotated, Any, Protocol, Sequence
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,6 +31,7 @@ from replicas.errors import InvalidRequestError, NotFoundError
 
 # An adapter's name: served as `BASE:NAME`, so no colon, and nothing a URL must escape.
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_ALIAS = r"^[^:\s]{1,128}$"  # a model name of its own: not `BASE:NAME`
 
 
 class LoadAdapter(BaseModel):
@@ -41,7 +42,8 @@ class LoadAdapter(BaseModel):
     model: str = Field(min_length=1)  # the base model's id or alias
     name: str = Field(pattern=_NAME)
     path: str = Field(min_length=1)  # an mlx-lm adapter directory on the replicas' nodes
-    aliases: list[str] = Field(default_factory=list, max_length=16)
+    aliases: list[Annotated[str, Field(pattern=_ALIAS)]] = Field(default_factory=list,
+                                                                 max_length=16)
 
 
 @dataclass(frozen=True)
@@ -114,10 +116,9 @@ async def load_adapter(body: LoadAdapter, request: Request) -> Any:
         raise NotFoundError(f"model '{body.model}' is not served", param="model")
     taken = _served_names(client)
     for alias in body.aliases:
-        if alias in taken or ":" in alias or not alias:
-            return _conflict(f"alias '{alias}' is already a served model name"
-                             if alias in taken else f"alias '{alias}' may not be empty or "
-                             "hold ':'", "adapter_exists", "aliases")
+        if alias in taken:
+            return _conflict(f"alias '{alias}' is already a served model name",
+                             "adapter_exists", "aliases")
     if body.name in card.adapters:
         return _conflict(f"model '{card.id}' already serves adapter '{body.name}'; unload it "
                          "first", "adapter_exists", "name")

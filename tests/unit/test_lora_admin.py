@@ -176,6 +176,8 @@ def test_bad_calls_get_openai_errors_and_change_nothing() -> None:
         "model": "tiny-lora", "name": "g", "path": "/p", "aliases": ["other"]}), 409, "other")
     _openai_error(s.http.post("/v1/adapters", json={
         "model": "tiny-lora", "name": "a:b", "path": "/p"}), 400, "name")
+    _openai_error(s.http.post("/v1/adapters", json={
+        "model": "tiny-lora", "name": "g", "path": "/p", "aliases": ["x:y"]}), 400, "aliases")
     _openai_error(s.http.post("/v1/adapters", json={"model": "tiny-lora", "name": "g"}), 400,
                   "path")
     _openai_error(s.http.post("/v1/adapters", json={
