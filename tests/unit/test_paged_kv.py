@@ -16,6 +16,7 @@ from replicas.engine.kv import attention
 from replicas.engine.kv.attention import plan_groups
 from replicas.engine.kv.blocks import BlockPool, PoolExhausted
 from replicas.engine.kv.paged import PagedBatchKVCache, PagedRowKVCache
+from replicas.engine.kv.prefix_cache import PromptCache
 from replicas.engine.kv.rows import plain
 
 H, D = 2, 8
@@ -288,3 +289,33 @@ def test_rows_sharing_a_partial_block_copy_it_on_write(pool: BlockPool) -> None:
     paged.release()
     entry.release()
     assert pool.stats().used == 0 and pool.layer(0).multi == 0
+
+
+def test_the_prefix_cache_counts_a_shared_prefix_once() -> None:
+    """Entries by blocks: two rows that hit one 8-token entry and went on are kept as two
+    entries holding its two blocks once (the cache's bytes are its distinct blocks); a
+    layer short of blocks makes the cache evict; eviction frees every block."""
+    pool = BlockPool(16, block_size=4)
+    cache = PromptCache(1 << 20)
+    cache.attach(pool)
+    _, first = _pair([8], pool)
+    cache.save(list(range(8)), [first.extract(0)])
+    first.release()
+    per_block = pool.block_bytes
+    assert cache.nbytes == 2 * per_block and pool.stats().shared == 2
+    hits = [cache.fetch(list(range(8)) + [100 + i]) for i in range(2)]
+    assert all(h is not None and h.length == 8 for h in hits)
+    paged = PagedRowKVCache(pool, 0).merge([h.cache[0] for h in hits if h is not None])
+    paged.update_and_fetch(mx.random.normal((2, H, 3, D)), mx.random.normal((2, H, 3, D)))
+    assert cache.nbytes == 0  # rows hold every block the cache holds: theirs to count
+    for i in range(2):
+        cache.save(list(range(8)) + [i] * 3, [paged.extract(i)])
+    del hits
+    paged.release()
+    assert cache.stats().entries == 2 and pool.stats().shared == 4
+    assert cache.nbytes == 4 * per_block  # not 6: the shared prefix counts once
+    taken = pool.layer(0).allocate(13)  # 12 free: the oldest entry gives its own block back
+    assert cache.stats().entries == 1 and cache.stats().evictions == 1
+    pool.layer(0).release(taken)
+    cache.evict_to(0)
+    assert pool.stats().used == 0 and pool.stats().shared == 0 and cache.nbytes == 0

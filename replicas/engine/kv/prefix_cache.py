@@ -323,6 +323,9 @@ class PromptCache:
             return
         key = tuple(tokens)
         replaced = self._lru.pop(key, None)
+        if replaced is not None and any(a is b for a, b in zip(replaced.cache, cache)):
+            self._lru[key] = replaced  # the same rows kept again: nothing changes
+            return
         if replaced is not None:
             self._drop(replaced)
         for prefix_key in self._trie.remove_prefixes(key):  # it serves them by trimming
