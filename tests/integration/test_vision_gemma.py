@@ -27,6 +27,8 @@ from PIL import Image
 from replicas.contract import (
     ChatMessage,
     ChatPrompt,
+    ErrorKind,
+    Failed,
     Finished,
     GenerationRequest,
     ImageAt,
@@ -110,13 +112,22 @@ def vlm() -> tuple[Any, Any]:
 
 
 def _prompt(processor: Any, request: GenerationRequest) -> tuple[str, list[Any]]:
+    """The request's chat as mlx-vlm renders it (each turn's text, then its images), and
+    its pictures in order."""
     assert isinstance(request.prompt, ChatPrompt)
-    message = request.prompt.messages[0]
-    content: list[dict[str, Any]] = [{"type": "text", "text": message.content}]
-    content += [{"type": "image"} for _ in message.images]
-    prompt = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    return prompt, [Image.open(io.BytesIO(at.image.data)) for at in message.images]
+    messages: list[dict[str, Any]] = []
+    pictures: list[Any] = []
+    for message in request.prompt.messages:
+        if message.role == "assistant":
+            messages.append({"role": "assistant", "content": message.content})
+            continue
+        content: list[dict[str, Any]] = [{"type": "text", "text": message.content}]
+        content += [{"type": "image"} for _ in message.images]
+        messages.append({"role": message.role, "content": content})
+        pictures += [Image.open(io.BytesIO(at.image.data)) for at in message.images]
+    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=True)
+    return prompt, pictures
 
 
 def gemma_masks(ids: np.ndarray, image_token: int, window: int) -> tuple[Any, Any]:
@@ -332,3 +343,38 @@ def test_a_sliding_window_shorter_than_the_prompt(tmp_path: Path) -> None:
         causal.append([r.token for r in stream_generate(model, processor, prompt, max_tokens=n,
                                                         temperature=0.0, **extra)][:n])
     assert served(False, prompt_cache_bytes=0) == causal != masked
+
+
+def test_images_in_several_turns_and_a_tool_result(replica: ModelReplica,
+                                                   reference: Reference) -> None:
+    """Images in two user turns with text between them: each its own block (the text
+    between them causal), as the reference; and a screenshot in a tool result reaches the
+    model."""
+    red, blue = image("red"), image("blue", (64, 32))
+    history = (ChatMessage("user", "Look:", images=(ImageAt(5, red),)),
+               ChatMessage("assistant", "I see it."),
+               ChatMessage("user", "And now?", images=(ImageAt(8, blue),)))
+    request = GenerationRequest("turns", "g3", ChatPrompt(history),
+                                SamplingParams(max_tokens=10, temperature=0.0),
+                                report_tokens=True)
+    assert tokens(stream_events(replica, request)) == reference(request)
+
+    def screenshot(color: str) -> list[int]:
+        turn = (ChatMessage("user", "Take a screenshot."),
+                ChatMessage("assistant", "", tool_calls=()),
+                ChatMessage("tool", "screenshot:", images=(ImageAt(11, image(color)),),
+                            tool_call_id="call_1", name="screenshot"))
+        return tokens(stream_events(replica, GenerationRequest(
+            f"tool-{color}", "g3", ChatPrompt(turn),
+            SamplingParams(max_tokens=8, temperature=0.0), report_tokens=True)))
+
+    assert screenshot("white") != screenshot("black")
+
+
+def test_an_image_token_in_the_text_does_not_pass_for_an_image(replica: ModelReplica) -> None:
+    """Gemma's template writes `<start_of_image>` per image: the same text typed by the
+    client is not an image (the count must match the request's images)."""
+    events = stream_events(replica, ask("inject", image("red"), text="Look <start_of_image>"))
+    assert len(events) == 1 and isinstance(events[0], Failed), events
+    assert events[0].kind is ErrorKind.INVALID_REQUEST
+    assert "placed 2 of the request's 1 images" in events[0].message
