@@ -19,7 +19,10 @@ every rank) and its budget, and admits by what the batch holds:
   cache (`paging_plan`) until the prefix cache shares the pool's blocks.
 
 MLX's own memory limit is set from the same numbers on every rank, so a wrong figure
-slows allocation down rather than aborting the process.
+slows allocation down rather than aborting the process. The limit is the process's, not a
+replica's: it covers every replica planned in the process (`process_limit`), or a small
+budget's limit would throttle a neighbour's evaluation (MLX waits on each evaluation while
+active memory is past it: twice the CPU a round in `load/micro/small_budget.py`).
 
 Engine thread only, except the pure arithmetic (`default_budget`, `tightest`).
 """
@@ -27,8 +30,10 @@ Engine thread only, except the pure arithmetic (`default_budget`, `tightest`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence, TypeVar
@@ -126,10 +131,27 @@ def plan_memory(model: Any, configured: int | None, label: str = "replica",
             f"{label}: no room for KV: {where} leave {budget} bytes, and one sequence of "
             f"{CACHE_STEP} tokens takes {layout.bytes_for(CACHE_STEP)} ({layout.describe()})")
     mine = RankMemory(budget, layout, weights)
-    mx.set_memory_limit(mine.limit)
-    log.info("%s KV memory: budget %d bytes, weights %d bytes, MLX limit %d bytes; the cache "
-             "holds %s", label, budget, weights, mine.limit, layout.describe())
+    limit = process_limit(mine)
+    log.info("%s KV memory: budget %d bytes, weights %d bytes, MLX limit %d bytes (%d for "
+             "this process); the cache holds %s", label, budget, weights, mine.limit, limit,
+             layout.describe())
     return mine
+
+
+# The ranks planned in this process that are still held (by their engines): MLX's memory
+# limit must cover them all.
+_PLANNED: weakref.WeakValueDictionary[int, RankMemory] = weakref.WeakValueDictionary()
+_PLANS = itertools.count()
+
+
+def process_limit(mine: RankMemory) -> int:
+    """Set MLX's memory limit, which is the whole process's, to the sum of the limits of
+    `mine` and of every rank planned here before it and still held: a second replica in the
+    process (a test's, a benchmark's baseline) must not lower the first one's. Returns it."""
+    _PLANNED[next(_PLANS)] = mine
+    limit = sum(r.limit for r in list(_PLANNED.values()))
+    mx.set_memory_limit(limit)
+    return limit
 
 
 def tightest(ranks: Sequence[RankMemory], reference: int) -> int:
