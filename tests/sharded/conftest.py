@@ -42,6 +42,11 @@ SMALL_BUDGET = SMALL_BUDGET_TOKENS * 512
 SOURCES = {"tiny": "builtin:tiny", "pipe": "builtin:pipe", "bench": "builtin:bench",
            "mtp-agree": "builtin:mtp-agree"}
 HEARTBEAT_TIMEOUT_S = 5.0
+# The replica the fault tests fail (test_sharded.py), and Serve's health-check period for it:
+# Serve replaces a replica after three failed checks in a row, 30 s at its default 10 s
+# period, 6 s at this one, which is what each fault test waits out (four of them).
+FAULTED = "bench-x2"
+FAULTED_HEALTH_PERIOD_S = 2.0
 QUANTIZED = {"kv_bits": 8, "kv_group_size": 32}  # tiny's head_dim is 32, mla's rope key too
 RESUME_WAIT_S = 300.0
 SPLIT, SPLIT_MIN_TOKENS = "tiny-pd2", 64
@@ -62,7 +67,7 @@ def app_args() -> dict[str, Any]:
 
     models = [{"id": w, "source": SOURCES[w], "placement": {"pin": False}} for w in ("tiny", "pipe")]
     models += [sharded(s, SOURCES[w], how) for w, s, how in PAIRS]
-    models.append(sharded("bench-x2", SOURCES["bench"], "tensor"))
+    models.append(sharded(FAULTED, SOURCES["bench"], "tensor"))
     models.append({**sharded("tiny-m2", SOURCES["tiny"], "tensor"), "max_model_len": 4096,
                    "memory": {"budget_bytes": SMALL_BUDGET}})
     # An 8-bit KV cache, whole and by tensor (each rank quantizes its own KV heads).
@@ -104,7 +109,8 @@ def sharded_cluster() -> Iterator[LocalCluster]:
                          env={ENV: str(root / "failpoints")})
     try:
         local.start()
-        local.deploy(app_args())
+        local.deploy(app_args(), deployments=[
+            {"name": f"model:{FAULTED}", "health_check_period_s": FAULTED_HEALTH_PERIOD_S}])
         local.wait_status("RUNNING", timeout_s=420)
         yield local
     finally:
