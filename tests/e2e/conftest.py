@@ -68,6 +68,8 @@ def _wait_port_free(port: int, timeout_s: float = 60.0) -> None:
 class Running:
     proc: subprocess.Popen[bytes]
     port: int
+    first_answer_s: float  # `serve run`'s start to the first completion answered
+    log_path: Path
 
 
 # The `serve run` processes this session started and has not stopped yet.
@@ -117,6 +119,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     config = config_path(tmp_path_factory.mktemp("serve"), port,
                          two_hop=request.param == "two-hop", haproxy=haproxy)
     _wait_port_free(port)
+    started = time.monotonic()
     proc = subprocess.Popen([serve_exe(), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -128,7 +131,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 time.sleep(1)
         if proc.poll() is not None:  # ready, but not ours: something else answered
             raise RuntimeError(f"serve run exited; another server answered on {base_url}")
-        _RUNNING.append(Running(proc, port))
+        _RUNNING.append(Running(proc, port, time.monotonic() - started, log_path))
         yield base_url
     finally:
         _RUNNING[:] = [r for r in _RUNNING if r.proc is not proc]
@@ -163,10 +166,13 @@ class Layout:
     name: str  # the `server` fixture's param: "default", "two-hop" or "default-haproxy"
     pid: int  # the `serve run` process: Ray's processes (and HAProxy) are its descendants
     port: int  # the HTTP port it serves
+    first_answer_s: float  # from `serve run`'s start to its first answer (tests/e2e/test_first_answer.py)
+    log_path: Path  # `serve run`'s output
 
 
 @pytest.fixture
 def layout(server: str, request: pytest.FixtureRequest) -> Layout:
     """The layout the session's server claims to be, and its `serve run` process."""
     (running,) = _RUNNING  # one server at a time
-    return Layout(request.node.callspec.params["server"], running.proc.pid, running.port)
+    return Layout(request.node.callspec.params["server"], running.proc.pid, running.port,
+                  running.first_answer_s, running.log_path)
