@@ -1,12 +1,14 @@
 """Images over a real `serve run` on loopback, through the official `openai` and `anthropic`
 SDKs: `builtin:vision` (a mistral3 checkpoint, seen as a VLM from its config) and
-`builtin:vision-qwen25` (Qwen2.5-VL's layout, M-RoPE) next to the chat model `builtin:tiny`
+`builtin:vision-qwen25` (Qwen2.5-VL's layout, M-RoPE) and `builtin:vision-gemma3` (Gemma 3's,
+its images attending both ways) next to the chat model `builtin:tiny`
 (text only), several models so the two-hop layout (the Ray handle client) carries the images.
 
 Random weights make the words meaningless, but the answer follows the image: two images
 give two greedy answers, and the same image gives the same answer in every API, streamed
 or not, alone or batched with text requests. The replica-level tests
-(tests/integration/test_vision.py, test_vision_qwen.py) hold the answers to mlx-vlm's own generation.
+(tests/integration/test_vision.py, test_vision_qwen.py, test_vision_gemma.py) hold the answers
+to mlx-vlm's own generation.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ pytestmark = pytest.mark.e2e
 
 VISION, TEXT = "orchard-vision", "orchard-tiny"
 QWEN = "orchard-vision-qwen"  # Qwen2.5-VL's layout: M-RoPE (test_vision_qwen.py)
+GEMMA = "orchard-vision-gemma"  # Gemma 3's: bidirectional image attention (test_vision_gemma.py)
 MODELS = [{"id": VISION, "source": "builtin:vision", "max_ongoing_requests": 16},
           {"id": QWEN, "source": "builtin:vision-qwen25", "max_ongoing_requests": 16},
+          {"id": GEMMA, "source": "builtin:vision-gemma3", "max_ongoing_requests": 16},
           {"id": TEXT, "source": "builtin:tiny", "max_ongoing_requests": 16}]
 MAX_IMAGES = 3
 QUESTION = "What is in this picture?"
@@ -81,6 +85,7 @@ def test_models_say_which_sees(oa: openai.OpenAI) -> None:
     listed = {m.id: m.model_dump() for m in oa.models.list().data}
     assert "vision" in listed[VISION]["capabilities"]
     assert "vision" in listed[QWEN]["capabilities"]
+    assert "vision" in listed[GEMMA]["capabilities"]
     assert "vision" not in listed[TEXT]["capabilities"]
     assert "vision" in oa.models.retrieve(VISION).model_dump()["capabilities"]
 
@@ -99,7 +104,7 @@ def image_block(image: bytes) -> dict[str, Any]:
                                         "data": b64(image)}}
 
 
-@pytest.mark.parametrize("model", [VISION, QWEN])
+@pytest.mark.parametrize("model", [VISION, QWEN, GEMMA])
 def test_every_api_sees_the_same_image(oa: openai.OpenAI, an: anthropic.Anthropic,
                                        model: str) -> None:
     image = picture("green")
@@ -122,7 +127,7 @@ def test_every_api_sees_the_same_image(oa: openai.OpenAI, an: anthropic.Anthropi
     assert response.output_text == expected
 
 
-@pytest.mark.parametrize("model", [VISION, QWEN])
+@pytest.mark.parametrize("model", [VISION, QWEN, GEMMA])
 def test_an_image_in_a_tool_result_reaches_the_model(an: anthropic.Anthropic,
                                                      model: str) -> None:
     def turn(color: str) -> str:
