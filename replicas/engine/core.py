@@ -11,7 +11,8 @@ applied between steps, so a cancel frees its slot before the next decode step.
 Faults stay as small as they can: a request whose own processing raises (its sampler, its
 logits processors, its output pipeline) fails alone while the batch runs on; a failed batch
 step fails that batch; if the thread itself dies, every queued and in-flight request fails
-at once and later submissions raise, so nothing waits on a thread that is gone.
+at once and later submissions raise, so nothing waits on a thread that is gone
+(`replicas.engine.failures` says what each hears).
 
 Prefix reuse: a request joins the batch with the KV of the longest cached prefix of its
 prompt (`replicas.engine.kv.prefix_cache`) and prefills the rest, kept at its last message boundary;
@@ -40,38 +41,21 @@ from replicas.engine.batch.local import Batch, Done
 from replicas.engine.calls import Call, Cancel, Command, Commands, take_commands
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import EventSink, deliver
+from replicas.engine.failures import REQUEST_FAILED, BatchLost, Outbox, abandoned, \
+    batch_failed, batch_message, fail_rows, lost, refused
+from replicas.engine.failures import EngineDead as EngineDead  # raised to the replica
 from replicas.engine.model.loading import LoadedModel
 from replicas.engine.sampling.logprobs import Asked, Picked, pick
 from replicas.engine.kv.budget import KvBudget, RankMemory, tightest
 from replicas.engine.request import EngineRequest, Generated, RequestOutput, Submitted
 from replicas.engine.scheduling import Active, Prefills, Queued, Ready, Waiting, row_for
 from replicas.engine.stats import EngineStats, memory_figures
-from replicas.errors import ReplicaError
 from replicas.os_thread import name_os_thread
 
 _THREAD_NAME = "orchard-engine"
 log = logging.getLogger(__name__)
 
-
-class EngineDead(RuntimeError):
-    pass
-
-
 _T = TypeVar("_T")
-
-
-class _BatchLost(RuntimeError):
-    """A step failed on a batch that cannot start over (a sharded one): the engine stops."""
-
-
-def _lost(reason: str) -> Failed:
-    """What a request hears when the engine stops under it: the replica's fault, so the
-    client may resume it on another replica."""
-    return Failed(ErrorKind.INTERNAL, reason, replica_fault=True)
-
-
-# What a client is told when its request failed inside the engine; the log has the details.
-_REQUEST_FAILED = "generation failed for this request"
 
 
 # Opens the model and the batch that runs it, on the engine thread: a `LocalBatch`, or on a
@@ -215,7 +199,7 @@ class Engine:
                     self._advance_prefill()
                 if self._by_uid:
                     self._step()
-        except _BatchLost as exc:  # no collective may follow: no close either
+        except BatchLost as exc:  # no collective may follow: no close either
             log.exception("a sharded step failed; the replica stops")
             self._die(str(exc))
             return
@@ -232,17 +216,14 @@ class Engine:
         with self._lock:
             if self._dead is None:
                 self._dead = reason
-            left = take_commands(self._commands, block=False)
-            for call in left.calls:
-                call.refuse(EngineDead(reason))
-            queued: list[tuple[EventSink, list[OutputEvent]]] = [
-                (sub.output.sink, [_lost(reason)]) for sub in left.submits]
-            if self._waiting is not None:
-                waiting, self._waiting.queue = list(self._waiting.queue), deque()
-                queued += [(q.sub.output.sink, [_lost(reason)]) for q in waiting]
-            queued += [(q.sub.output.sink, [_lost(reason)]) for q in self._prefills.drain()]
-            outbox = queued + self._fail_all_outbox(_lost(reason))
+            outbox = abandoned(take_commands(self._commands, block=False), self._waiting,
+                               self._prefills, reason)
+            outbox += fail_rows(self._by_uid, self._by_rid, self._kv(), lost(reason))
         deliver(outbox)
+
+    def _kv(self) -> KvBudget | None:
+        """The KV admission, once the model has loaded."""
+        return self._waiting.kv if self._waiting is not None else None
 
     @property
     def kv_budget(self) -> KvBudget:
@@ -277,7 +258,7 @@ class Engine:
         assert self._loaded is not None and self._batch is not None
         eos = self._loaded.eos_token_ids
         ready: list[Ready] = []
-        failed: list[tuple[EventSink, list[OutputEvent]]] = []
+        failed: Outbox = []
         for q in queued:
             sub, request = q.sub, q.sub.request
             try:  # a request whose sampling or output cannot start fails alone
@@ -293,7 +274,7 @@ class Engine:
                     self._prefills.add((q, row, guard), prefill)
             except Exception:  # noqa: BLE001 - reported to that request
                 log.exception("request %s: starting it failed", request.request_id)
-                failed.append(self._refused(q))
+                failed.append(refused(q, self._kv()))
         deliver(failed)
         self._join(ready)
 
@@ -322,15 +303,8 @@ class Engine:
         assert self._batch is not None
         done, failed = self._prefills.advance(self._batch.advance,
                                               self._config.prefill_step_size)
-        deliver([self._refused(ready[0]) for ready in failed])
+        deliver([refused(ready[0], self._kv()) for ready in failed])
         self._join(done)
-
-    def _refused(self, q: Queued) -> tuple[EventSink, list[OutputEvent]]:
-        """A request that failed on its way into the batch: its KV reservation released,
-        and the error it hears."""
-        if self._waiting is not None:
-            self._waiting.kv.release(q.request_id)
-        return q.sub.output.sink, [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)]
 
     def _preempt(self, active: Active) -> None:
         """Take `active` out of the batch (`replicas.engine.scheduling` queues it again)."""
@@ -366,7 +340,7 @@ class Engine:
         self._steps += 1
         if self._on_step is not None:
             self._on_step(time.perf_counter() - started, len(responses))
-        outbox: list[tuple[EventSink, list[OutputEvent]]] = []
+        outbox: Outbox = []
         done: list[Done] = []
         picked = self._logprobs(responses)
         for at, response in enumerate(responses):
@@ -378,7 +352,7 @@ class Engine:
                                                    picked.get(at) if picked else None)
             except Exception:  # noqa: BLE001 - one request's pipeline must not stop the batch
                 log.exception("request %s: output processing failed", active.sub.request_id)
-                events, finished = [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
+                events, finished = [Failed(ErrorKind.INTERNAL, REQUEST_FAILED)], True
             if events:
                 outbox.append((active.output.sink, events))
             active.tokens.append(response.token)
@@ -399,7 +373,7 @@ class Engine:
         if active.guard is not None and active.guard.error is not None:
             log.error("request %s: a logits processor failed: %s", active.sub.request_id,
                       active.guard.error)
-            return [Failed(ErrorKind.INTERNAL, _REQUEST_FAILED)], True
+            return [Failed(ErrorKind.INTERNAL, REQUEST_FAILED)], True
         if active.sub.request.logprobs is not None and logprob is None:
             raise RuntimeError("no logprobs for this token")  # fails this request alone
         return active.output.generated(
@@ -427,29 +401,9 @@ class Engine:
                       joining: Sequence[tuple[EventSink, str]] = ()) -> None:
         """A step or an insert raised: the batch starts over, failing what it held and the
         requests that were `joining` it; a sharded batch cannot, and the replica stops."""
-        # A ReplicaError's message is written for clients; anything else shows its type.
-        reason = exc.message if isinstance(exc, ReplicaError) else type(exc).__name__
-        message = f"generation failed: {reason}"
+        message = batch_message(exc)
         assert self._batch is not None
         if not self._batch.recover():  # a sharded batch cannot start over
-            raise _BatchLost(message) from exc
+            raise BatchLost(message) from exc
         log.exception("the batch failed; failing its requests and starting a fresh one")
-        for _, request_id in joining:
-            if self._waiting is not None:
-                self._waiting.kv.release(request_id)
-        deliver([(sink, [Failed(ErrorKind.INTERNAL, message)]) for sink, _ in joining])
-        self._fail_all(message)
-
-    def _fail_all(self, message: str) -> None:
-        deliver(self._fail_all_outbox(Failed(ErrorKind.INTERNAL, message)))
-
-    def _fail_all_outbox(self, failed: Failed) -> list[tuple[EventSink, list[OutputEvent]]]:
-        outbox: list[tuple[EventSink, list[OutputEvent]]] = [
-            (a.output.sink, [failed]) for a in list(self._by_uid.values())]
-        if self._waiting is not None:
-            for active in list(self._by_uid.values()):
-                self._waiting.kv.release(active.sub.request_id)
-        self._by_uid.clear()
-        self._by_rid.clear()
-        return outbox
-
+        deliver(batch_failed(message, joining, self._by_uid, self._by_rid, self._kv()))
