@@ -35,10 +35,14 @@ def _timed(work: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     path = ensure_builtin("tiny")
     model, tokenizer = mlx_lm.load(str(path))[:2]
     eos = set(tokenizer.eos_token_ids)

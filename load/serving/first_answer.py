@@ -154,7 +154,7 @@ def _median_phases(runs: list[Run]) -> str:
                      for n in ordered)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="fresh starts per checkout")
     parser.add_argument("--checkout", type=Path, default=ROOT,
@@ -164,7 +164,11 @@ def main() -> None:
                         help="one Orchard cache for all runs (built by the first)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
     parser.add_argument("--json", type=Path, help="write every run here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     checkouts = [("current", args.checkout.resolve())] + ([("baseline", args.baseline.resolve())]
                                        if args.baseline else [])
     log_dir = ROOT / "load" / "out" / "first_answer"

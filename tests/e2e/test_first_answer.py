@@ -15,7 +15,11 @@ import re
 import time
 from collections.abc import Callable
 
+import pytest
+
 from tests.e2e.conftest import ROOT, Layout
+
+pytestmark = pytest.mark.e2e
 
 FAILS_PAST_S = 60.0
 SPLIT = re.compile(r"orchard-tiny: first answer (\d+\.\d)s after ([^:]+): (.*)")
