@@ -6,19 +6,23 @@ back; and the pool asks the cache for blocks when a row needs them."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
+from replicas.contract import Finished, GenerationRequest, SamplingParams, TextDelta, TokenPrompt
 from replicas.engine.batch.local import Done, LocalBatch, Row
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.disk import DiskTier
 from replicas.engine.kv.layout import measure_kv
 from replicas.engine.sampling.samplers import make_request_sampler
+from replicas.replica import ModelReplica, ReplicaOptions
 from tests.integration.test_paged_kv import GREEDY, model
+from tests.streams import collect
 
 # A system prompt that ends inside a block (70 = 2 x 32 + 6): every hit shares its partial
 # last block, which each row copies before its first write.
@@ -216,3 +220,46 @@ def test_a_preempted_row_resumes_from_its_own_blocks() -> None:
     assert served == len(prompt) + len(streamed) - 1
     rest = _drain(batch, [uid])[uid]
     assert streamed + rest == _theirs("builtin:tiny", [prompt], [20])[0]
+
+
+def test_agent_turns_through_the_engine_match_the_padded_replica() -> None:
+    """Through the whole engine (admission, growth, the prefix cache's bound): six
+    conversations on one system prompt, two turns each, all at once under a tight budget,
+    give the padded replica's text with the cache off; second turns hit their first's
+    blocks and nothing fails."""
+    def replica(paged: bool) -> ModelReplica:
+        engine = EngineConfig(kv_budget_bytes=2 * 1024**2, paged_kv="on" if paged else "off",
+                              prompt_cache_bytes=1024**2 if paged else 0)
+        rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny",
+                                          engine=engine))
+        rep.start()
+        return rep
+
+    def request(rid: str, ids: list[int]) -> GenerationRequest:
+        return GenerationRequest(request_id=rid, model="tiny", prompt=TokenPrompt(tuple(ids)),
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=24))
+
+    async def turns(rep: ModelReplica, prompts: list[list[int]]) -> list[list[object]]:
+        return list(await asyncio.gather(*(collect(rep.stream(request(f"r{i}-{len(p)}", p)))
+                                           for i, p in enumerate(prompts))))
+
+    def text(events: list[object]) -> str:
+        assert isinstance(events[-1], Finished), events[-1]
+        return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+    firsts = [SYSTEM + _question(i, 6 + i) for i in range(6)]
+    # A second turn: the first and more tokens (the cached first turn serves its prompt).
+    seconds = [p + _question(40 + i, 12) for i, p in enumerate(firsts)]
+    answers: dict[bool, list[str]] = {}
+    for paged in (True, False):
+        rep = replica(paged)
+        try:
+            answers[paged] = [text(e) for prompts in (firsts, seconds)
+                              for e in asyncio.run(turns(rep, prompts))]
+            if paged:
+                stats = rep.stats()
+                assert stats.cache_hits >= 6 and stats.memory is not None
+                assert stats.memory.blocks is not None and stats.memory.blocks.shared > 0
+        finally:
+            rep.shutdown()
+    assert answers[True] == answers[False]
