@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from pathlib import Path
+from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
@@ -239,11 +240,11 @@ def test_agent_turns_through_the_engine_match_the_padded_replica() -> None:
         return GenerationRequest(request_id=rid, model="tiny", prompt=TokenPrompt(tuple(ids)),
                                  sampling=SamplingParams(temperature=0.0, max_tokens=24))
 
-    async def turns(rep: ModelReplica, prompts: list[list[int]]) -> list[list[object]]:
-        return list(await asyncio.gather(*(collect(rep.stream(request(f"r{i}-{len(p)}", p)))
-                                           for i, p in enumerate(prompts))))
+    async def turns(rep: ModelReplica, prompts: list[list[int]]) -> list[list[Any]]:
+        return [list(e) for e in await asyncio.gather(
+            *(collect(rep.stream(request(f"r{i}-{len(p)}", p))) for i, p in enumerate(prompts)))]
 
-    def text(events: list[object]) -> str:
+    def text(events: list[Any]) -> str:
         assert isinstance(events[-1], Finished), events[-1]
         return "".join(e.text for e in events if isinstance(e, TextDelta))
 
