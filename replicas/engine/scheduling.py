@@ -21,6 +21,7 @@ from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
 from replicas.engine.fair_share import FairShare, TenantTally, tenanted, victim
 from replicas.engine.kv.budget import Bound, KvBudget
+from replicas.engine.kv.layout import CACHE_STEP
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
 from replicas.engine.batch.local import Prefill, Row
 from replicas.engine.sampling.penalties import Penalties
@@ -102,6 +103,16 @@ class Waiting:
         self.queue: deque[Queued] = deque()
         self._share = FairShare()
         self.tally = TenantTally()  # per tenant: admitted, queue waits, preempted
+        rows = kv.budget_bytes // max(1, kv.layout.bytes_for(CACHE_STEP))
+        if kv.paging is None and rows < config.max_batch_size:
+            # mlx-lm's padded batch holds a row at least a cache step: short requests past
+            # these rows wait for memory however little KV they use (issue 58).
+            log.warning("the KV budget (%d bytes) holds %d rows of the padded batch (a row "
+                        "takes at least a %d-token cache step, %d bytes), fewer than "
+                        "max_batch_size %d: short requests past them wait for memory. "
+                        "memory.paged_kv: auto holds what the rows use, where the model "
+                        "qualifies", kv.budget_bytes, rows, CACHE_STEP,
+                        kv.layout.bytes_for(CACHE_STEP), config.max_batch_size)
 
     def __len__(self) -> int:
         return len(self.queue)

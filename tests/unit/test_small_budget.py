@@ -12,10 +12,12 @@ Fifteen short chats of a wide-KV model (32 KiB a token: a Qwen3 shape with 8 KV 
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 from mlx_lm.models import qwen3
 
 from replicas.engine.config import EngineConfig
@@ -53,13 +55,20 @@ def _chats() -> list[Submitted]:
             for i in range(CHATS)]
 
 
-def test_short_chats_that_fit_their_blocks_all_join_at_once_when_paged() -> None:
+def test_short_chats_that_fit_their_blocks_all_join_at_once_when_paged(
+        caplog: pytest.LogCaptureFixture) -> None:
     assert CHATS * (PROMPT + OUTPUT) * WIDE.per_token < 30 * MIB  # what they hold, summed
-    paged = _waiting(paged=True)
+    with caplog.at_level(logging.WARNING, logger="replicas.engine.scheduling"):
+        paged = _waiting(paged=True)
+    assert not caplog.records
     admitted = paged.admit(_chats(), lambda _: False, lambda _: None)
     assert len(admitted) == CHATS and len(paged) == 0
-    # The padded batch really holds a 256-token step a row: 12 fit, 3 wait for memory.
-    padded = _waiting(paged=False)
+    # The padded batch really holds a 256-token step a row: 12 fit, 3 wait for memory,
+    # and the replica says so when it starts.
+    with caplog.at_level(logging.WARNING, logger="replicas.engine.scheduling"):
+        padded = _waiting(paged=False)
+    assert "holds 12 rows of the padded batch" in caplog.text
+    assert "memory.paged_kv: auto" in caplog.text
     admitted = padded.admit(_chats(), lambda _: False, lambda _: None)
     assert (len(admitted), len(padded)) == (12, 3)
 
