@@ -155,9 +155,12 @@ class ServedAdapters:
         return AdapterEntry(model, name, aliases, path, runtime=True, replicas=loaded)
 
     async def unload(self, model: str, name: str) -> Unloaded:
+        await self._refresh()
+        was = next((a for a in self._runtime if (a.model, a.name) == (model, name)), None)
         removed_at = await self._store.remove(model, name)
         await self._refresh()  # out of routing here at once
-        entry = AdapterEntry(model, name, (), None, runtime=True)
+        entry = AdapterEntry(model, name, was.aliases if was else (),
+                             was.path if was else None, runtime=True)
         if removed_at is None:  # another call unloaded it meanwhile
             return Unloaded(entry, 0)
         loop = asyncio.get_running_loop()

@@ -200,7 +200,8 @@ def test_unload_leaves_routing_at_once_and_rows_finish() -> None:
     s.replicas[1].busy.add("gamma")
     gone = s.http.delete("/v1/adapters/tiny-lora:gamma")
     assert gone.status_code == 202, gone.text
-    assert (gone.json()["deleted"], gone.json()["pending"]) == (True, 1)
+    assert (gone.json()["deleted"], gone.json()["pending"], gone.json()["path"]) == \
+        (True, 1, "/g")
     assert s.replicas[0].adapter_names() == ("alpha",)
     assert s.replicas[1].adapter_names() == ("alpha", "gamma")  # its row decodes on
     refused = s.http.post("/v1/chat/completions", json={
