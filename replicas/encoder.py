@@ -22,7 +22,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_tokenizer
 
 from replicas.engine.stats import DecodeCounts
-from replicas.engine.batch.local import Done, Prefill, Row
+from replicas.engine.batch.local import Prefill
+from replicas.engine.batch.rows import Done, Row
 from replicas.engine.kv.layout import KvLayout
 from replicas.engine.model.loading import LoadedModel, loaded_model
 from replicas.engine.sampling.logprobs import Picked

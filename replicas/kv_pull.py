@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Literal, Protocol, Sequence
 
-from replicas.engine.batch.local import Exported
+from replicas.engine.batch.rows import Exported
 from replicas.engine.kv.transfer import PrefixKV, PrefixPull, decode, encode
 from replicas.options import PullOptions
 

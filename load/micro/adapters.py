@@ -38,7 +38,8 @@ def run(model: Any, table: Any, prompts: list[list[int]], tokens: int,
         names: list[str | None]) -> tuple[int, float]:
     """Every prompt in one batch at once, row i on adapter `names[i]`: (tokens, seconds)."""
     from replicas.contract import SamplingParams
-    from replicas.engine.batch.local import Done, LocalBatch, Row
+    from replicas.engine.batch.local import LocalBatch
+    from replicas.engine.batch.rows import Done, Row
     from replicas.engine.config import EngineConfig
     from replicas.engine.sampling.samplers import make_request_sampler
 

@@ -54,7 +54,8 @@ def orchard(raw: RawModel, prompts: list[list[int]], streams: int, tokens: int,
             mlx_join: bool) -> tuple[int, float]:
     """Orchard's `LocalBatch` fed as `RawModel.arrivals` feeds mlx-lm: (tokens, seconds)."""
     from replicas.contract import SamplingParams
-    from replicas.engine.batch.local import Done, LocalBatch, Row
+    from replicas.engine.batch.local import LocalBatch
+    from replicas.engine.batch.rows import Done, Row
     from replicas.engine.config import EngineConfig
     from replicas.engine.sampling.samplers import make_request_sampler
 

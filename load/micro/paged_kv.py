@@ -35,7 +35,7 @@ Build = Callable[[bool], Any]
 
 def _rows(prompts: list[list[int]], tokens: int) -> list[Any]:
     from replicas.contract import SamplingParams
-    from replicas.engine.batch.local import Row
+    from replicas.engine.batch.rows import Row
     from replicas.engine.sampling.samplers import make_request_sampler
 
     # Random-weight rows never stop early: greedy, no stop ids.
@@ -85,7 +85,7 @@ def _fill(batch: Any, rows: list[Any]) -> list[int]:
 
 
 def _end(batch: Any, uids: list[int]) -> None:
-    from replicas.engine.batch.local import Done
+    from replicas.engine.batch.rows import Done
 
     batch.finish([Done(u, keep=False) for u in uids])
 

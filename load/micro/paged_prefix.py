@@ -31,7 +31,8 @@ MODES = ("share", "copy", "padded")
 
 def join(setup: Setup, mode: str, prefix_len: int, rows: int) -> tuple[float, int, int]:
     """(seconds to every joining row's first token, blocks taken, peak bytes above active)."""
-    from replicas.engine.batch.local import Done, LocalBatch
+    from replicas.engine.batch.local import LocalBatch
+    from replicas.engine.batch.rows import Done
     from replicas.engine.config import EngineConfig
     from replicas.engine.kv.budget import KvBudget
     from replicas.engine.kv.prefix_cache import CacheHit

@@ -16,7 +16,8 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from load.harness.prompts import WORDS
 from replicas.contract import SamplingParams
-from replicas.engine.batch.local import LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Row
 from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.sampling.penalties import Penalties
 from replicas.engine.sampling.samplers import make_request_sampler

@@ -37,7 +37,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from replicas.contract import ErrorKind, Failed, OutputEvent
 from replicas.engine import failpoints, mlx_thread
-from replicas.engine.batch.local import Batch, Done
+from replicas.engine.batch.local import Batch
+from replicas.engine.batch.rows import Done
 from replicas.engine.calls import Call, Cancel, Command, Commands, take_commands
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import EventSink, deliver

@@ -23,7 +23,8 @@ from replicas.engine.fair_share import FairShare, TenantTally, tenanted, victim
 from replicas.engine.kv.budget import Bound, KvBudget
 from replicas.engine.kv.layout import CACHE_STEP
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
-from replicas.engine.batch.local import Prefill, Row
+from replicas.engine.batch.local import Prefill
+from replicas.engine.batch.rows import Row
 from replicas.engine.sampling.penalties import Penalties
 from replicas.engine.sampling.samplers import GuardedProcessors, guarded_processors, \
     make_request_sampler

@@ -19,7 +19,8 @@ from mlx_lm.generate import generate_step
 from replicas.builtin.adapters import make_adapter
 from replicas.contract import ErrorKind, Failed, Finished, GenerationRequest, OutputEvent, \
     SamplingParams, TokenIds, TokenPrompt
-from replicas.engine.batch.local import Done, LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Done, Row
 from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.kv.namespace import namespaced
 from replicas.engine.model.adapters import AdapterError, load_adapters, read_adapter

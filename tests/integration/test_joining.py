@@ -19,7 +19,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from replicas.contract import SamplingParams
-from replicas.engine.batch.local import Done, LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Done, Row
 from replicas.engine.config import EngineConfig
 from replicas.engine.model.loading import load_model
 from replicas.engine.sampling.samplers import make_request_sampler

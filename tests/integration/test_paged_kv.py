@@ -19,7 +19,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import qwen3, qwen3_moe
 
 from replicas.contract import SamplingParams
-from replicas.engine.batch.local import Done, LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Done, Row
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv import attention
 from replicas.engine.kv import paged as paged_module

@@ -15,7 +15,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from replicas.contract import Finished, GenerationRequest, SamplingParams, TextDelta, TokenPrompt
-from replicas.engine.batch.local import Done, LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Done, Row
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.disk import DiskTier

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from replicas.engine.batch.local import LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Row
 from replicas.engine.config import EngineConfig
 from replicas.engine.sampling.samplers import make_request_sampler
 from replicas.engine.spec.gate import WINDOW, SpeculationGate

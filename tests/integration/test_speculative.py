@@ -23,7 +23,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from replicas.contract import SamplingParams
-from replicas.engine.batch.local import Done, LocalBatch, Row
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Done, Row
 from replicas.engine.config import EngineConfig, SpeculativeConfig
 from replicas.engine.model.loading import load_model
 from replicas.engine.sampling.penalties import PENALTY_CONTEXT, Penalties

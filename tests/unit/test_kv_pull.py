@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import pytest
 
-from replicas.engine.batch.local import Exported
+from replicas.engine.batch.rows import Exported
 from replicas.engine.kv.disk import snapshot
 from replicas.engine.kv.transfer import PrefixKV, decode, encode
 from replicas.engine.kv.quantized import QuantizedRowKVCache

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from deployments.app import build_app
 from deployments.config import AppArgs, ModelSettings
 from deployments.model_deployment import replica_options
-from replicas.engine.batch.local import Done
+from replicas.engine.batch.rows import Done
 from replicas.engine.config import SpeculativeConfig
 from replicas.builtin import ensure_builtin
 from replicas.engine.sharded.lockstep import _Finish, _Insert, _RowSpec

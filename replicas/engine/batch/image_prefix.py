@@ -21,7 +21,7 @@ from replicas.engine.model.bidirectional import chunk_end, overlaid
 from replicas.engine.model.mrope import RowPositions
 
 if TYPE_CHECKING:  # local imports this module
-    from replicas.engine.batch.local import Row
+    from replicas.engine.batch.rows import Row
 
 
 @dataclass

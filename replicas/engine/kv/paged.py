@@ -361,3 +361,6 @@ class PagedBatchKVCache(_BaseCache):
         per_slot = (self._blocks.keys.nbytes + self._blocks.values.nbytes) // \
             self._blocks.slots
         return sum(len(t) for t in self.tables) * self.pool.block_size * per_slot
+
+
+PagedRowKVCache.batch_type = PagedBatchKVCache

@@ -13,7 +13,7 @@ into mlx-lm's `KVCache` (a copy) for what leaves the process: the disk tier, a p
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,13 +22,14 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from replicas.engine.kv.attention import install
 from replicas.engine.kv.blocks import BlockPool
 
-if TYPE_CHECKING:
-    from replicas.engine.kv.paged import PagedBatchKVCache
-
 
 class PagedRowKVCache(KVCache):
     """One sequence's KV, mlx-lm's `KVCache`, that merges into a `PagedBatchKVCache` on
     `pool`'s layer `layer`; by blocks where `blocks` is not None (refs this row holds)."""
+
+    # What rows merge into: `PagedBatchKVCache`, set by `replicas.engine.kv.paged`, which
+    # imports this module (so this one cannot import it back).
+    batch_type: ClassVar[Any] = None
 
     def __init__(self, pool: BlockPool, layer: int, blocks: list[int] | None = None,
                  length: int = 0) -> None:
@@ -56,10 +57,9 @@ class PagedRowKVCache(KVCache):
         out.offset = self.offset
         return out
 
-    def merge(self, caches: Sequence[Any]) -> PagedBatchKVCache:  # type: ignore[override]
+    def merge(self, caches: Sequence[Any]) -> Any:
         # mlx-lm calls `caches[0][i].merge(...)` on the instance: the pool comes with it.
-        from replicas.engine.kv.paged import PagedBatchKVCache
-        return PagedBatchKVCache.merge(caches, self.pool, self.layer)
+        return self.batch_type.merge(caches, self.pool, self.layer)
 
     @property
     def state(self) -> Any:

@@ -40,7 +40,8 @@ from typing import Any, Callable, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from replicas.engine.batch.local import Done, Exported, LocalBatch, Prefill, Row
+from replicas.engine.batch.local import LocalBatch, Prefill
+from replicas.engine.batch.rows import Done, Exported, Row
 from replicas.engine.sharded.kv_parts import KvParts
 from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.transfer import encode
