@@ -57,7 +57,7 @@ class PagedRowKVCache(KVCache):
         out.offset = self.offset
         return out
 
-    def merge(self, caches: Sequence[Any]) -> Any:
+    def merge(self, caches: Sequence[Any]) -> Any:  # type: ignore[override]
         # mlx-lm calls `caches[0][i].merge(...)` on the instance: the pool comes with it.
         return self.batch_type.merge(caches, self.pool, self.layer)
 
