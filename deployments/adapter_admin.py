@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any, Awaitable, Callable, Sequence
 
-from deployments.adapter_store import SYNC_S, RuntimeAdapter, ServedBy
+from deployments.adapter_store import SYNC_S, RuntimeAdapter, ServedBy, StoreRef
 from ingress.client import ModelCard
 from ingress.lora_admin import AdapterConflict, AdapterEntry, Unloaded
 from replicas.errors import InvalidRequestError
@@ -31,32 +31,45 @@ _POLL_S = 0.2
 
 
 class StoreCalls:
-    """The store actor's calls the control makes, awaited (tests pass a fake)."""
+    """The store actor's calls the control makes, awaited (tests pass a fake). Reads of a
+    store not yet created (no run-time load ever) answer empty; a put creates it."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: StoreRef) -> None:
         self._store = store
 
     async def put(self, adapter: RuntimeAdapter) -> float | None:
-        answer: float | None = await self._store.put.remote(adapter)
+        answer: float | None = await self._store.get(create=True).put.remote(adapter)
         return answer
 
     async def remove(self, model: str, name: str) -> float | None:
-        answer: float | None = await self._store.remove.remote(model, name)
+        actor = self._store.get()
+        if actor is None:
+            return None
+        answer: float | None = await actor.remove.remote(model, name)
         return answer
 
     async def adapters(self) -> tuple[int, tuple[RuntimeAdapter, ...]]:
-        answer: tuple[int, tuple[RuntimeAdapter, ...]] = await self._store.adapters.remote()
+        actor = self._store.get()
+        if actor is None:
+            return 0, ()
+        answer: tuple[int, tuple[RuntimeAdapter, ...]] = await actor.adapters.remote()
         return answer
 
     async def served(self, model: str) -> tuple[ServedBy, ...]:
-        answer: tuple[ServedBy, ...] = await self._store.served.remote(model)
+        actor = self._store.get()
+        if actor is None:
+            return ()
+        answer: tuple[ServedBy, ...] = await actor.served.remote(model)
         return answer
 
     def adapters_now(self) -> tuple[int, tuple[RuntimeAdapter, ...]]:
         import ray
 
+        actor = self._store.get()
+        if actor is None:
+            return 0, ()
         answer: tuple[int, tuple[RuntimeAdapter, ...]] = ray.get(
-            self._store.adapters.remote(), timeout=10.0)
+            actor.adapters.remote(), timeout=10.0)
         return answer
 
 

@@ -88,11 +88,28 @@ class _AdapterStore:
                      if s.model == model and now - s.at <= LIVE_S)
 
 
-def adapter_store(app: str) -> Any:
-    """The application's store, created by whoever asks first."""
-    return _AdapterStore.options(  # type: ignore[attr-defined]
-        name=_ACTOR_NAME.format(app=app), namespace="orchard", get_if_exists=True,
-        lifetime="detached").remote()
+class StoreRef:
+    """The application's store actor, looked up when needed. Only a write (the first
+    run-time load) creates it: an app that never loads an adapter at run time starts no
+    process for it, and its replicas' start waits on none."""
+
+    def __init__(self, app: str) -> None:
+        self._name = _ACTOR_NAME.format(app=app)
+        self._actor: Any = None
+
+    def get(self, *, create: bool = False) -> Any:
+        """The actor; None where it does not exist and `create` is False."""
+        if self._actor is None:
+            if create:
+                self._actor = _AdapterStore.options(  # type: ignore[attr-defined]
+                    name=self._name, namespace="orchard", get_if_exists=True,
+                    lifetime="detached").remote()
+            else:
+                try:
+                    self._actor = ray.get_actor(self._name, namespace="orchard")
+                except ValueError:  # no run-time adapter was ever loaded in this app
+                    return None
+        return self._actor
 
 
 class AdapterReplica(Protocol):
@@ -124,12 +141,17 @@ class AdapterSync:
 
     @classmethod
     def over_store(cls, replica: AdapterReplica, model: str, replica_id: str,
-                   configured: tuple[str, ...], store: Any) -> "AdapterSync":
+                   configured: tuple[str, ...], store: StoreRef) -> "AdapterSync":
         def read() -> tuple[RuntimeAdapter, ...]:
-            return tuple(ray.get(store.adapters.remote(), timeout=_CALL_S)[1])
+            actor = store.get()
+            if actor is None:
+                return ()
+            return tuple(ray.get(actor.adapters.remote(), timeout=_CALL_S)[1])
 
         def report(served: ServedBy) -> None:
-            store.report.remote(served)  # not awaited: the next one replaces it anyway
+            actor = store.get()
+            if actor is not None:  # not awaited: the next one replaces it anyway
+                actor.report.remote(served)
 
         return cls(replica, model, replica_id, configured, read, report)
 

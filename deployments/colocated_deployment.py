@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from deployments.adapter_admin import ServedAdapters, StoreCalls
-from deployments.adapter_store import adapter_store
+from deployments.adapter_store import StoreRef
 from deployments.board import BoardView
 from deployments.config import ModelSettings
 from deployments.ingress_deployment import EdgeArgs
@@ -53,7 +53,7 @@ class ColocatedModel(ReplicaOwner):
         # LoRA adapters loaded at run time: checked here, then every replica follows.
         self._adapter_control = ServedAdapters(
             [ModelCard(**card)], self._client.set_cards,
-            StoreCalls(adapter_store(serve.get_replica_context().app_name)),
+            StoreCalls(StoreRef(serve.get_replica_context().app_name)),
             lambda model, name, path: self.load_adapter(name, path))
         self._adapter_control.watch()
 

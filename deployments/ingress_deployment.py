@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.adapter_admin import ServedAdapters, StoreCalls
-from deployments.adapter_store import adapter_store
+from deployments.adapter_store import StoreRef
 from deployments.board import BoardView
 from deployments.config import AppArgs, IngressSettings, ObservabilitySettings, ResponsesSettings
 from deployments.metrics import stream_resumes
@@ -106,7 +106,7 @@ class Ingress:
 
         self._adapters = ServedAdapters(
             model_cards, self._client.set_cards,
-            StoreCalls(adapter_store(serve.get_replica_context().app_name)), validate)
+            StoreCalls(StoreRef(serve.get_replica_context().app_name)), validate)
         self._adapters.watch()
         self._options = edge.options(os.environ)
         self._store = response_store(edge.ingress.num_replicas, edge.responses)

@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from deployments.adapter_store import AdapterSync, adapter_store
+from deployments.adapter_store import AdapterSync, StoreRef
 from deployments.board import Reporter
 from deployments.cluster import require_metal
 from deployments.config import (
@@ -137,7 +137,7 @@ class ReplicaOwner:
             # The adapters loaded at run time (`adapter_store.py`), before this one serves.
             self._adapters = AdapterSync.over_store(
                 replica, config.id, context.replica_id.to_full_id_str(),
-                tuple(config.adapters), adapter_store(context.app_name))
+                tuple(config.adapters), StoreRef(context.app_name))
             try:
                 self._adapters.once()
             except Exception:  # noqa: BLE001 - no store yet: the thread tries again
