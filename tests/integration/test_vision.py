@@ -39,8 +39,7 @@ from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
 from tests.streams import collect, stream_events
-
-QUESTION = "What is in this picture?"
+from tests.vision_requests import QUESTION, ask, finished, tokens
 
 
 def image(color: str, size: tuple[int, int] = (48, 40), kind: str = "PNG") -> ImageData:
@@ -49,29 +48,10 @@ def image(color: str, size: tuple[int, int] = (48, 40), kind: str = "PNG") -> Im
     return ImageData(buffer.getvalue(), f"image/{kind.lower()}")
 
 
-def ask(rid: str, *pictures: ImageData, text: str = QUESTION, max_tokens: int = 10,
-        **fields: Any) -> GenerationRequest:
-    """One user turn: `text`, then the pictures after it."""
-    at = tuple(ImageAt(len(text), p) for p in pictures)
-    return GenerationRequest(rid, "vision", ChatPrompt((ChatMessage("user", text, images=at),)),
-                             SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                             report_tokens=True, **fields)
-
-
-def tokens(events: list[OutputEvent]) -> list[int]:
-    return [t for e in events if isinstance(e, TokenIds) for t in e.ids]
-
-
 def refused(events: list[OutputEvent], says: str) -> None:
     """The request's one event: the client's error (a 400 at the edge), naming `says`."""
     assert len(events) == 1 and isinstance(events[0], Failed), events
     assert events[0].kind is ErrorKind.INVALID_REQUEST and says in events[0].message, events
-
-
-def finished(events: list[OutputEvent]) -> Finished:
-    last = events[-1]
-    assert isinstance(last, Finished), last
-    return last
 
 
 @pytest.fixture(scope="module")

@@ -42,35 +42,10 @@ from replicas.engine.kv.layout import CACHE_STEP
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
 from tests.streams import collect, stream_events
+from tests.vision_requests import ask, finished, image, tokens
 
 SOURCE = "builtin:vision-gemma3"
-QUESTION = "What is in this picture?"
 Reference = Callable[[GenerationRequest], list[int]]
-
-
-def image(color: str, size: tuple[int, int] = (64, 64)) -> ImageData:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, color).save(buffer, "PNG")
-    return ImageData(buffer.getvalue(), "image/png")
-
-
-def ask(rid: str, *pictures: ImageData, text: str = QUESTION,
-        max_tokens: int = 10) -> GenerationRequest:
-    """One user turn: `text`, then the pictures after it."""
-    at = tuple(ImageAt(len(text), p) for p in pictures)
-    return GenerationRequest(rid, "g3", ChatPrompt((ChatMessage("user", text, images=at),)),
-                             SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                             report_tokens=True)
-
-
-def tokens(events: list[OutputEvent]) -> list[int]:
-    return [t for e in events if isinstance(e, TokenIds) for t in e.ids]
-
-
-def finished(events: list[OutputEvent]) -> Finished:
-    last = events[-1]
-    assert isinstance(last, Finished), last
-    return last
 
 
 def requests() -> list[GenerationRequest]:
