@@ -41,6 +41,7 @@ import yaml
 
 from load.harness.process_cpu import process_tree
 from load.harness.serve_settings import serve_settings
+from load.harness.servers import stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "orchard-tiny"
@@ -88,12 +89,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     """Ctrl-C to `serve run`'s group (it shuts Serve and Ray down), then whatever it left."""
     left = process_tree(proc.pid)[1:]
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_server(proc)
     for pid in left:
         with suppress(OSError):
             os.kill(pid, signal.SIGKILL)
