@@ -1,8 +1,11 @@
 """Requests with images for the in-process vision tests (`tests/integration/test_vision*.py`):
-a plain-coloured picture, one user turn asking about pictures, and what a stream gave."""
+a plain-coloured picture, one user turn asking about pictures, what a stream gave, and the
+preemption check every family runs."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import io
 from typing import Any
 
@@ -19,6 +22,10 @@ from replicas.contract import (
     SamplingParams,
     TokenIds,
 )
+from replicas.engine.config import EngineConfig
+from replicas.engine.kv.layout import CACHE_STEP
+from replicas.replica import ModelReplica, ReplicaOptions
+from tests.streams import collect
 
 QUESTION = "What is in this picture?"
 
@@ -46,3 +53,46 @@ def finished(events: list[OutputEvent]) -> Finished:
     last = events[-1]
     assert isinstance(last, Finished), last
     return last
+
+
+def answers(rep: ModelReplica, rows: list[GenerationRequest]) -> list[list[int]]:
+    """All rows at once, in one batch: each one's token ids."""
+    async def together() -> list[list[OutputEvent]]:
+        return list(await asyncio.gather(*(collect(rep.stream(r)) for r in rows)))
+
+    return [tokens(events) for events in asyncio.run(together())]
+
+
+def assert_preempted_rows_continue_exactly(source: str, model_id: str,
+                                           requests: list[GenerationRequest]) -> None:
+    """Under a KV budget of four cache steps, `requests` twice over, never ending: rows
+    that grow past a step are preempted and resume by prefill (the image prefix again),
+    and each answer is what an ample budget gives."""
+    never_end: dict[int, float] = {}
+    per_token: list[int] = []
+
+    def run(budget: int | None) -> tuple[list[list[int]], int]:
+        rep = ModelReplica(ReplicaOptions(model_id=model_id, source=source, max_model_len=320,
+                                          engine=EngineConfig(kv_budget_bytes=budget)))
+        rep.start()
+        try:
+            never_end.update({t: -100.0 for t in rep.model.eos_token_ids})
+            per_token.append(rep._engine.kv_budget.layout.per_token)  # noqa: SLF001
+            rows = []
+            for i, request in enumerate(requests * 2):
+                sampling = dataclasses.replace(request.sampling, max_tokens=None,
+                                               logit_bias=dict(never_end))
+                rows.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}",
+                                                sampling=sampling))
+            got = answers(rep, rows)
+            memory = rep.stats().memory
+            assert memory is not None
+            return got, memory.preempted
+        finally:
+            rep.shutdown()
+
+    ample, _ = run(None)
+    squeezed, preempted = run(4 * CACHE_STEP * per_token[0])
+    assert preempted > 0  # the budget did force rows out
+    assert squeezed == ample
+    assert all(len(a) > CACHE_STEP - 64 for a in ample)  # each ran past its first step

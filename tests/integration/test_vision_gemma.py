@@ -29,20 +29,22 @@ from replicas.contract import (
     ChatPrompt,
     ErrorKind,
     Failed,
-    Finished,
     GenerationRequest,
     ImageAt,
-    ImageData,
-    OutputEvent,
     SamplingParams,
-    TokenIds,
 )
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv.layout import CACHE_STEP
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
-from tests.streams import collect, stream_events
-from tests.vision_requests import ask, finished, image, tokens
+from tests.streams import stream_events
+from tests.vision_requests import (
+    answers,
+    ask,
+    assert_preempted_rows_continue_exactly,
+    finished,
+    image,
+    tokens,
+)
 
 SOURCE = "builtin:vision-gemma3"
 Reference = Callable[[GenerationRequest], list[int]]
@@ -54,14 +56,6 @@ def requests() -> list[GenerationRequest]:
             ask("blue", image("blue", (64, 48))),
             ask("two", image("green", (48, 40)), image("purple", (64, 32))),
             ask("words", text="Tell me a story", max_tokens=12)]
-
-
-def answers(rep: ModelReplica, rows: list[GenerationRequest]) -> list[list[int]]:
-    """All rows at once, in one batch."""
-    async def together() -> list[list[OutputEvent]]:
-        return list(await asyncio.gather(*(collect(rep.stream(r)) for r in rows)))
-
-    return [tokens(events) for events in asyncio.run(together())]
 
 
 def replica_with(**engine: Any) -> ModelReplica:
@@ -250,37 +244,9 @@ def test_a_resumed_stream_goes_on_exactly(replica: ModelReplica) -> None:
 
 
 def test_preempted_image_rows_continue_exactly() -> None:
-    """Under a KV budget of four cache steps, rows about images that grow past a step are
-    preempted and resume by prefill (the image prefix again, under the mask): each answer
-    is an ample budget's."""
-    never_end: dict[int, float] = {}
-    per_token: list[int] = []
-
-    def run(budget: int | None) -> tuple[list[list[int]], int]:
-        rep = ModelReplica(ReplicaOptions(model_id="g3", source=SOURCE, max_model_len=320,
-                                          engine=EngineConfig(kv_budget_bytes=budget)))
-        rep.start()
-        try:
-            never_end.update({t: -100.0 for t in rep.model.eos_token_ids})
-            per_token.append(rep._engine.kv_budget.layout.per_token)  # noqa: SLF001
-            rows = []
-            for i, request in enumerate(requests() * 2):
-                sampling = dataclasses.replace(request.sampling, max_tokens=None,
-                                               logit_bias=dict(never_end))
-                rows.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}",
-                                                sampling=sampling))
-            got = answers(rep, rows)
-            memory = rep.stats().memory
-            assert memory is not None
-            return got, memory.preempted
-        finally:
-            rep.shutdown()
-
-    ample, _ = run(None)
-    squeezed, preempted = run(4 * CACHE_STEP * per_token[0])
-    assert preempted > 0  # the budget did force rows out
-    assert squeezed == ample
-    assert all(len(a) > CACHE_STEP - 64 for a in ample)  # each ran past its first step
+    """Preempted rows about images resume by prefill (the image prefix again, under the
+    mask) and answer as on an ample budget."""
+    assert_preempted_rows_continue_exactly(SOURCE, "g3", requests())
 
 
 def test_a_sliding_window_shorter_than_the_prompt(tmp_path: Path) -> None:

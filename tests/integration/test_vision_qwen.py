@@ -21,20 +21,22 @@ from PIL import Image
 from replicas.contract import (
     ChatMessage,
     ChatPrompt,
-    Finished,
     GenerationRequest,
     ImageAt,
-    ImageData,
     OutputEvent,
     SamplingParams,
-    TokenIds,
 )
 from replicas.engine.config import EngineConfig
-from replicas.engine.kv.layout import CACHE_STEP
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
 from tests.streams import collect, stream_events
-from tests.vision_requests import ask, finished, image, tokens
+from tests.vision_requests import (
+    ask,
+    assert_preempted_rows_continue_exactly,
+    finished,
+    image,
+    tokens,
+)
 
 SOURCES = ["builtin:vision-qwen", "builtin:vision-qwen25"]
 
@@ -192,38 +194,7 @@ def test_a_resumed_stream_goes_on_exactly(replica: ModelReplica) -> None:
 
 
 def test_preempted_image_rows_continue_exactly(source: str) -> None:
-    """Under a KV budget of four cache steps, rows about images that grow past a step are
-    preempted and resume by prefill (their prompt grown by what they generated, the image
-    prefix again from the prefix cache or the tower): each answer is an ample budget's."""
-    never_end: dict[int, float] = {}
-    per_token: list[int] = []
-
-    def run(budget: int | None) -> tuple[list[list[int]], int]:
-        rep = ModelReplica(ReplicaOptions(model_id="vq", source=source, max_model_len=320,
-                                          engine=EngineConfig(kv_budget_bytes=budget)))
-        rep.start()
-        try:
-            never_end.update({t: -100.0 for t in rep.model.eos_token_ids})
-            per_token.append(rep._engine.kv_budget.layout.per_token)  # noqa: SLF001
-            rows = []
-            for i, request in enumerate(requests() * 2):
-                sampling = dataclasses.replace(request.sampling, max_tokens=None,
-                                               logit_bias=dict(never_end))
-                rows.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}",
-                                                sampling=sampling))
-
-            async def together() -> list[list[OutputEvent]]:
-                return list(await asyncio.gather(*(collect(rep.stream(r)) for r in rows)))
-
-            answers = [tokens(events) for events in asyncio.run(together())]
-            memory = rep.stats().memory
-            assert memory is not None
-            return answers, memory.preempted
-        finally:
-            rep.shutdown()
-
-    ample, _ = run(None)
-    squeezed, preempted = run(4 * CACHE_STEP * per_token[0])
-    assert preempted > 0  # the budget did force rows out
-    assert squeezed == ample
-    assert all(len(a) > CACHE_STEP - 64 for a in ample)  # each ran past its first step
+    """Preempted rows about images resume by prefill (their prompt grown by what they
+    generated, the image prefix again from the prefix cache or the tower) and answer as on
+    an ample budget."""
+    assert_preempted_rows_continue_exactly(source, "vq", requests())
