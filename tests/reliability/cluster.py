@@ -109,6 +109,9 @@ PAIR = Pool("orchard-pair", replicas=2, max_ongoing=16, max_queued=16, app=RESUM
 SINGLE = Pool("orchard-single", replicas=1, max_ongoing=16, max_queued=16, app=RESUME_APP,
               prefix=RESUME_PREFIX, capped=False)
 RESUME_TIMEOUT_S = 180.0
+# How long a stream may wait for the only replica's replacement: far above the few seconds
+# it takes on a quiet box: on a loaded 2-core CI box the default 60 s once ran out.
+RESUME_WAIT_S = 150.0
 
 
 def app_args() -> dict[str, Any]:
@@ -148,7 +151,7 @@ def memory_args() -> dict[str, Any]:
 def resume_args() -> dict[str, Any]:
     return {
         "api_keys_env": KEYS_ENV,
-        "ingress": {"request_timeout_s": RESUME_TIMEOUT_S},
+        "ingress": {"request_timeout_s": RESUME_TIMEOUT_S, "resume_wait_s": RESUME_WAIT_S},
         "models": [{"id": p.model, "source": "builtin:tiny", "num_replicas": p.replicas,
                     "max_ongoing_requests": p.max_ongoing, "max_queued_requests": p.max_queued,
                     # One session's streams stay on one replica (the one the tests kill).

@@ -11,7 +11,7 @@ request, so the budget alone decides:
   it: running reservations plus the cache stay within the budget in every sample.
 - A prompt that alone passes the budget is a 400 naming how many tokens fit.
 - Greedy output is the same with admission holding requests back as on a replica whose
-  budget is ample (`orchard-solo`, the default budget).
+  budget is ample (`orchard-single`, the default budget).
 
 In-process coverage of the same engine paths: tests/integration/test_kv_admission.py.
 """
@@ -29,7 +29,7 @@ import pytest
 from tests.reliability.cluster import (
     MEMORY,
     MEMORY_BUDGET_TOKENS,
-    SOLO,
+    SINGLE,
     TINY_KV_BYTES_PER_TOKEN,
     auth_headers,
     engine_stats,
@@ -228,14 +228,15 @@ def test_a_prompt_past_the_budget_is_a_400_naming_what_fits(cluster: str) -> Non
 
 def test_greedy_output_is_the_same_with_admission_holding_requests_back(cluster: str) -> None:
     """Eight ~650-token requests on `orchard-memory` (about five fit; the rest wait for KV)
-    against the same requests one at a time on `orchard-solo` (budget ample)."""
+    against the same requests one at a time on `orchard-single` (budget ample). Not on
+    `orchard-solo`: its app's 5 s deadline can end a 650-token prefill on a loaded box."""
     # Eight, not nine: with one row fewer fitting (a reservation rounded up), nine would put
     # five in a wait that holds four, and the fifth would be refused as overloaded.
     n, n_words, max_tokens = 8, 200, 48  # 200 words: about 600 tokens
 
     async def scenario() -> tuple[list[Reply], list[Reply], int]:
         async with memory_client(cluster) as http, httpx.AsyncClient(
-                base_url=cluster, headers=auth_headers(), timeout=120) as solo:
+                base_url=cluster + SINGLE.prefix, headers=auth_headers(), timeout=120) as solo:
             await wait_idle(MEMORY)
             samples: list[dict[str, Any]] = []
             stop = asyncio.Event()
@@ -247,7 +248,7 @@ def test_greedy_output_is_the_same_with_admission_holding_requests_back(cluster:
             finally:
                 stop.set()
                 await sampler
-            alone = [await send(solo, CHAT, chat_body(CHAT, SOLO.model, f"same-{i}", n_words,
+            alone = [await send(solo, CHAT, chat_body(CHAT, SINGLE.model, f"same-{i}", n_words,
                                                       max_tokens)) for i in range(n)]
             return list(held), alone, max(s["memory"]["waiting"] for s in samples)
 
