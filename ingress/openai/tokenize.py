@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ingress.client import ModelCard, ModelClient, require_model
 from ingress.openai.convert import chat_request
 from ingress.openai.models import ChatCompletionRequest, ChatMessageIn, ToolDef
+from ingress.tenancy.seat import check_tenant_model
 from replicas.contract import GenerationRequest, TextPrompt
 from replicas.errors import InvalidRequestError
 
@@ -95,7 +96,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str
 @router.get("/tokenizer_info")
 async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
     client: ModelClient = request.app.state.client
-    info = await client.tokenizer_info(_card(client, model).id)
+    card = _card(client, model)
+    check_tenant_model(client.resolve, card.id)  # the others: the tenant's client checks
+    info = await client.tokenizer_info(card.id)
     return {"tokenizer_class": info.tokenizer_class, "eos_token": info.eos_token,
             "bos_token": info.bos_token, "pad_token": info.pad_token,
             "chat_template": info.chat_template, "model_max_length": info.model_max_length,

@@ -25,13 +25,12 @@ from ingress.observe import note_tenant
 from ingress.registry import protocol_for, route_path
 from ingress.tenancy.ledger import Ledger
 from ingress.tenancy.policy import PRIORITY_HEADER, TenantPolicy
-from ingress.tenancy.seat import SEAT, Seat
+from ingress.tenancy.seat import SEAT, Seat, refuse_outside
 from ingress.tenancy.usage import MemoryUsageStore, UsageCounts, UsageStore
 from ingress.tenancy.shared import SharedCounts, SharedLedger
 from replicas.contract import (EmbeddingRequest, EmbeddingResult, ErrorKind, Finished,
                                GenerationRequest, OutputEvent, RerankRequest, RerankResult,
                                Tenancy, TextDelta, ToolCallDelta)
-from replicas.errors import NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +129,24 @@ class TenantClient(WrappedClient):
         result: RerankResult = await self._unary(request.model, self._inner.rerank, request)
         return result
 
+    async def tokenize(self, request: GenerationRequest,
+                       add_special_tokens: bool = True) -> tuple[int, ...]:
+        # `/tokenize` and Anthropic's count_tokens: the tenant's models, as generation.
+        if SEAT.get() is not None:
+            self._allowed(request.model)
+        return await self._inner.tokenize(request, add_special_tokens)
+
+    async def detokenize(self, model: str, token_ids: tuple[int, ...]) -> str:
+        if SEAT.get() is not None:
+            self._allowed(model)
+        return await self._inner.detokenize(model, token_ids)
+
     def _allowed(self, model: str) -> TenantPolicy:
         """The current request's tenant, or the 404 of a model it may not use."""
         seat = SEAT.get()
         assert seat is not None
-        policy = seat.policy
-        if policy.models is not None and not any(
-                card is not None and card.id == model
-                for card in map(self._inner.resolve, policy.models)):
-            raise NotFoundError(f"model '{model}' is not available to this key",
-                                param="model")
-        return policy
+        refuse_outside(self._inner.resolve, seat.policy, model)
+        return seat.policy
 
     async def _admitted(self, policy: TenantPolicy, request: GenerationRequest
                         ) -> AsyncIterator[list[OutputEvent]]:

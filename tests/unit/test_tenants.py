@@ -85,6 +85,36 @@ def test_a_model_outside_the_tenant_is_not_found() -> None:
     assert ok.status_code == 200
 
 
+def test_the_tokenizer_routes_keep_to_the_tenants_models() -> None:
+    """`/tokenize` (prompt or messages), `/detokenize`, `/tokenizer_info` and Anthropic's
+    count_tokens refuse a model outside the tenant exactly as chat does: 404, the same
+    error body; inside it, or for a tenant with no list, they answer."""
+    fake = FakeClient(ANSWER, models=(ModelCard("orchard-tiny", aliases=("tiny",)),
+                                      ModelCard("big")))
+    client, _ = app(fake)
+    chat = client.post("/v1/chat/completions", json={**CHAT, "model": "big"}, headers=auth(CI))
+    assert chat.status_code == 404
+    calls = [("POST", "/tokenize", {"model": "big", "prompt": "hello"}),
+             ("POST", "/tokenize", {"model": "big", "messages": CHAT["messages"]}),
+             ("POST", "/detokenize", {"model": "big", "tokens": [1, 2]}),
+             ("GET", "/tokenizer_info?model=big", None)]
+    for method, path, body in calls:
+        refused = client.request(method, path, json=body, headers=auth(CI))
+        assert refused.status_code == 404, (path, refused.text)
+        assert refused.json() == chat.json(), path
+        assert client.request(method, path, json=body,
+                              headers=auth(AGENT)).status_code == 200, path
+        inside = path.replace("big", "tiny")
+        assert client.request(method, inside, json=body and {**body, "model": "tiny"},
+                              headers=auth(CI)).status_code == 200, path
+    assert len(fake.counted) == 4  # the refused never left the edge
+    messages = client.post("/v1/messages", json={**CHAT, "model": "big"}, headers=auth(CI))
+    count = client.post("/v1/messages/count_tokens", json={**CHAT, "model": "big"},
+                        headers=auth(CI))
+    assert messages.status_code == count.status_code == 404
+    assert count.json() == messages.json()
+
+
 @pytest.mark.parametrize(("path", "body"), ROUTES)
 def test_tokens_per_minute_is_a_429_in_each_shape(path: str, body: dict[str, Any]) -> None:
     client, _ = app()
