@@ -210,6 +210,7 @@ def test_a_step_writes_in_place() -> None:
     """A decode step scatters into the pool's arrays where they lie (MLX donates them):
     its peak is the step's view, not another copy of the pool."""
     pool = BlockPool(2048, block_size=32)
+    held = pool.layer(0).allocate(1024)  # a pool grown large: a copy of it would show
     _, paged = _pair([100, 200], pool)
     mx.eval(paged.state)
     mx.clear_cache()
@@ -221,6 +222,7 @@ def test_a_step_writes_in_place() -> None:
         del k, v
     assert mx.get_peak_memory() - base < pool.nbytes // 10, (mx.get_peak_memory() - base,
                                                              pool.nbytes)
+    assert len(held) == 1024 and pool.stats().allocated == 2048
 
 
 def test_groups_split_rows_by_width() -> None:

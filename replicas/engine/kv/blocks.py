@@ -9,7 +9,24 @@ head_dim]`, head h's block b at `h * (blocks + 1) + b`), whose result comes out 
 `[B, H, L, D]` attention reads, contiguous: a transposed view would make attention copy
 it (2x the view's bytes more at the peak, measured on this CPU), and a gather of whole
 blocks is 2-3x faster than one by position here (load/results/paged_kv.md). A layer's
-arrays are allocated once, at its first write (only then are its heads and dtype known).
+arrays are made at its first write (only then are its heads and dtype known) and hold only
+the blocks in use plus headroom (`capacity`), never more than the budget's `num_blocks`.
+
+Why the arrays grow by reallocation (doubling) and not in fixed-size segments: a segmented
+pool never copies, but every step's gather of a row's view (and each group's) would span
+segments: a gather per segment and a merge, every step of every layer, for ever. Doubling
+copies a layer's blocks once per doubling (log2(budget / 16 blocks) times in a replica's
+life, amortized under one copy of what is held) and keeps the one gather from one array.
+Block ids stay stable (block b is slots `[b * block_size, ...)` at any capacity; only the
+scratch block, always last, moves), so rows and the prefix cache keep their tables. The
+cost is a transient: a growth holds one layer's old and new arrays for a moment (layers
+grow one at a time, each in its own `update_and_fetch`), i.e. one layer's old arrays above
+the grown pool, at most 1/layers of the pool; it happens while a step's graph is being built,
+so it falls in the gather reserve that admission keeps for the step's per-layer view
+(`budget.paging_plan`: an eighth of the budget, at least 256 MiB). Free ids are handed out
+lowest first (a heap), so held blocks stay packed at the bottom, and where at most a quarter
+of the capacity is held below its top, the next write halves it (`_shrink`): a replica that
+served a long burst gives the memory back.
 
 Every layer has its own free list: mlx-lm calls each layer's cache on its own, and all
 layers of a batch grow alike, so their tables stay in step without a shared row object.
@@ -23,6 +40,7 @@ what evicting the cache would free), without a walk.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -33,6 +51,8 @@ import numpy as np
 # Tokens per block: 32 measured no slower than 16 on the CPU here and halves the tables
 # (load/results/paged_kv.md); a row wastes under one block per layer.
 BLOCK_SIZE = 32
+# A layer's first capacity in blocks (it doubles from there): 512 tokens at 32 a block.
+MIN_BLOCKS = 16
 
 
 class PoolExhausted(RuntimeError):
@@ -46,6 +66,7 @@ class PoolStats:
     used: int  # blocks held (in the layer that holds the most)
     free: int
     shared: int  # blocks the prefix cache holds (a hit reads them in place, uncopied)
+    allocated: int = 0  # blocks the arrays hold now (the layer that holds the most)
 
 
 class LayerBlocks:
@@ -54,11 +75,13 @@ class LayerBlocks:
     def __init__(self, num_blocks: int, block_size: int,
                  reclaim: Callable[[int], None] | None = None) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        # Lowest ids first: a fresh pool hands out 0, 1, 2, ... (tests read tables easily).
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._refs = [0] * num_blocks
-        self._cache_refs = [0] * num_blocks  # of `_refs`, those the prefix cache holds
+        self.num_blocks = num_blocks  # the most blocks this layer may hold (the budget's)
+        self.capacity = 0  # block ids [0, capacity) exist: the arrays hold them + scratch
+        self._free: list[int] = []  # a heap of free ids below `capacity`: lowest first
+        self._refs: list[int] = []
+        self._cache_refs: list[int] = []  # of `_refs`, those the prefix cache holds
+        self._used = 0
+        self._packed = True  # no block freed since the last look for a shrink
         self.cached = 0  # blocks the prefix cache holds
         self.cache_only = 0  # blocks only the prefix cache holds
         self.multi = 0  # blocks more than one holder holds (a write copies them first)
@@ -66,29 +89,81 @@ class LayerBlocks:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.heads = 0
-        self.slots = (num_blocks + 1) * block_size  # and one scratch block, last
+
+    @property
+    def slots(self) -> int:
+        """Slots per head in the arrays: `capacity` blocks and the scratch block, last."""
+        return (self.capacity + 1) * self.block_size
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._used
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._used
 
     def allocate(self, n: int) -> list[int]:
-        """`n` free blocks, lowest first from a fresh pool (a row growing alone takes one
-        run of blocks, which its view slices without a gather). Where too few are free, the
-        prefix cache is asked to give back blocks only it holds first."""
-        if n > len(self._free) and self._reclaim is not None:
-            self._reclaim(n - len(self._free))
-        if n > len(self._free):
-            raise PoolExhausted(f"the KV block pool has {len(self._free)} free blocks of "
+        """`n` free blocks, lowest first (a row growing alone takes one run of blocks,
+        which its view slices without a gather). Where the budget's blocks run short, the
+        prefix cache is asked to give back blocks only it holds first; where only the
+        capacity does, the arrays grow (doubling)."""
+        if n > self.free and self._reclaim is not None:
+            self._reclaim(n - self.free)
+        if n > self.free:
+            raise PoolExhausted(f"the KV block pool has {self.free} free blocks of "
                                 f"{self.num_blocks}, {n} asked for")
-        out = [self._free.pop() for _ in range(n)]
+        if n > len(self._free):
+            want = max(MIN_BLOCKS, self.capacity)
+            while want < self._used + n:
+                want *= 2
+            self._resize(min(want, self.num_blocks))
+        out = [heapq.heappop(self._free) for _ in range(n)]
         for b in out:
             self._refs[b] = 1
+        self._used += n
         return out
+
+    def _resize(self, capacity: int) -> None:
+        """Block ids `[0, capacity)`, the arrays copied to match (ids above it are free)."""
+        old = self.capacity
+        if capacity > old:
+            self._refs += [0] * (capacity - old)
+            self._cache_refs += [0] * (capacity - old)
+            for b in range(old, capacity):
+                heapq.heappush(self._free, b)
+        else:
+            del self._refs[capacity:], self._cache_refs[capacity:]
+            self._free = [b for b in self._free if b < capacity]
+            heapq.heapify(self._free)
+        self.capacity = capacity
+        if self.keys is None or self.values is None:
+            return
+        keep = min(old, capacity) * self.block_size
+        arrays = []
+        for a in (self.keys, self.values):
+            grown = mx.zeros((self.heads, self.slots, a.shape[1]), a.dtype)
+            if keep:
+                grown[:, :keep] = a.reshape(self.heads, -1, a.shape[1])[:, :keep]
+            arrays.append(grown.reshape(-1, a.shape[1]))
+        self.keys, self.values = arrays
+        mx.eval(self.keys, self.values)  # the old arrays go now, not with a later step
+
+    def _shrink(self) -> None:
+        """Halve the capacity while at most a quarter of it lies at or below the highest
+        held block (hysteresis: a shrunk pool is at most half full, so it does not grow
+        back at once)."""
+        self._packed = True
+        if self._used * 4 > self.capacity or self.capacity <= MIN_BLOCKS:
+            return
+        top = self.capacity
+        while top > 0 and self._refs[top - 1] == 0:
+            top -= 1
+        want = self.capacity
+        while want > MIN_BLOCKS and max(top, self._used) * 4 <= want:
+            want //= 2
+        if want < self.capacity:
+            self._resize(max(want, MIN_BLOCKS))
 
     def share(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -100,7 +175,9 @@ class LayerBlocks:
             assert self._refs[b] > self._cache_refs[b], f"block {b} released twice"
             self._change(b, -1, 0)
             if self._refs[b] == 0:
-                self._free.append(b)
+                heapq.heappush(self._free, b)
+                self._used -= 1
+                self._packed = False
 
     def hold(self, blocks: Sequence[int]) -> None:
         """One ref each of `blocks` (already held) is the prefix cache's from now on."""
@@ -178,12 +255,15 @@ class LayerBlocks:
             self.keys = mx.zeros((rows, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((rows, values.shape[3]), values.dtype)
             mx.eval(self.keys, self.values)
+        elif not self._packed:  # blocks were freed: maybe give trailing capacity back
+            self._shrink()
+        assert self.keys is not None and self.values is not None
         return self.keys, self.values
 
     def by_block(self) -> tuple[mx.array, mx.array]:
-        """The layer's arrays as `[H * (blocks + 1), block_size, D]` (a free reshape)."""
+        """The layer's arrays as `[H * (capacity + 1), block_size, D]` (a free reshape)."""
         assert self.keys is not None and self.values is not None
-        rows = self.heads * (self.num_blocks + 1)
+        rows = self.heads * (self.capacity + 1)
         return (self.keys.reshape(rows, self.block_size, self.keys.shape[1]),
                 self.values.reshape(rows, self.block_size, self.values.shape[1]))
 
@@ -195,7 +275,8 @@ class LayerBlocks:
 
 
 class BlockPool:
-    """A replica's blocks: `num_blocks` per paged layer, `block_size` tokens each."""
+    """A replica's blocks: at most `num_blocks` per paged layer (the arrays hold what is
+    used plus headroom), `block_size` tokens each."""
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -240,7 +321,8 @@ class BlockPool:
     @property
     def block_bytes(self) -> int:
         """One block's KV in every layer that has written (0 before the first write)."""
-        return self.nbytes // (self.num_blocks + 1)  # the scratch block is allocated too
+        return sum(layer.nbytes // (layer.capacity + 1)  # the scratch block is held too
+                   for layer in self._layers.values())
 
     @property
     def cache_only(self) -> int:
@@ -251,4 +333,7 @@ class BlockPool:
         layers = list(self._layers.values())
         used = max((layer.used for layer in layers), default=0)
         shared = max((layer.cached for layer in layers), default=0)
-        return PoolStats(self.block_size, self.num_blocks, used, self.num_blocks - used, shared)
+        allocated = max((layer.capacity for layer in layers if layer.keys is not None),
+                        default=0)
+        return PoolStats(self.block_size, self.num_blocks, used, self.num_blocks - used, shared,
+                         allocated)

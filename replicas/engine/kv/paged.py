@@ -130,7 +130,7 @@ class PagedBatchKVCache(_BaseCache):
     def _plan(self, prev: int, n: int) -> Step:
         """Where a step writing view columns `[prev, prev + n)` writes and what its view
         reads; every layer's is alike (their tables grow in step): built once a step."""
-        return plan_step(self.tables, self._pads, self._ends, prev, n, self.pool.num_blocks,
+        return plan_step(self.tables, self._pads, self._ends, prev, n, self._blocks.capacity,
                          self.pool.block_size, self._blocks.heads)
 
     def _gather(self, view: mx.array | int, width: int) -> tuple[mx.array, mx.array]:

@@ -84,7 +84,7 @@ class PagedRowKVCache(KVCache):
         if self.blocks is None:
             return super().nbytes  # type: ignore[no-any-return]
         layer = self.pool.layer(self.layer)
-        return len(self.blocks) * layer.nbytes // (layer.num_blocks + 1)
+        return len(self.blocks) * layer.nbytes // (layer.capacity + 1)
 
     def release(self) -> None:
         """Give this row's block refs back (a row by arrays holds none)."""
