@@ -9,9 +9,13 @@ Ray). `SharedLedger` is the `Ledger` the app then uses:
   none per token) and gives it back when it ends;
 - tokens are spent locally as they stream and sent there in one batch every `SYNC_PERIOD_S`;
   the answer is every replica's tokens over the sliding minute, which this replica's limit
-  checks and headers read until the next sync. So the tokens-per-minute limit may be passed
-  by what the other replicas spent since the last sync, as it already may by what admitted
-  requests spend as they stream.
+  checks and headers read until the next sync (a cache). So the tokens-per-minute limit may
+  be passed by what the other replicas spent since the last sync, as it already may by what
+  admitted requests spend as they stream;
+- the syncs run only while this replica has something to send or hold (a request in flight,
+  tokens unsent): an idle replica does not call the shared place at all. The first request
+  after a pause older than `STALE_S` waits for one sync before its check, so a long-idle
+  replica never admits on a stale minute.
 
 Should the shared place not answer (within `CALL_TIMEOUT_S`), this replica counts on its own
 (logged), as without it.
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 SYNC_PERIOD_S = 0.5
 CALL_TIMEOUT_S = 2.0
+# Windows older than this are refreshed before a request's check (after an idle pause).
+STALE_S = 2 * SYNC_PERIOD_S
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,12 @@ class SharedLedger(Ledger):
         self._loop: asyncio.Task[None] | None = None
         self._frees: set[asyncio.Task[None]] = set()
         self._failing = False
+        self._tried_at: float | None = None  # the last sync's start, answered or not
+        self._refresh: asyncio.Task[None] | None = None  # the sync an admission waits for
+        self.syncs = 0  # calls made, for the tests and the curious
 
     async def admit(self, policy: TenantPolicy) -> None:
+        await self._fresh()
         self._start()
         account = self._account(policy.name)
         self._check_tokens(policy, account)  # cluster-wide, as of the last sync
@@ -124,8 +134,20 @@ class SharedLedger(Ledger):
     def _in_flight(self, tenant: str, account: _Account) -> int:
         return self._others.get(tenant, 0) + account.in_flight
 
+    async def _fresh(self) -> None:
+        """One sync now, unless the cached windows are recent (the loop keeps them so while
+        this replica is busy); requests arriving together wait for the same one. A failed
+        one counts as tried: while the shared place is down nobody waits on it twice."""
+        if self._tried_at is not None and self._clock() - self._tried_at <= STALE_S:
+            return
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.get_running_loop().create_task(self.sync())
+        await asyncio.shield(self._refresh)
+
     async def sync(self) -> None:
         """Send the tokens spent here since the last sync; take every replica's window."""
+        self._tried_at = self._clock()
+        self.syncs += 1
         spent = dict(self._unsynced)
         self._unsynced.clear()
         try:
@@ -154,9 +176,19 @@ class SharedLedger(Ledger):
             self._loop = asyncio.get_running_loop().create_task(self._syncing())
 
     async def _syncing(self) -> None:
+        """Every period while busy; it ends once idle, after the sync that sent the last
+        tokens, and the next admission starts it again."""
         while True:
-            await self.sync()
             await asyncio.sleep(self._period_s)
+            await self.sync()
+            if self.idle():
+                return
+
+    def idle(self) -> bool:
+        """Nothing here for the shared place: no request in flight (so no seat held, none
+        whose holder must stay alive there) and no tokens unsent."""
+        return not +self._unsynced and not any(self._seats.values()) and \
+            not any(account.in_flight for account in self._accounts.values())
 
     def _down(self, what: str, exc: BaseException) -> None:
         if not self._failing:  # once per outage, not per request

@@ -85,6 +85,36 @@ def test_seats_and_tokens_are_counted_across_replicas() -> None:
     asyncio.run(run())
 
 
+def test_an_idle_replica_stops_syncing_and_refreshes_before_its_next_check() -> None:
+    """No calls to the shared counts while nothing is in flight or unsent; the first request
+    after the pause waits for one sync, so it sees what other replicas spent meanwhile."""
+    async def run() -> None:
+        now = [1000.0]
+        shared = InProcess(TenantCounts())
+        ledger = SharedLedger(shared, clock=lambda: now[0], period_s=0.01)
+        await ledger.admit(CI)
+        ledger.spend("ci", 10)
+        ledger.leave("ci")
+        for _ in range(200):  # the loop sends the 10, then ends
+            if ledger._loop is not None and ledger._loop.done():
+                break
+            await asyncio.sleep(0.01)
+        assert ledger._loop is not None and ledger._loop.done() and ledger.idle()
+        assert shared.counts.sync("other", {})["ci"].spent[0][1] == 10
+        calls = ledger.syncs
+        await asyncio.sleep(0.2)  # twenty periods idle: no call
+        assert ledger.syncs == calls
+        shared.counts.sync("other", {"ci": 95})  # another replica spends meanwhile
+        now[0] += 5  # past STALE_S, within the minute
+        with pytest.raises(RateLimitedError):  # 105 of 100: seen only by refreshing first
+            await ledger.admit(CI)
+        assert ledger.syncs == calls + 1
+        assert ledger._loop is not None
+        ledger._loop.cancel()
+
+    asyncio.run(run())
+
+
 def test_a_replica_that_died_holding_seats_frees_them() -> None:
     now = [0.0]
     counts = TenantCounts(clock=lambda: now[0])
