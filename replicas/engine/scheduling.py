@@ -1,7 +1,10 @@
 """Who joins the batch, and who leaves it when KV memory runs out (engine thread only).
 
 A request waits in `Waiting` until its prompt fits (`replicas.engine.kv.budget`); in the batch
-its reservation grows a cache step at a time. When a reservation cannot grow, the youngest
+its reservation grows a cache step at a time. On a paged batch a request that hits the
+prefix cache reserves only the blocks it will own: the hit's full blocks count once among
+every row that shares them (`KvBudget.shares`, looked up at admission and settled to what
+the batch holds before each step). When a reservation cannot grow, the youngest
 request is preempted, vLLM's recompute preemption: it leaves the batch and waits first in
 line as its prompt plus the tokens it generated, with fewer left to generate and its
 sampler's count moved on, so when it rejoins it goes on exactly where it stopped. The
@@ -20,7 +23,7 @@ from replicas.contract import ErrorKind, Failed, Tenancy
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
 from replicas.engine.fair_share import FairShare, TenantTally, tenanted, victim
-from replicas.engine.kv.budget import Bound, KvBudget
+from replicas.engine.kv.budget import NO_BLOCKS, Bound, KvBudget
 from replicas.engine.kv.layout import CACHE_STEP
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
 from replicas.engine.batch.local import Prefill
@@ -142,7 +145,8 @@ class Waiting:
             pending, lambda q: q.request_id,
             lambda q: reach(q.sub.request, len(q.sub.request.prompt_ids), self._whole,
                             self._growth),
-            bound, keep=lambda q: q.resumed is not None)
+            bound, keep=lambda q: q.resumed is not None,
+            shares=self._shares if self.kv.shares is not None else None)
         self.queue = deque([*queue, *later])
         while later and len(self.queue) > self.kv.max_waiting and self.queue[-1].resumed is None:
             refused.append(self.queue.pop())
@@ -154,6 +158,19 @@ class Waiting:
         deliver([(q.sub.output.sink, [Failed(ErrorKind.OVERLOADED, _MEMORY_FULL)])
                  for q in refused])
         return admitted
+
+    def _shares(self, q: Queued) -> frozenset[int]:
+        """The prefix cache's blocks `q` would share in the batch (paged). None for a prompt
+        with images (its hit is decided by `begin`) or one the engine scores first (the
+        score's save may evict what a lookup now finds): they reserve every block."""
+        request, shares = q.sub.request, self.kv.shares
+        if shares is None or request.embeddings is not None or \
+                (request.score_prompt and request.logprobs is not None):
+            return NO_BLOCKS
+        try:
+            return shares.would_share(request.prompt_ids, request.adapter)
+        except Exception:  # noqa: BLE001 - an adapter gone, say: reserve every block
+            return NO_BLOCKS
 
     def _fair(self, pending: list[Queued], in_batch: Sequence[Tenancy],
               now: float) -> tuple[list[Queued], list[Queued]]:
@@ -208,7 +225,16 @@ class Waiting:
              preempt: Callable[[Active], None]) -> None:
         """Before a step: every row's reservation covers the KV the step adds; where it
         cannot, `preempt` the lowest-priority, youngest row (`fair_share.victim`; the engine
-        takes it out of the batch) and queue it first, until it can."""
+        takes it out of the batch) and queue it first, until it can. Paged: first every
+        row's shared blocks are settled to what the batch holds; where that passes the
+        pool, the youngest are preempted until it fits."""
+        if (shares := self.kv.shares) is not None:
+            for row in active.values():
+                held = shares.shared_by(row.uid)
+                if held is not None:
+                    self.kv.settle(row.request_id, held)
+            while active and self.kv.over and not self._whole:
+                self._preempt_youngest(active, preempt)
         if self._whole:
             return
         for row in sorted(active.values(), key=lambda a: a.order):
@@ -216,14 +242,17 @@ class Waiting:
                          False, self._growth)
             while row.uid in active and need > self.kv.reserved(row.request_id) and \
                     not self.kv.reserve(row.request_id, need, bound):
-                youngest = victim(active.values(), lambda a: a.sub.request.tenancy,
-                                  lambda a: a.order)
-                preempt(youngest)
-                self.kv.preempted += 1
-                self.tally.preempted(youngest.sub.request.tenancy.tenant)
-                log.info("request %s preempted after %d tokens (KV memory): it resumes by "
-                         "prefill", youngest.request_id, len(youngest.tokens))
-                self.queue.appendleft(preempted(youngest))
+                self._preempt_youngest(active, preempt)
+
+    def _preempt_youngest(self, active: dict[int, Active],
+                          preempt: Callable[[Active], None]) -> None:
+        youngest = victim(active.values(), lambda a: a.sub.request.tenancy, lambda a: a.order)
+        preempt(youngest)
+        self.kv.preempted += 1
+        self.tally.preempted(youngest.sub.request.tenancy.tenant)
+        log.info("request %s preempted after %d tokens (KV memory): it resumes by prefill",
+                 youngest.request_id, len(youngest.tokens))
+        self.queue.appendleft(preempted(youngest))
 
 
 # A request ready to join the batch: its row, and the guard over its logits processors.

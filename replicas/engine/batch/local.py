@@ -1,4 +1,5 @@
 """The batch a replica decodes: mlx-lm's `BatchGenerator` with the KV prefix cache beside it.
+(What the engine drives of it is `batch/protocol.py`'s `Batch`; paging its KV, `paging.py`.)
 
 Everything that changes the batch goes through here as a few whole operations (insert rows,
 step, finish rows, recover after a failed step), never as loose calls on the generator. That is what lets a
@@ -12,27 +13,28 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.disk import DiskTier, Snapshot, snapshot
 from replicas.engine.batch.decode import Generation
 from replicas.engine.sampling.logprobs import Picked
 from replicas.engine.kv.quantized import cache_maker
-from replicas.engine.kv.blocks import BLOCK_SIZE, BlockPool
-from replicas.engine.kv.budget import KvBudget, paging_plan
-from replicas.engine.kv.paged import as_paged_rows, make_paged_prompt_cache, paged_layers
+from replicas.engine.kv.blocks import BlockPool
+from replicas.engine.kv.budget import KvBudget
+from replicas.engine.kv.paged import as_paged_rows, make_paged_prompt_cache
 from replicas.engine.kv.prefix_cache import CacheHit, PromptCache, prefix_view, segments
 from replicas.engine.kv.directory import HeldBlocks
 from replicas.engine.kv.namespace import namespaced
 from replicas.engine.model.adapters import AdapterFiles, AdapterTable
 from replicas.engine.model.mrope import row_positions
 from replicas.engine.batch.image_prefix import Prefill, prefill_chunk
+from replicas.engine.batch.paging import PrefixShares, hit_blocks, make_pool, unpaged
+from replicas.engine.batch.protocol import Batch as Batch  # its home before the split
 from replicas.engine.batch.rows import Done, Exported, Row
 from replicas.engine.batch.prefill import Prefilling
 from replicas.engine.request import PromptEmbeddings
@@ -46,27 +48,6 @@ from replicas.engine.spec.drafter import DecodeStats
 from replicas.engine.stats import DecodeCounts
 
 log = logging.getLogger(__name__)
-
-
-class Batch(Protocol):
-    """What the engine drives; `LocalBatch`, or `replicas.engine.sharded.lockstep.LockstepBatch`."""
-
-    @property
-    def cache(self) -> PromptCache | None: ...
-    @property
-    def empty(self) -> bool: ...
-    def decode_counts(self) -> DecodeCounts: ...
-    def begin(self, row: Row) -> Prefill | None: ...
-    def advance(self, prefill: Prefill) -> bool: ...
-    def insert(self, rows: Sequence[Row]) -> list[tuple[int, int]]: ...
-    def step(self) -> list[Any]: ...
-    def finish(self, done: Sequence[Done]) -> None: ...
-    def score(self, prompt_ids: Sequence[int], top: int,
-              adapter: str | None = None) -> list[Picked]: ...
-    def page(self, kv: KvBudget, context_length: int) -> None: ...
-    def recover(self) -> bool: ...
-    def bound_cache(self, nbytes: int) -> None: ...
-    def close(self) -> None: ...
 
 
 class LocalBatch:
@@ -97,6 +78,7 @@ class LocalBatch:
         # Every row's fresh cache: a quantized row could not share a batch with mlx-lm's.
         self._make_cache = cache_maker(config.kv_bits, config.kv_group_size)
         self._pool: BlockPool | None = None  # paged KV's blocks (`page`), else None
+        self._shares: PrefixShares | None = None  # paged with a prefix cache: hits' blocks
         self._speculative = usable(config.speculative, model)
         self._shared = shared_drafts(self.stream) if shared_drafts and self._speculative \
             else None
@@ -176,6 +158,9 @@ class LocalBatch:
             stop_sequences=[StopSequences([[t] for t in sorted(r.stop_ids)]) for r in rows],
         )
         self._rows.update(uids)
+        if self._shares is not None:  # what each row shares, for admission (`KvBudget`)
+            self._shares.by_uid.update((uid, hit_blocks(h.cache, h.length) if h else
+                                        frozenset()) for uid, h in zip(uids, hits))
         self._keys.update((uid, r.embeddings.key) for uid, r in zip(uids, rows)
                           if r.embeddings is not None)
         if self._positions is not None:  # rows after an image: M-RoPE's shift
@@ -223,45 +208,25 @@ class LocalBatch:
 
     def page(self, kv: KvBudget, context_length: int) -> None:
         """Page the batch's KV where `paged_kv` asks and the model qualifies: a block pool
-        sized from `kv`'s budget, and `kv` admitting by blocks. `paged_kv: on` where the
-        model does not qualify refuses to load, saying why."""
+        sized from `kv`'s budget, and `kv` admitting by blocks, a prefix hit's shared
+        blocks counted once (`batch/paging.py`). `paged_kv: on` where the model does not
+        qualify refuses to load, saying why."""
         mode = self._config.paged_kv
         if mode == "off":
             return
-        why = self._unpaged()
+        why = unpaged(self._config, self._speculative is not None or self._draft is not None,
+                      self._model)
         if why is not None:
             if mode == "on":
                 raise ValueError(f"memory.paged_kv is on, but {why}")
             log.info("paged KV (auto): the padded batch, since %s", why)
             return
-        layers = len(make_prompt_cache(self._model))
-        plan = paging_plan(kv.budget_bytes, kv.layout.per_token, layers,
-                           self._config.prompt_cache_bytes, BLOCK_SIZE,
-                           self._config.max_batch_size * context_length)
-        # The prefix cache's share of the budget is blocks of the same pool: its entries
-        # are block refs (`PromptCache.attach`), a hit joins the batch without a copy.
-        self._pool = BlockPool(plan.blocks + plan.cache_bytes // max(1, plan.block_bytes),
-                               plan.block_size)
+        self._pool, plan = make_pool(self._model, self._config, kv, context_length)
         if self._cache is not None:
             self._cache.attach(self._pool)
+            self._shares = PrefixShares(self._cache, self.cache_ids)
         self._make_cache = partial(make_paged_prompt_cache, pool=self._pool)
-        kv.paging, kv.blocks = plan, self._pool.stats
-        log.info("paged KV: %d blocks of %d tokens (%d bytes each, %d layers), a %d-byte "
-                 "gather reserve, %d bytes for the prefix cache", plan.blocks,
-                 plan.block_size, plan.block_bytes, layers, plan.gather_bytes,
-                 plan.cache_bytes)
-
-    def _unpaged(self) -> str | None:
-        """Why this batch cannot page its KV yet, or None."""
-        if self._config.kv_bits is not None:
-            return "kv_bits quantizes the KV (quantized blocks are not built yet)"
-        if self._speculative is not None or self._draft is not None:
-            return "speculation rolls rows back in the padded cache (not on blocks yet)"
-        cache = make_prompt_cache(self._model)
-        if not paged_layers(cache):
-            kinds = ", ".join(sorted({type(c).__name__ for c in cache}))
-            return f"this model's cache layers ({kinds}) are not all plain attention"
-        return None
+        kv.paging, kv.blocks, kv.shares = plan, self._pool.stats, self._shares
 
     def begin(self, row: Row) -> Prefill | None:
         """Before `insert`: a row whose prompt starts with embeddings takes that prefix's KV
@@ -343,6 +308,8 @@ class LocalBatch:
                 self._positions.by_uid.pop(uid, None)
             if self._spaces.pop(uid, None) is not None:
                 self.adapters.slots.by_uid.pop(uid, None)
+            if self._shares is not None:
+                self._shares.by_uid.pop(uid, None)
 
     def _save(self, ended: list[tuple[list[int], list[Any]]], batched: list[int]) -> None:
         assert self._cache is not None
@@ -374,6 +341,8 @@ class LocalBatch:
         self._rows = set()
         self._keys = {}
         self._spaces = {}
+        if self._shares is not None:
+            self._shares.by_uid.clear()
         self.adapters.slots.by_uid.clear()
         if self._positions is not None:
             self._positions.by_uid.clear()

@@ -15,8 +15,11 @@ every rank) and its budget, and admits by what the batch holds:
   never pass the budget, not even inside a step;
 - paged (`Paging`, `replicas.engine.kv.paged`): a batch holds the sum of its rows' blocks,
   and the view each layer gathers for attention (rows x longest, one layer's K+V) must fit
-  the gather reserve; the budget is split between the pool, the gather and the prefix
-  cache (`paging_plan`) until the prefix cache shares the pool's blocks.
+  the gather reserve; the budget is split between the rows' blocks, the gather and the
+  prefix cache's share of the pool (`paging_plan`). A row reserves the blocks it will own
+  (its unshared tokens, the partial block it copies on write, its growth); the full blocks
+  of a prefix cache hit it shares count once however many rows hold them (`Shares`), and
+  the prefix cache counts only the blocks no row holds.
 
 MLX's own memory limit is set from the same numbers on every rank, so a wrong figure
 slows allocation down rather than aborting the process. The limit is the process's, not a
@@ -36,7 +39,8 @@ import os
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence, TypeVar
+from collections import Counter
+from typing import Any, Callable, Hashable, Protocol, Sequence, TypeVar
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -191,8 +195,10 @@ class Paging:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def fits(self, tokens: Sequence[int]) -> bool:
-        blocks = sum(self.blocks_for(t) for t in tokens)
+    def fits(self, tokens: Sequence[int], shared: int = 0) -> bool:
+        """Whether rows of `tokens` fit, `shared` of their blocks held by more than one
+        (a prefix cache hit's full blocks, counted once: `KvBudget`)."""
+        blocks = sum(self.blocks_for(t) for t in tokens) - shared
         view = len(tokens) * max(tokens, default=0) * self.gather_per_token
         return blocks <= self.blocks and view <= self.gather_bytes
 
@@ -215,6 +221,20 @@ def paging_plan(budget: int, per_token: int, layers: int, cache_bytes: int, bloc
 Item = TypeVar("Item")
 # Tells the prefix cache the most bytes it may hold from now on (it evicts down to that).
 Bound = Callable[[int], None]
+NO_BLOCKS: frozenset[int] = frozenset()
+
+
+class Shares(Protocol):
+    """What a paged batch tells admission of the prefix cache's blocks its rows share: the
+    ids (one layer's, every layer's alike) of the full blocks of a prefix hit."""
+
+    def would_share(self, tokens: Sequence[int], adapter: str | None) -> frozenset[int]:
+        """The blocks a row of this prompt would share if it joined now."""
+        ...
+
+    def shared_by(self, uid: int) -> frozenset[int] | None:
+        """The blocks row `uid` of the batch shares (None: not in the batch)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -238,10 +258,16 @@ class KvBudget:
         self.budget_bytes = budget_bytes
         self.paging = paging  # None: mlx-lm's padded batch
         self.blocks: Callable[[], PoolStats] | None = None  # the paged batch's pool, read
+        self.shares: Shares | None = None  # the paged batch's prefix hits (`Shares`)
         self.ranks = ranks
         self.layout = layout
         self.max_waiting = max_waiting
         self._reserved: dict[Hashable, int] = {}
+        # Paged: the blocks each reservation shares (a prefix hit's full blocks), and how
+        # many reservations share each block; a block counts once in `_held_blocks`.
+        self._shared: dict[Hashable, frozenset[int]] = {}
+        self._sharers: Counter[int] = Counter()
+        self._shared_total = 0  # sum of `_shared`'s sizes
         self._told: int | None = None  # the prefix cache's bound, as last told
         self._weighed = 0  # weights added at run time (`weigh`)
         self._paged_blocks: int | None = None  # the pool's blocks before any of them
@@ -260,21 +286,76 @@ class KvBudget:
 
     @property
     def projected(self) -> int:
-        held = list(self._reserved.values())  # one read: `stats` runs on another thread
         if (p := self.paging) is not None:
-            return sum(p.blocks_for(t) for t in held) * p.block_bytes
+            return self._held_blocks(p) * p.block_bytes
+        held = list(self._reserved.values())  # one read: `stats` runs on another thread
         return self.held(len(held), max(held, default=0))
 
-    def reserve(self, key: Hashable, tokens: int, bound: Bound) -> bool:
+    def _held_blocks(self, p: Paging) -> int:
+        """The blocks the reservations hold: each its own, and each shared block once."""
+        shared = dict(self._shared)  # copies: `stats` reads this from another thread
+        own = sum(p.blocks_for(t) - len(shared.get(k, NO_BLOCKS))
+                  for k, t in list(self._reserved.items()))
+        return own + len(self._sharers)
+
+    def _share(self, key: Hashable, blocks: frozenset[int]) -> None:
+        if blocks:
+            self._shared[key] = blocks
+            self._sharers.update(blocks)
+            self._shared_total += len(blocks)
+
+    def _unshare(self, blocks: frozenset[int]) -> None:
+        self._shared_total -= len(blocks)
+        for b in blocks:
+            self._sharers[b] -= 1
+            if self._sharers[b] <= 0:
+                del self._sharers[b]
+
+    def settle(self, key: Hashable, shares: frozenset[int]) -> None:
+        """`key`'s row shares `shares`, as the batch holds it (a hit may differ from what
+        admission looked up: an entry evicted in between); the reservation follows."""
+        old = self._shared.get(key, NO_BLOCKS)
+        if key not in self._reserved or old is shares:
+            return
+        if old != shares:
+            self._unshare(old)
+            self._shared.pop(key, None)
+            self._share(key, shares)
+        elif shares:
+            self._shared[key] = shares  # the batch's own set: the next check is `is`
+
+    @property
+    def over(self) -> bool:
+        """Paged: the reservations hold more blocks than the rows' share of the pool (after
+        `settle`); the padded batch never is."""
+        p = self.paging
+        return p is not None and self._held_blocks(p) > p.blocks
+
+    def reserve(self, key: Hashable, tokens: int, bound: Bound,
+                shares: frozenset[int] | None = None) -> bool:
         """Hold `tokens` (rounded up to a step) for `key`, a new request or a growing one,
         if the batch with it fits; the prefix cache is bound (`bound`) to what is left
-        before the reservation takes it."""
+        before the reservation takes it. Paged: `shares`, the prefix cache's blocks the
+        request will share (None: as reserved before), count once among all holders."""
         others = [t for k, t in self._reserved.items() if k != key]
         if (p := self.paging) is not None:
-            if not p.fits([tokens, *others]):
+            old = self._shared.get(key, NO_BLOCKS)
+            if shares is None or shares is old:  # growth: what it shares stays put
+                new, union = old, len(self._sharers)
+            else:
+                new = shares
+                union = len(self._sharers) \
+                    + sum(1 for b in new if b not in self._sharers) \
+                    - sum(1 for b in old if self._sharers[b] == 1 and b not in new)
+            # Of the rows' blocks, those more than one row counts: held once.
+            twice = self._shared_total - len(old) + len(new) - union
+            if not p.fits([tokens, *others], twice):
                 return False
             self._bound(p.cache_bytes, bound)
             self._reserved[key] = tokens
+            if new is not old:
+                self._unshare(self._shared.pop(key, NO_BLOCKS))
+                self._share(key, new)
             return True
         want = round_up(tokens)
         room = self.budget_bytes - self.held(len(others) + 1, max([want, *others]))
@@ -307,18 +388,22 @@ class KvBudget:
 
     def release(self, key: Hashable) -> None:
         self._reserved.pop(key, None)
+        self._unshare(self._shared.pop(key, NO_BLOCKS))
 
     def take(self, pending: Sequence[Item], key: Callable[[Item], Hashable],
              tokens: Callable[[Item], int], bound: Bound,
-             keep: Callable[[Item], bool] = lambda _: False
+             keep: Callable[[Item], bool] = lambda _: False,
+             shares: Callable[[Item], frozenset[int]] | None = None
              ) -> tuple[list[Item], deque[Item], list[Item]]:
         """Admit `pending` in order while each fits (first come, first served: one that does
         not fit holds back the ones behind it). Returns (admitted, still waiting, refused:
-        the newest past `max_waiting`, never one that `keep` holds)."""
+        the newest past `max_waiting`, never one that `keep` holds). `shares`: paged, the
+        prefix cache's blocks an item would share."""
         admitted: list[Item] = []
         waiting: deque[Item] = deque()
         for item in pending:
-            if not waiting and self.reserve(key(item), tokens(item), bound):
+            if not waiting and self.reserve(key(item), tokens(item), bound,
+                                            shares(item) if shares is not None else None):
                 admitted.append(item)
             else:
                 waiting.append(item)
