@@ -2,9 +2,13 @@
 
     python -m load.micro.paged_kv [--source builtin:tiny] [--rounds 3]
 
-Four figures, each paged and padded in the same run (alternating within a round), and
+Five figures, each paged and padded in the same run (alternating within a round), and
 the paged/padded ratio of their medians:
 
+- cold: seconds from a fresh batch with no budget set (the machine's default budget, as a
+  replica without `memory.budget_bytes` gets) to the first token of each of 8 short rows:
+  a new replica's first round, which paid for allocating the whole pool before its arrays
+  grew with use;
 - sessions: how many sessions of an agent mix (a few long histories, many short calls,
   arriving interleaved) the engine's admission (`KvBudget.take`, first come first served)
   holds at once under one fixed budget, with the model's measured KV layout; then the
@@ -120,6 +124,23 @@ def join_spike(setup: Setup, paged: bool, long_rows: int, length: int) -> float:
     return joined / spread(steady).median
 
 
+def cold_round(setup: Setup, paged: bool, rows: int, length: int) -> float:
+    """Seconds from a fresh batch under the machine's default budget (none set) to every
+    one of `rows` rows of `length` tokens having its first token."""
+    from replicas.engine.kv.budget import default_budget, machine, weights_bytes
+
+    budget = default_budget(machine(), weights_bytes(setup.model))
+    start = time.perf_counter()
+    batch, _ = setup.batch(paged, budget)
+    uids = [u for u, _ in batch.insert(_rows([_prompt(i, length) for i in range(rows)], 4))]
+    seen: set[int] = set()
+    while not seen.issuperset(uids):
+        seen.update(r.uid for r in batch.step())
+    seconds = time.perf_counter() - start
+    _end(batch, uids)
+    return seconds
+
+
 def sessions(setup: Setup, paged: bool, mix: list[int], check_steps: int) -> int:
     """Sessions of `mix` (prompt lengths, in arrival order) admission holds at once; the
     admitted ones are run for `check_steps` decode steps together."""
@@ -162,6 +183,8 @@ def main() -> None:
     results: dict[str, tuple[Spread, Spread, float]] = {}
     # The agent mix: a long history every eighth arrival, short calls between.
     mix = [args.long if i % 8 == 0 else args.short for i in range(args.sessions)]
+    _pair("cold first round s, 8 x 64, no budget",
+          lambda paged: cold_round(setup, paged, 8, 64), args.rounds, results)
     _pair(f"sessions held ({args.long}/{args.short})",
           lambda paged: float(sessions(setup, paged, mix, 4)), args.rounds, results)
     for streams in (1, 8, 32):
