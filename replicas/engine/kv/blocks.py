@@ -21,12 +21,14 @@ Block ids stay stable (block b is slots `[b * block_size, ...)` at any capacity;
 scratch block, always last, moves), so rows and the prefix cache keep their tables. The
 cost is a transient: a growth holds one layer's old and new arrays for a moment (layers
 grow one at a time, each in its own `update_and_fetch`), i.e. one layer's old arrays above
-the grown pool, at most 1/layers of the pool; it happens while a step's graph is being built,
-so it falls in the gather reserve that admission keeps for the step's per-layer view
-(`budget.paging_plan`: an eighth of the budget, at least 256 MiB). Free ids are handed out
-lowest first (a heap), so held blocks stay packed at the bottom, and where at most a quarter
-of the capacity is held below its top, the next write halves it (`_shrink`): a replica that
-served a long burst gives the memory back.
+the grown pool, at most 1/layers of the pool. It comes while a step's graph is built, when
+the step before may still be running (`batch/decode.py` queues one ahead) and hold its
+gathered view; admission (`budget.paging_plan`) keeps no room apart for it: the gather
+reserve (an eighth of the budget, at least 256 MiB) and MLX's slack above the budget cover
+it on models of 8 layers or more, not by construction. Free ids are handed out
+lowest first (a heap), so held blocks stay packed at the bottom, and once blocks were
+freed and the highest held one lies in the bottom quarter, the next write halves the
+capacity (`_shrink`): a replica that served a long burst gives the memory back.
 
 Every layer has its own free list: mlx-lm calls each layer's cache on its own, and all
 layers of a batch grow alike, so their tables stay in step without a shared row object.
