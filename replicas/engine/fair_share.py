@@ -60,9 +60,14 @@ class FairShare:
                    for name, when in self._seen.items())
 
     def order(self, waiting: Sequence[Item], tenancy: Callable[[Item], Tenancy],
-              in_batch: Iterable[Tenancy]) -> list[Item]:
+              in_batch: Iterable[Tenancy], take: int | None = None) -> list[Item]:
         """`waiting` (in arrival order) in the order they should join the batch, given the
-        rows in it now: each pick counts as a row of its tenant for the picks after it."""
+        rows in it now: each pick counts as a row of its tenant for the picks after it.
+        `take`: only the first that many are picked in that order, the rest follow in
+        arrival order (the engine asks every step, with rarely more than a row or two
+        free: ordering a long queue it will not admit cost it about 4% of its time)."""
+        if take is not None and take <= 0:
+            return list(waiting)
         rows: Counter[str] = Counter(t.tenant for t in in_batch)
         # By identity: two queued requests may compare equal as dataclasses.
         arrival = {id(item): index for index, item in enumerate(waiting)}
@@ -76,7 +81,7 @@ class FairShare:
             queue.sort(key=lambda item: tenancy(item).priority)
         ordered: list[Item] = []
         heads = {name: 0 for name in queues}
-        while heads:
+        while heads and (take is None or len(ordered) < take):
             name = min(heads, key=lambda n: (rows[n] / shares[n], self._given[n] / shares[n],
                                              arrival[id(queues[n][heads[n]])]))
             ordered.append(queues[name][heads[name]])
@@ -84,6 +89,9 @@ class FairShare:
             heads[name] += 1
             if heads[name] == len(queues[name]):
                 del heads[name]
+        if heads:  # `take` reached: the rest as they came
+            picked = {id(item) for item in ordered}
+            ordered += [item for item in waiting if id(item) not in picked]
         return ordered
 
     def displace(self, waiting: Iterable[Tenancy], in_batch: Iterable[Tenancy]) -> list[str]:

@@ -41,6 +41,19 @@ def test_rows_in_the_batch_count() -> None:
     assert [i.tenancy.tenant for i in order[:4]] == ["b", "b", "b", "a"]
 
 
+def test_take_orders_only_the_first_picks() -> None:
+    """`take`: the same first picks as a full order, the rest in arrival order, each once."""
+    heavy, light = _items("a", 30, share=3), _items("b", 10, share=1)
+    waiting = [*heavy, *light]
+    full = FairShare().order(waiting, lambda i: i.tenancy, [Tenancy("a")] * 6)
+    for take in (1, 2, 5):
+        part = FairShare().order(waiting, lambda i: i.tenancy, [Tenancy("a")] * 6, take)
+        assert part[:take] == full[:take]
+        assert part[take:] == [i for i in waiting if i not in part[:take]]
+    assert full[0].tenancy.tenant == "b"  # below its share: first
+    assert FairShare().order(waiting, lambda i: i.tenancy, (), 0) == waiting
+
+
 def test_a_lone_tenant_keeps_arrival_order() -> None:
     waiting = _items("a", 5, share=0.5)
     assert FairShare().order(waiting, lambda i: i.tenancy, ()) == waiting
