@@ -177,6 +177,10 @@ class Waiting:
         """(those that may join now, in order; those that wait for a row). Within a tenant
         its preempted requests go first: they have streamed."""
         resumed = [q for q in pending if q.resumed is not None]
+        free = max(0, self._config.max_batch_size - len(in_batch))
+        # Only the rows free now are picked fairly (fair share: the rest wait in arrival
+        # order), unless the queue is past its bound: its fair order then says who is refused.
+        take = None if len(pending) > self.kv.max_waiting else free
         ordered = self._share.order(resumed + [q for q in pending if q.resumed is None],
                                     lambda q: q.sub.request.tenancy, in_batch)
         self._share.seen((q.sub.request.tenancy for q in pending), now)
