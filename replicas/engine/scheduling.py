@@ -182,7 +182,7 @@ class Waiting:
         # order), unless the queue is past its bound: its fair order then says who is refused.
         take = None if len(pending) > self.kv.max_waiting else free
         ordered = self._share.order(resumed + [q for q in pending if q.resumed is None],
-                                    lambda q: q.sub.request.tenancy, in_batch)
+                                    lambda q: q.sub.request.tenancy, in_batch, take)
         self._share.seen((q.sub.request.tenancy for q in pending), now)
         free = max(0, self._config.max_batch_size - len(in_batch))
         if free and len(ordered) >= free:  # the last row would be taken: may it be?
