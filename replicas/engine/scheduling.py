@@ -184,7 +184,6 @@ class Waiting:
         ordered = self._share.order(resumed + [q for q in pending if q.resumed is None],
                                     lambda q: q.sub.request.tenancy, in_batch, take)
         self._share.seen((q.sub.request.tenancy for q in pending), now)
-        free = max(0, self._config.max_batch_size - len(in_batch))
         if free and len(ordered) >= free:  # the last row would be taken: may it be?
             holders = {t.tenant for t in in_batch} | \
                 {q.sub.request.tenancy.tenant for q in ordered[:free - 1]}
