@@ -21,6 +21,7 @@ import mlx.core as mx
 import pytest
 
 from replicas.contract import Finished, GenerationRequest, SamplingParams, TextDelta, TokenPrompt
+from replicas.engine.config import EngineConfig
 from replicas.engine.kv.blocks import BLOCK_SIZE
 from replicas.engine.kv.budget import KvBudget
 from replicas.replica import ModelReplica, ReplicaOptions
@@ -51,7 +52,6 @@ def per_token() -> int:
 
 
 def _replica(per_token: int, paged: bool) -> ModelReplica:
-    from replicas.engine.config import EngineConfig
     engine = EngineConfig(kv_budget_bytes=BUDGET_TOKENS * per_token,
                           paged_kv="on" if paged else "off",
                           prompt_cache_bytes=CACHE_TOKENS * per_token)
