@@ -23,7 +23,8 @@ from replicas.contract import ErrorKind, Failed, Tenancy
 from replicas.engine.config import EngineConfig
 from replicas.engine.delivery import deliver
 from replicas.engine.fair_share import FairShare, TenantTally, tenanted, victim
-from replicas.engine.kv.budget import NO_BLOCKS, Bound, KvBudget
+from replicas.engine.kv.budget import Bound, KvBudget
+from replicas.engine.kv.shared_blocks import NO_BLOCKS
 from replicas.engine.kv.layout import CACHE_STEP
 from replicas.engine.request import EngineRequest, RequestOutput, Submitted
 from replicas.engine.batch.local import Prefill

@@ -13,8 +13,9 @@ from typing import Any, Sequence
 from replicas.contract import SamplingParams
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.blocks import BLOCK_SIZE
-from replicas.engine.kv.budget import NO_BLOCKS, KvBudget, Paging
+from replicas.engine.kv.budget import KvBudget, Paging
 from replicas.engine.kv.layout import KvLayout
+from replicas.engine.kv.shared_blocks import NO_BLOCKS
 from replicas.engine.request import EngineRequest, Submitted
 from replicas.engine.scheduling import Active, Waiting
 

@@ -14,10 +14,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.blocks import BLOCK_SIZE, BlockPool
-from replicas.engine.kv.budget import NO_BLOCKS, KvBudget, Paging, paging_plan
+from replicas.engine.kv.budget import KvBudget, Paging, paging_plan
 from replicas.engine.kv.paged import paged_layers
 from replicas.engine.kv.prefix_cache import PromptCache
 from replicas.engine.kv.rows import PagedRowKVCache
+from replicas.engine.kv.shared_blocks import NO_BLOCKS
 
 log = logging.getLogger(__name__)
 

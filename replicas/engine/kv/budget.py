@@ -18,7 +18,7 @@ every rank) and its budget, and admits by what the batch holds:
   the gather reserve; the budget is split between the rows' blocks, the gather and the
   prefix cache's share of the pool (`paging_plan`). A row reserves the blocks it will own
   (its unshared tokens, the partial block it copies on write, its growth); the full blocks
-  of a prefix cache hit it shares count once however many rows hold them (`Shares`), and
+  of a prefix cache hit it shares count once however many rows hold them (`shared_blocks`), and
   the prefix cache counts only the blocks no row holds.
 
 MLX's own memory limit is set from the same numbers on every rank, so a wrong figure
@@ -39,14 +39,14 @@ import os
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from collections import Counter
-from typing import Any, Callable, Hashable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from replicas.engine.kv.blocks import PoolStats
 from replicas.engine.kv.layout import CACHE_STEP, KvLayout, measure_kv
+from replicas.engine.kv.shared_blocks import NO_BLOCKS, SharedBlocks, Shares
 
 log = logging.getLogger(__name__)
 
@@ -221,20 +221,6 @@ def paging_plan(budget: int, per_token: int, layers: int, cache_bytes: int, bloc
 Item = TypeVar("Item")
 # Tells the prefix cache the most bytes it may hold from now on (it evicts down to that).
 Bound = Callable[[int], None]
-NO_BLOCKS: frozenset[int] = frozenset()
-
-
-class Shares(Protocol):
-    """What a paged batch tells admission of the prefix cache's blocks its rows share: the
-    ids (one layer's, every layer's alike) of the full blocks of a prefix hit."""
-
-    def would_share(self, tokens: Sequence[int], adapter: str | None) -> frozenset[int]:
-        """The blocks a row of this prompt would share if it joined now."""
-        ...
-
-    def shared_by(self, uid: int) -> frozenset[int] | None:
-        """The blocks row `uid` of the batch shares (None: not in the batch)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -263,11 +249,9 @@ class KvBudget:
         self.layout = layout
         self.max_waiting = max_waiting
         self._reserved: dict[Hashable, int] = {}
-        # Paged: the blocks each reservation shares (a prefix hit's full blocks), and how
-        # many reservations share each block; a block counts once in `_held_blocks`.
-        self._shared: dict[Hashable, frozenset[int]] = {}
-        self._sharers: Counter[int] = Counter()
-        self._shared_total = 0  # sum of `_shared`'s sizes
+        # Paged: the blocks each reservation shares (a prefix hit's full blocks), each
+        # counted once in `_held_blocks`.
+        self._shared = SharedBlocks()
         self._told: int | None = None  # the prefix cache's bound, as last told
         self._weighed = 0  # weights added at run time (`weigh`)
         self._paged_blocks: int | None = None  # the pool's blocks before any of them
@@ -293,36 +277,21 @@ class KvBudget:
 
     def _held_blocks(self, p: Paging) -> int:
         """The blocks the reservations hold: each its own, and each shared block once."""
-        shared = dict(self._shared)  # copies: `stats` reads this from another thread
+        shared = dict(self._shared.by_key)  # copies: `stats` reads this from another thread
         own = sum(p.blocks_for(t) - len(shared.get(k, NO_BLOCKS))
                   for k, t in list(self._reserved.items()))
-        return own + len(self._sharers)
-
-    def _share(self, key: Hashable, blocks: frozenset[int]) -> None:
-        if blocks:
-            self._shared[key] = blocks
-            self._sharers.update(blocks)
-            self._shared_total += len(blocks)
-
-    def _unshare(self, blocks: frozenset[int]) -> None:
-        self._shared_total -= len(blocks)
-        for b in blocks:
-            self._sharers[b] -= 1
-            if self._sharers[b] <= 0:
-                del self._sharers[b]
+        return own + len(self._shared)
 
     def settle(self, key: Hashable, shares: frozenset[int]) -> None:
         """`key`'s row shares `shares`, as the batch holds it (a hit may differ from what
         admission looked up: an entry evicted in between); the reservation follows."""
-        old = self._shared.get(key, NO_BLOCKS)
+        old = self._shared.of(key)
         if key not in self._reserved or old is shares:
             return
         if old != shares:
-            self._unshare(old)
-            self._shared.pop(key, None)
-            self._share(key, shares)
+            self._shared.set(key, shares)
         elif shares:
-            self._shared[key] = shares  # the batch's own set: the next check is `is`
+            self._shared.by_key[key] = shares  # the batch's own set: the next check is `is`
 
     @property
     def over(self) -> bool:
@@ -339,23 +308,12 @@ class KvBudget:
         request will share (None: as reserved before), count once among all holders."""
         others = [t for k, t in self._reserved.items() if k != key]
         if (p := self.paging) is not None:
-            old = self._shared.get(key, NO_BLOCKS)
-            if shares is None or shares is old:  # growth: what it shares stays put
-                new, union = old, len(self._sharers)
-            else:
-                new = shares
-                union = len(self._sharers) \
-                    + sum(1 for b in new if b not in self._sharers) \
-                    - sum(1 for b in old if self._sharers[b] == 1 and b not in new)
-            # Of the rows' blocks, those more than one row counts: held once.
-            twice = self._shared_total - len(old) + len(new) - union
-            if not p.fits([tokens, *others], twice):
+            new = self._shared.of(key) if shares is None else shares
+            if not p.fits([tokens, *others], self._shared.twice(key, new)):
                 return False
             self._bound(p.cache_bytes, bound)
             self._reserved[key] = tokens
-            if new is not old:
-                self._unshare(self._shared.pop(key, NO_BLOCKS))
-                self._share(key, new)
+            self._shared.set(key, new)
             return True
         want = round_up(tokens)
         room = self.budget_bytes - self.held(len(others) + 1, max([want, *others]))
@@ -388,7 +346,7 @@ class KvBudget:
 
     def release(self, key: Hashable) -> None:
         self._reserved.pop(key, None)
-        self._unshare(self._shared.pop(key, NO_BLOCKS))
+        self._shared.drop(key)
 
     def take(self, pending: Sequence[Item], key: Callable[[Item], Hashable],
              tokens: Callable[[Item], int], bound: Bound,
