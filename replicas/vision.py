@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten
 
 from replicas.contract import ImageData
 from replicas.engine.model.bidirectional import image_blocks
+from replicas.engine.model import deepstack
 from replicas.engine.model.mrope import install
 from replicas.engine.request import PromptEmbeddings
 from replicas.errors import InvalidRequestError
@@ -52,9 +53,12 @@ from replicas.timings import Timings
 # `builtin:vision-qwen` and `builtin:vision-qwen25`; test_vision_gemma.py on
 # `builtin:vision-gemma3`).
 VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl",
-                                                "gemma3"})
+                                                "qwen3_vl", "gemma3"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
-MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl"})
+MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+# Those that add vision blocks' features after the first decoder layers
+# (`replicas.engine.model.deepstack`; test_vision_qwen.py on `builtin:vision-qwen3`).
+DEEPSTACK_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_vl"})
 # Those whose image tokens attend to each other both ways (`model.bidirectional`).
 BIDIRECTIONAL_MODEL_TYPES: frozenset[str] = frozenset({"gemma3"})
 
@@ -92,9 +96,10 @@ class VisionModel:
 
     def __init__(self, encoder: nn.Module, processor: Any, image_token_id: int,
                  timings: Timings, mrope: bool = False, end: int | None = None,
-                 bidirectional: bool = False) -> None:
+                 bidirectional: bool = False, deepstacked: bool = False) -> None:
         self._encoder = encoder
         self._mrope = mrope  # the prefix's 3-D positions go with its embeddings
+        self._deepstack = deepstacked  # and DeepStack's additions with both (Qwen3-VL)
         # Each image's span goes with them, attending both ways (Gemma); tests turn it off
         # to show that it matters.
         self.bidirectional = self._gemma = bidirectional
@@ -128,6 +133,10 @@ class VisionModel:
             mrope = encoder.config.model_type in MROPE_MODEL_TYPES
             if mrope:  # mlx-lm's layers, with mlx-vlm's rotary embedding for image prefixes
                 install(language_model, text.layers[0].self_attn.rotary_emb)
+            deepstacked = encoder.config.model_type in DEEPSTACK_MODEL_TYPES
+            if deepstacked:  # its first layers add the tower's earlier blocks' features
+                levels = len(encoder.config.vision_config.deepstack_visual_indexes)
+                deepstack.install(language_model, levels)
             text.embed_tokens = _embed_tokens(language_model)
             text.layers = []  # mlx-lm's copy runs them; these are never read
             weights: dict[str, mx.array] = dict(tree_flatten(encoder.parameters()))
@@ -140,7 +149,8 @@ class VisionModel:
         config = json.loads((Path(path) / "config.json").read_text())
         end = config.get("vision_end_token_id", config.get("eoi_token_index"))  # Qwen's, Gemma's
         return cls(encoder, processor, token, timings, mrope, end,
-                   bidirectional=encoder.config.model_type in BIDIRECTIONAL_MODEL_TYPES)
+                   bidirectional=encoder.config.model_type in BIDIRECTIONAL_MODEL_TYPES,
+                   deepstacked=deepstacked)
 
     def prompt(self, text: str, images: Sequence[ImageData]) -> RenderedPrompt:
         """`text` (the chat template's output, one image token per image) and its images
@@ -174,6 +184,7 @@ class VisionModel:
         blocks = image_blocks(ids[:length], self.image_token_id) if self.bidirectional else ()
         delta = _rope_delta(inputs["image_grid_thw"], self._merge) if self._mrope else 0
         encoder, timings, mrope = self._encoder, self._timings, self._mrope
+        deepstacked, image_token = self._deepstack, self.image_token_id
 
         def compute() -> Any:
             started = time.perf_counter()
@@ -187,7 +198,12 @@ class VisionModel:
                 return embeddings
             if int(features.rope_deltas.reshape(-1)[0].item()) != delta:
                 raise ValueError(f"mlx-vlm's rope delta {features.rope_deltas} is not {delta}")
-            return embeddings, features.position_ids
+            if not deepstacked:
+                return embeddings, features.position_ids
+            additions = deepstack.dense(ids[:length], image_token,
+                                        features.deepstack_visual_embeds)
+            mx.eval(additions)
+            return embeddings, features.position_ids, additions
 
         return RenderedPrompt(tuple(ids), text,
                               PromptEmbeddings(tuple(key), compute, rope_delta=delta,

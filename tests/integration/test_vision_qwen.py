@@ -38,7 +38,7 @@ from tests.vision_requests import (
     tokens,
 )
 
-SOURCES = ["builtin:vision-qwen", "builtin:vision-qwen25"]
+SOURCES = ["builtin:vision-qwen", "builtin:vision-qwen25", "builtin:vision-qwen3"]
 
 
 @pytest.fixture(scope="module", params=SOURCES)

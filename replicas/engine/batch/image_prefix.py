@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from replicas.engine.model.bidirectional import chunk_end, overlaid
+from replicas.engine.model.deepstack import deepstack_of
 from replicas.engine.model.mrope import RowPositions
 
 if TYPE_CHECKING:  # local imports this module
@@ -47,10 +48,15 @@ def prefill_chunk(model: nn.Module, prefill: Prefill, step: int, stream: mx.Stre
     with mx.stream(stream):
         if prefill.embeddings is None:
             prefill.embeddings = row.embeddings.compute()
-        embeddings, explicit = (prefill.embeddings if isinstance(prefill.embeddings, tuple)
-                                else (prefill.embeddings, None))
+        # The embeddings; with M-RoPE their 3-D positions; with DeepStack its additions.
+        embeddings, explicit, additions = (
+            (*prefill.embeddings, None)[:3] if isinstance(prefill.embeddings, tuple)
+            else (prefill.embeddings, None, None))
+        stack = deepstack_of(model)
         with (positions.explicit(explicit[:, :, start:end])
-              if positions is not None and explicit is not None else nullcontext()):
+              if positions is not None and explicit is not None else nullcontext()), \
+             (stack.adding(additions[:, None, start:end])
+              if stack is not None and additions is not None else nullcontext()):
             model(mx.array([row.prompt_ids[start:end]]),
                   cache=overlaid(prefill.cache, start, end, blocks),
                   input_embeddings=embeddings[None, start:end])
