@@ -17,7 +17,9 @@ naming it, unless config says `kind: text`. Qwen-VL's language model takes 3-D r
 positions (M-RoPE, `MROPE_MODEL_TYPES`): its image prefix is prefilled with mlx-vlm's
 positions (`get_rope_index`, returned with the embeddings), and every later token of the row
 sits at its offset plus the row's `rope_delta` (`PromptEmbeddings.rope_delta`), which the
-batch applies per row through mlx-lm's layers (`replicas.engine.model.mrope`). Gemma 3's
+batch applies per row through mlx-lm's layers (`replicas.engine.model.mrope`). Qwen3-VL's
+prefix also carries DeepStack's features, added after the first layers at its image
+tokens (`DEEPSTACK_MODEL_TYPES`, `replicas.engine.model.deepstack`). Gemma 3's
 image tokens attend to each other both ways (`BIDIRECTIONAL_MODEL_TYPES`): the prefix
 carries each image's span (`PromptEmbeddings.blocks`), which the batch prefills whole under
 that mask (`replicas.engine.model.bidirectional`).

@@ -3,7 +3,8 @@
 
 The vision tower runs with the first chunk. Each chunk is a one-row forward of mlx-lm's
 language model over the prefix's embeddings; with M-RoPE under mlx-vlm's 3-D positions
-(`replicas.engine.model.mrope`), and for Gemma under a mask with each image's tokens
+(`replicas.engine.model.mrope`) and for Qwen3-VL with DeepStack's additions after the first
+layers (`replicas.engine.model.deepstack`), and for Gemma under a mask with each image's tokens
 attending to each other both ways (`replicas.engine.model.bidirectional`), a chunk then
 ending before an image rather than inside it.
 """
