@@ -46,5 +46,7 @@ def test_which_checkpoints_see() -> None:
     with pytest.raises(VisionUnsupported, match="model type gemma4 has a vision tower"):
         sees(gemma4)  # never text only by surprise
     assert not sees(gemma4, "text")
+    with pytest.raises(VisionUnsupported, match="model type qwen3_vl_moe has a vision tower"):
+        sees({"model_type": "qwen3_vl_moe", "vision_config": {}})  # dense Qwen3-VL only
     with pytest.raises(VisionUnsupported, match="images are served only for model types"):
         sees({"model_type": "qwen3"}, "vision")
