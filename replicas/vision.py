@@ -55,12 +55,14 @@ from replicas.timings import Timings
 # `builtin:vision-qwen` and `builtin:vision-qwen25`; test_vision_gemma.py on
 # `builtin:vision-gemma3`).
 VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl",
-                                                "qwen3_vl", "gemma3"})
+                                                "qwen3_vl", "qwen3_vl_moe", "gemma3"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
-MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                                              "qwen3_vl_moe"})
 # Those that add vision blocks' features after the first decoder layers
-# (`replicas.engine.model.deepstack`; test_vision_qwen.py on `builtin:vision-qwen3`).
-DEEPSTACK_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_vl"})
+# (`replicas.engine.model.deepstack`; test_vision_qwen.py on `builtin:vision-qwen3` and
+# `builtin:vision-qwen3-moe`).
+DEEPSTACK_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 # Those whose image tokens attend to each other both ways (`model.bidirectional`).
 BIDIRECTIONAL_MODEL_TYPES: frozenset[str] = frozenset({"gemma3"})
 

@@ -1,6 +1,7 @@
-"""Qwen2-VL and Qwen2.5-VL models (`builtin:vision-qwen`, `builtin:vision-qwen25`) in a
-replica in-process: multimodal rotary positions (M-RoPE) with the language model driven by
-the ordinary batch. Their answers are mlx-vlm's own, token for token, with 0, 1 and 2
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE (`builtin:vision-qwen`,
+`builtin:vision-qwen25`, `builtin:vision-qwen3`, `builtin:vision-qwen3-moe`) in a replica
+in-process: multimodal rotary positions (M-RoPE) with the language model driven by the
+ordinary batch. Their answers are mlx-vlm's own, token for token, with 0, 1 and 2
 images, alone and batched beside text rows, prefilled in chunks and from the prefix cache;
 a resumed stream and preempted rows continue exactly.
 
@@ -38,7 +39,8 @@ from tests.vision_requests import (
     tokens,
 )
 
-SOURCES = ["builtin:vision-qwen", "builtin:vision-qwen25", "builtin:vision-qwen3"]
+SOURCES = ["builtin:vision-qwen", "builtin:vision-qwen25", "builtin:vision-qwen3",
+           "builtin:vision-qwen3-moe"]
 
 
 @pytest.fixture(scope="module", params=SOURCES)
