@@ -9,12 +9,9 @@ tokens, asked back to back. `LightTenant` (one): chat streams of `--light-tokens
 next as soon as one ends, after `--light-delay` seconds (the heavy streams' warm-up). Both
 send `--logit-bias` (a JSON object; the runner bans the model's end tokens, so each stream
 runs to its length). Each stream is one POST entry named after its tenant, then request
-events of that name: `TTFT` (request sent -> first content, ms) and `TOKENS` (completion
-tokens: one event each `TOKENS_EVERY` content chunks as it streams, the rest by its usage
-at its end, so a stream the run's end cuts off still counts most of what it streamed: a
-256-token stream counted only when it ended made the tokens/s of two runs differ by up to
-a wave of 16 such streams). `python -m load.locust.run_tenants` runs them against Orchard
-with and without fair share.
+events of that name: `TTFT` (request sent -> first content, ms) and `TOKENS` (its
+completion tokens). `python -m load.locust.run_tenants` runs them against Orchard with
+and without fair share.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from locust.exception import StopUser
 from run_load import loopback_error
 
 PROMPTS = {"heavy": "Tell me about the ocean.", "light": "Hello!"}
-TOKENS_EVERY = 32
 
 
 @events.init_command_line_parser.add_listener
@@ -89,7 +85,7 @@ class _Tenant(HttpUser):
                 "stream_options": {"include_usage": True},
                 "logit_bias": json.loads(options.logit_bias)}
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        start, first, made, counted, chunks = time.perf_counter(), None, 0, 0, 0
+        start, first, made = time.perf_counter(), None, 0
         with self.client.post("/v1/chat/completions", json=body, headers=headers, stream=True,
                               catch_response=True, name=self.tenant) as response:
             if response.status_code != 200:
@@ -97,13 +93,8 @@ class _Tenant(HttpUser):
                 return
             try:
                 for line in content_lines(response):
-                    if '"content":"' in line and '"content":""' not in line:
-                        if first is None:
-                            first = time.perf_counter() - start
-                        chunks += 1
-                        if chunks % TOKENS_EVERY == 0:  # a chunk is a token or more
-                            self._metric("TOKENS", TOKENS_EVERY)
-                            counted += TOKENS_EVERY
+                    if first is None and '"content":"' in line and '"content":""' not in line:
+                        first = time.perf_counter() - start
                     if '"completion_tokens":' in line:
                         made = json.loads(line.removeprefix("data: "))["usage"][
                             "completion_tokens"]
@@ -115,7 +106,7 @@ class _Tenant(HttpUser):
                 return
             response.success()
         self._metric("TTFT", first * 1000)
-        self._metric("TOKENS", made - counted)
+        self._metric("TOKENS", made)
 
     def _metric(self, kind: str, value: float) -> None:
         self.environment.events.request.fire(
