@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -93,22 +94,29 @@ def test_an_idle_paged_replica_with_no_budget_holds_what_it_used() -> None:
     """No `kv_budget_bytes`: the budget is most of the machine (and the pool's cap is its
     blocks, about 1 GiB here for builtin:tiny); after a request the replica holds a few
     blocks' arrays, not the pool's cap."""
-    gc.collect()
-    base = mx.get_active_memory()
     rep = ModelReplica(ReplicaOptions(model_id="tiny", source="builtin:tiny", engine=EngineConfig(
         paged_kv="on", prompt_cache_bytes=0)))
     rep.start()
     try:
+        gc.collect()
+        base = mx.get_active_memory()  # the weights loaded, no KV yet
         request = GenerationRequest(request_id="r", model="tiny",
                                     prompt=TokenPrompt(tuple(range(3, 60))),
                                     sampling=SamplingParams(temperature=0.0, max_tokens=8))
         events: list[Any] = asyncio.run(collect(rep.stream(request)))
         assert events
         stats = rep.stats().memory
+        deadline = time.monotonic() + 60  # the engine thread frees the row after its last event
+        while stats is not None and stats.blocks is not None and stats.blocks.used \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+            stats = rep.stats().memory
         assert stats is not None and stats.blocks is not None
         cap = stats.blocks.total * stats.blocks.block_size * stats.layout.per_token
-        held = mx.get_active_memory() - base  # weights, the pool's arrays, MLX's own
+        # What the first round added: the pool's arrays (the whole cap before they grew
+        # with use), with room left for whatever else this test process allocates.
+        held = mx.get_active_memory() - base
         assert stats.blocks.used == 0 and 0 < stats.blocks.allocated <= 2 * MIN_BLOCKS
-        assert cap > 512 * 1024**2 and held < cap // 16, (held, cap)
+        assert cap > 512 * 1024**2 and held < cap // 4, (held, cap)
     finally:
         rep.shutdown()
