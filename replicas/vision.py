@@ -19,7 +19,9 @@ positions (`get_rope_index`, returned with the embeddings), and every later toke
 sits at its offset plus the row's `rope_delta` (`PromptEmbeddings.rope_delta`), which the
 batch applies per row through mlx-lm's layers (`replicas.engine.model.mrope`). Qwen3-VL's
 prefix also carries DeepStack's features, added after the first layers at its image
-tokens (`DEEPSTACK_MODEL_TYPES`, `replicas.engine.model.deepstack`). Gemma 3's
+tokens (`DEEPSTACK_MODEL_TYPES`, `replicas.engine.model.deepstack`); Qwen3.5's hybrid
+language model rotates only in its full-attention layers (its linear-attention layers keep a
+recurrent state, prefilled over the prefix like a text prompt's). Gemma 3's
 image tokens attend to each other both ways (`BIDIRECTIONAL_MODEL_TYPES`): the prefix
 carries each image's span (`PromptEmbeddings.blocks`), which the batch prefills whole under
 that mask (`replicas.engine.model.bidirectional`).
@@ -52,13 +54,15 @@ from replicas.timings import Timings
 
 # Model types served with images: each checked against mlx-vlm's generation
 # (tests/integration/test_vision.py on `builtin:vision`, a mistral3; test_vision_qwen.py on
-# `builtin:vision-qwen` and `builtin:vision-qwen25`; test_vision_gemma.py on
+# `builtin:vision-qwen`, `builtin:vision-qwen25`, `builtin:vision-qwen3`,
+# `builtin:vision-qwen3-moe` and `builtin:vision-qwen35`; test_vision_gemma.py on
 # `builtin:vision-gemma3`).
 VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl",
-                                                "qwen3_vl", "qwen3_vl_moe", "gemma3"})
+                                                "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                                "gemma3"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
 MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                                              "qwen3_vl_moe"})
+                                              "qwen3_vl_moe", "qwen3_5"})
 # Those that add vision blocks' features after the first decoder layers
 # (`replicas.engine.model.deepstack`; test_vision_qwen.py on `builtin:vision-qwen3` and
 # `builtin:vision-qwen3-moe`).
@@ -136,7 +140,10 @@ class VisionModel:
             text = encoder.language_model.model
             mrope = encoder.config.model_type in MROPE_MODEL_TYPES
             if mrope:  # mlx-lm's layers, with mlx-vlm's rotary embedding for image prefixes
-                install(language_model, text.layers[0].self_attn.rotary_emb)
+                # (Qwen3.5's linear-attention layers have none: a full-attention layer's)
+                attention = next(a for a in (getattr(la, "self_attn", None)
+                                             for la in text.layers) if a is not None)
+                install(language_model, attention.rotary_emb)
             deepstacked = encoder.config.model_type in DEEPSTACK_MODEL_TYPES
             if deepstacked:  # its first layers add the tower's earlier blocks' features
                 levels = len(encoder.config.vision_config.deepstack_visual_indexes)

@@ -12,7 +12,8 @@ that mlx-lm's `qwen2_vl` model runs. So only two things differ from a text model
 Each layer's `rope` becomes an `MRope`, which adds the current forward's per-row deltas to
 the offset mlx-lm passes. The batch sets them by uid around each forward it builds
 (`RowPositions.of`, as `Slots` does for LoRA); rows without a delta (text) add nothing, and
-a forward with none at all is mlx-lm's, unchanged.
+a forward with none at all is mlx-lm's, unchanged. A hybrid model's linear-attention layers
+(Qwen3.5) have no rope: they are left as they are.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def install(model: nn.Module, rotary: Any) -> RowPositions:
     they read. `rotary`: mlx-vlm's rotary embedding for the same model."""
     rows = RowPositions()
     for layer in model.layers:  # type: ignore[union-attr]
-        attention = layer.self_attn
+        attention = getattr(layer, "self_attn", None)
+        if attention is None:  # linear attention (Qwen3.5): no positions
+            continue
         attention.rope = MRope(attention.rope, rotary, rows)
     model._row_positions = rows  # type: ignore[union-attr]  # not a parameter: a plain attribute
     return rows

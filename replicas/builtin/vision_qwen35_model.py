@@ -1,0 +1,135 @@
+"""`builtin:vision-qwen35`: a tiny vision-language model laid out as Qwen3.5 (`qwen3_5`): a
+hybrid text model whose layers are linear attention (gated delta: a fixed recurrent state
+per sequence) but for every `full_attention_interval`-th (Qwen3.5's 4th, here every 2nd),
+full attention with a gated query and partial interleaved M-RoPE; Qwen3-VL's vision tower
+without DeepStack.
+
+Random weights made by mlx-vlm's own `qwen3_5` classes, under the names mlx-vlm saves (MLX
+layouts, so neither loader shifts the norms or moves the convolution's axes); mlx-lm reads
+the `text_config` as its `qwen3_5` text model. `builtin:vision-qwen3`'s tokenizer, template
+and processor (vision_qwen3_model.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..startup import Progress
+from .build import cached_build, default_cache_root, save_random_model
+from .chat_template import chat_template
+from .recipe import cache_key
+from .scripts import parse_scripts, scripts_text
+from .tokenizer_files import (
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    token_id,
+    train_tokenizer,
+    training_texts,
+    write_json,
+    write_tokenizer_files,
+)
+from .vision_qwen3_model import RECIPE as DENSE_RECIPE
+from .vision_qwen3_model import TEXT, VISION
+from .vision_qwen_model import (
+    _IMAGE_MEAN,
+    _IMAGE_STD,
+    IMAGE_PAD,
+    IMAGE_PART,
+    MAX_PIXELS,
+    MERGE_SIZE,
+    MIN_PIXELS,
+    PATCH_SIZE,
+    TEMPORAL_PATCH,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    _tokenizer_config,
+)
+
+log = logging.getLogger(__name__)
+
+NAME = "vision-qwen35"
+RECIPE = replace(DENSE_RECIPE, name=NAME)
+# Four layers, linear attention at 0 and 2, full at 1 and 3. Heads of 64 rotated over their
+# first 16 dimensions (a quarter, as Qwen3.5's), in interleaved sections of 3, 3 and 2.
+HYBRID: dict[str, Any] = {
+    "num_hidden_layers": 4, "full_attention_interval": 2, "head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [3, 3, 2],
+                        "mrope_interleaved": True, "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25},
+}
+SEED = 20251208
+DTYPE = "float32"
+
+
+def ensure_vision_qwen35_model(cache_dir: Path | None = None) -> Path:
+    """The cached directory of `builtin:vision-qwen35`, built first if missing (seconds)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    text = scripts_text()
+    key = cache_key(RECIPE, text + repr(sorted(VISION.items())) + repr(sorted(HYBRID.items()))
+                    + chat_template(IMAGE_PART))
+
+    def make(tmp: Path) -> None:
+        with Progress(f"building the built-in model builtin:{NAME}",
+                      f"once (cached in {root}), a few seconds"):
+            build_vision_qwen35_model(tmp, text, key)
+
+    return cached_build(root, key, make)
+
+
+def build_vision_qwen35_model(out_dir: Path, scripts: str, key: str) -> None:
+    vision_tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+    tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2,
+                                special=(*SPECIAL_TOKENS, *vision_tokens))
+    eos = write_tokenizer_files(tokenizer, out_dir, TEXT.max_position_embeddings)
+    _tokenizer_config(out_dir, tokenizer, vision_tokens)
+    pad = token_id(tokenizer, PAD_TOKEN)
+    text = TEXT.config(tokenizer.get_vocab_size(), eos, pad, DTYPE)
+    text.update(copy.deepcopy(HYBRID))  # mlx-vlm's config renames keys in place
+    text.update({"model_type": "qwen3_5_text", "tie_word_embeddings": False})
+    for derived in ("architectures", "rope_theta"):
+        text.pop(derived)
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": {**VISION, "model_type": "qwen3_5", "deepstack_visual_indexes": []},
+        "image_token_id": token_id(tokenizer, IMAGE_PAD),
+        "video_token_id": token_id(tokenizer, VIDEO_PAD),
+        "vision_start_token_id": token_id(tokenizer, VISION_START),
+        "vision_end_token_id": token_id(tokenizer, VISION_END),
+        "tie_word_embeddings": False, "eos_token_id": [eos], "torch_dtype": DTYPE,
+    }
+    write_json(out_dir / "config.json", config)
+    write_json(out_dir / "generation_config.json",
+               {"bos_token_id": pad, "eos_token_id": [eos], "pad_token_id": pad})
+    write_json(out_dir / "preprocessor_config.json", {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH,
+        "merge_size": MERGE_SIZE, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": _IMAGE_MEAN, "image_std": _IMAGE_STD,
+        "do_convert_rgb": True, "resample": 3})
+    weights = _random_weights(config)
+    parameters = save_random_model(out_dir, weights, name=NAME, key=key, seed=SEED)
+    log.info("built builtin:%s (%d parameters)", NAME, parameters)
+
+
+def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
+    """mlx-vlm's own Qwen3.5 model with its initial (random) weights, under the names
+    mlx-vlm saves."""
+    from mlx_vlm.models import qwen3_5
+
+    mx.random.seed(SEED)
+    model = qwen3_5.Model(qwen3_5.ModelConfig.from_dict(dict(config)))
+    weights = dict(tree_flatten(model.parameters()))
+    return {name: value.astype(getattr(mx, DTYPE)) for name, value in weights.items()}
