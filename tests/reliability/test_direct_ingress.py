@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.reliability.wire import openai_chat, running_stream, send  # noqa: E402
-from tests.serve_process import ServeProcess, free_port, listeners, private_serve  # noqa: E402
+from tests.serve_process import ServeProcess, listeners, private_serve, stop  # noqa: E402
 
 pytestmark = pytest.mark.reliability
 
@@ -95,18 +95,21 @@ def test_a_killed_replica_ends_its_stream_and_its_replacement_takes_the_port(
 
 
 def test_serve_run_again_takes_the_port_its_last_run_closed(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        shipped: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A `serve run` stopped while clients held keep-alive connections, as SDKs do, leaves
     the port's side of them in TIME_WAIT for a minute; the next run's replica must bind over
     it, as Serve's proxy binds (`serve_options.bind_like_serves_proxy`). Ray 2.60's own
-    direct-ingress bind fails there, and Serve then blocks the port: the app never comes up."""
-    port = free_port()
-    models = [{"id": MODEL, "source": "builtin:tiny", "num_replicas": 1}]
-    with private_serve(tmp_path_factory.mktemp("first"), models, ("tiny",), port=port):
-        idle = keep_alive(port)
+    direct-ingress bind fails there, and Serve then blocks the port: the app never comes up.
+
+    The module's own run is the one stopped (last in the file, so the tests above ran on
+    it first): one `serve run` fewer than starting a first run here."""
+    port = port_of(shipped)
+    idle = keep_alive(port)
+    stop(shipped.proc)  # Ctrl-C, as a person stops it; the fixture's own stop is then a no-op
     assert idle.recv(1) == b""  # the stopped server closed it first
     idle.close()
     assert time_waits(port), "nothing lingers on the port: the test would prove nothing"
+    models = [{"id": MODEL, "source": "builtin:tiny", "num_replicas": 1}]
     with private_serve(tmp_path_factory.mktemp("again"), models, ("tiny",), port=port) as again:
         answer = httpx.post(f"{again.base_url}/v1/chat/completions", timeout=60,
                             json=openai_chat(MODEL, stream=False))
