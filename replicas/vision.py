@@ -55,14 +55,15 @@ from replicas.timings import Timings
 # Model types served with images: each checked against mlx-vlm's generation
 # (tests/integration/test_vision.py on `builtin:vision`, a mistral3; test_vision_qwen.py on
 # `builtin:vision-qwen`, `builtin:vision-qwen25`, `builtin:vision-qwen3`,
-# `builtin:vision-qwen3-moe` and `builtin:vision-qwen35`; test_vision_gemma.py on
+# `builtin:vision-qwen3-moe`, `builtin:vision-qwen35` and `builtin:vision-qwen35-moe`;
+# test_vision_gemma.py on
 # `builtin:vision-gemma3`).
 VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl",
                                                 "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                                                "gemma3"})
+                                                "qwen3_5_moe", "gemma3"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
 MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                                              "qwen3_vl_moe", "qwen3_5"})
+                                              "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 # Those that add vision blocks' features after the first decoder layers
 # (`replicas.engine.model.deepstack`; test_vision_qwen.py on `builtin:vision-qwen3` and
 # `builtin:vision-qwen3-moe`).

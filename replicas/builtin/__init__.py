@@ -9,7 +9,8 @@ vision-language model laid out as Mistral Small 3.x (vision_model.py), `builtin:
 and `builtin:vision-qwen25` ones laid out as Qwen2-VL and Qwen2.5-VL (vision_qwen_model.py),
 `builtin:vision-qwen3` one laid out as Qwen3-VL (vision_qwen3_model.py),
 `builtin:vision-qwen3-moe` one laid out as Qwen3-VL's MoE (vision_qwen3_moe_model.py),
-`builtin:vision-qwen35` one laid out as Qwen3.5, hybrid (vision_qwen35_model.py),
+`builtin:vision-qwen35` and `builtin:vision-qwen35-moe` ones laid out as Qwen3.5 and its MoE,
+hybrid (vision_qwen35_model.py),
 `builtin:vision-gemma3` one laid out as Gemma 3 (vision_gemma_model.py); `builtin:rerank` a
 Qwen3-Reranker-style decoder, `builtin:cross-encoder` a ModernBERT cross-encoder and
 `builtin:cross-encoder-bert` a BERT one (rerank_model.py); `builtin:fmt-<format>`
@@ -45,7 +46,7 @@ from .vision_qwen3_model import NAME as VISION_QWEN3_NAME
 from .vision_qwen3_model import ensure_vision_qwen3_model
 from .vision_qwen3_moe_model import NAME as VISION_QWEN3_MOE_NAME
 from .vision_qwen3_moe_model import ensure_vision_qwen3_moe_model
-from .vision_qwen35_model import NAME as VISION_QWEN35_NAME
+from .vision_qwen35_model import VARIANTS as VISION_QWEN35_NAMES
 from .vision_qwen35_model import ensure_vision_qwen35_model
 from .scripts import Message, Script, load_scripts, script
 
@@ -53,7 +54,7 @@ from .scripts import Message, Script, load_scripts, script
 # (`fmt-<tool format>`, family_models.py).
 BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, EMBED_NAME, ENCODER_NAME, VISION_NAME,
                                   *VISION_QWEN_NAMES, VISION_QWEN3_NAME, VISION_QWEN3_MOE_NAME,
-                                  VISION_QWEN35_NAME, VISION_GEMMA_NAME,
+                                  *VISION_QWEN35_NAMES, VISION_GEMMA_NAME,
                                   RERANK_NAME, CROSS_ENCODER_NAME, BERT_CROSS_ENCODER_NAME,
                                   *FAMILY_MODELS)
 
@@ -75,8 +76,8 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
         return ensure_vision_qwen3_model(cache_dir)
     if name == VISION_QWEN3_MOE_NAME:
         return ensure_vision_qwen3_moe_model(cache_dir)
-    if name == VISION_QWEN35_NAME:
-        return ensure_vision_qwen35_model(cache_dir)
+    if name in VISION_QWEN35_NAMES:
+        return ensure_vision_qwen35_model(name, cache_dir)
     if name == VISION_GEMMA_NAME:
         return ensure_vision_gemma_model(cache_dir)
     if name == ENCODER_NAME:

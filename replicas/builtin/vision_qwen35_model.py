@@ -2,7 +2,8 @@
 hybrid text model whose layers are linear attention (gated delta: a fixed recurrent state
 per sequence) but for every `full_attention_interval`-th (Qwen3.5's 4th, here every 2nd),
 full attention with a gated query and partial interleaved M-RoPE; Qwen3-VL's vision tower
-without DeepStack.
+without DeepStack. `builtin:vision-qwen35-moe` is the same with Qwen3.5's MoE (`qwen3_5_moe`):
+each layer's MLP routed experts plus a gated shared expert.
 
 Random weights made by mlx-vlm's own `qwen3_5` classes, under the names mlx-vlm saves (MLX
 layouts, so neither loader shifts the norms or moves the convolution's axes); mlx-lm reads
@@ -13,6 +14,7 @@ and processor (vision_qwen3_model.py).
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -56,7 +58,7 @@ from .vision_qwen_model import (
 log = logging.getLogger(__name__)
 
 NAME = "vision-qwen35"
-RECIPE = replace(DENSE_RECIPE, name=NAME)
+MOE_NAME = "vision-qwen35-moe"
 # Four layers, linear attention at 0 and 2, full at 1 and 3. Heads of 64 rotated over their
 # first 16 dimensions (a quarter, as Qwen3.5's), in interleaved sections of 3, 3 and 2.
 HYBRID: dict[str, Any] = {
@@ -67,26 +69,39 @@ HYBRID: dict[str, Any] = {
                         "mrope_interleaved": True, "rope_theta": 10000000.0,
                         "partial_rotary_factor": 0.25},
 }
+# Qwen3.5's MoE: 4 routed experts, 2 per token, and a shared expert behind a sigmoid gate.
+MOE: dict[str, Any] = {
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64, "norm_topk_prob": True,
+}
+# name: model type, architecture, what the text config adds
+VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    NAME: ("qwen3_5", "Qwen3_5ForConditionalGeneration", {}),
+    MOE_NAME: ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", MOE),
+}
 SEED = 20251208
 DTYPE = "float32"
 
 
-def ensure_vision_qwen35_model(cache_dir: Path | None = None) -> Path:
-    """The cached directory of `builtin:vision-qwen35`, built first if missing (seconds)."""
+def ensure_vision_qwen35_model(name: str = NAME, cache_dir: Path | None = None) -> Path:
+    """The cached directory of `builtin:<name>` (a `VARIANTS` name), built first if missing
+    (seconds)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     text = scripts_text()
-    key = cache_key(RECIPE, text + repr(sorted(VISION.items())) + repr(sorted(HYBRID.items()))
-                    + chat_template(IMAGE_PART))
+    key = cache_key(replace(DENSE_RECIPE, name=name),
+                    text + repr(sorted(VISION.items())) + repr(sorted(HYBRID.items()))
+                    + repr(VARIANTS[name]) + chat_template(IMAGE_PART))
 
     def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{NAME}",
+        with Progress(f"building the built-in model builtin:{name}",
                       f"once (cached in {root}), a few seconds"):
-            build_vision_qwen35_model(tmp, text, key)
+            build_vision_qwen35_model(tmp, text, key, name)
 
     return cached_build(root, key, make)
 
 
-def build_vision_qwen35_model(out_dir: Path, scripts: str, key: str) -> None:
+def build_vision_qwen35_model(out_dir: Path, scripts: str, key: str, name: str = NAME) -> None:
+    model_type, architecture, text_extra = VARIANTS[name]
     vision_tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
     tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2,
                                 special=(*SPECIAL_TOKENS, *vision_tokens))
@@ -95,13 +110,13 @@ def build_vision_qwen35_model(out_dir: Path, scripts: str, key: str) -> None:
     pad = token_id(tokenizer, PAD_TOKEN)
     text = TEXT.config(tokenizer.get_vocab_size(), eos, pad, DTYPE)
     text.update(copy.deepcopy(HYBRID))  # mlx-vlm's config renames keys in place
-    text.update({"model_type": "qwen3_5_text", "tie_word_embeddings": False})
+    text.update(text_extra)
+    text.update({"model_type": f"{model_type}_text", "tie_word_embeddings": False})
     for derived in ("architectures", "rope_theta"):
         text.pop(derived)
     config = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": text,
-        "vision_config": {**VISION, "model_type": "qwen3_5", "deepstack_visual_indexes": []},
+        "architectures": [architecture], "model_type": model_type, "text_config": text,
+        "vision_config": {**VISION, "model_type": model_type, "deepstack_visual_indexes": []},
         "image_token_id": token_id(tokenizer, IMAGE_PAD),
         "video_token_id": token_id(tokenizer, VIDEO_PAD),
         "vision_start_token_id": token_id(tokenizer, VISION_START),
@@ -120,16 +135,15 @@ def build_vision_qwen35_model(out_dir: Path, scripts: str, key: str) -> None:
         "do_normalize": True, "image_mean": _IMAGE_MEAN, "image_std": _IMAGE_STD,
         "do_convert_rgb": True, "resample": 3})
     weights = _random_weights(config)
-    parameters = save_random_model(out_dir, weights, name=NAME, key=key, seed=SEED)
-    log.info("built builtin:%s (%d parameters)", NAME, parameters)
+    parameters = save_random_model(out_dir, weights, name=name, key=key, seed=SEED)
+    log.info("built builtin:%s (%d parameters)", name, parameters)
 
 
 def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
-    """mlx-vlm's own Qwen3.5 model with its initial (random) weights, under the names
-    mlx-vlm saves."""
-    from mlx_vlm.models import qwen3_5
-
+    """mlx-vlm's own Qwen3.5 (or Qwen3.5 MoE) model with its initial (random) weights, under
+    the names mlx-vlm saves."""
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
     mx.random.seed(SEED)
-    model = qwen3_5.Model(qwen3_5.ModelConfig.from_dict(dict(config)))
+    model = module.Model(module.ModelConfig.from_dict(dict(config)))
     weights = dict(tree_flatten(model.parameters()))
     return {name: value.astype(getattr(mx, DTYPE)) for name, value in weights.items()}

@@ -1,7 +1,7 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, its MoE and Qwen3.5 (`builtin:vision-qwen`,
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoEs (`builtin:vision-qwen`,
 `builtin:vision-qwen25`, `builtin:vision-qwen3`, `builtin:vision-qwen3-moe`,
-`builtin:vision-qwen35`, hybrid: linear-attention layers beside attention) in a replica
-in-process: multimodal rotary positions (M-RoPE) with the language model driven by the
+`builtin:vision-qwen35`, `builtin:vision-qwen35-moe`; Qwen3.5 hybrid: linear-attention
+layers beside attention) in a replica in-process: multimodal rotary positions (M-RoPE) with the language model driven by the
 ordinary batch. Their answers are mlx-vlm's own, token for token, with 0, 1 and 2
 images, alone and batched beside text rows, prefilled in chunks and from the prefix cache;
 a resumed stream and preempted rows continue exactly.
@@ -42,8 +42,9 @@ from tests.vision_requests import (
 )
 
 SOURCES = ["builtin:vision-qwen", "builtin:vision-qwen25", "builtin:vision-qwen3",
-           "builtin:vision-qwen3-moe", "builtin:vision-qwen35"]
-HYBRID = {"builtin:vision-qwen35"}  # linear-attention layers: paged KV pages attention only
+           "builtin:vision-qwen3-moe", "builtin:vision-qwen35", "builtin:vision-qwen35-moe"]
+# Linear-attention layers beside attention: paged KV pages attention only.
+HYBRID = {"builtin:vision-qwen35", "builtin:vision-qwen35-moe"}
 
 
 @pytest.fixture(scope="module", params=SOURCES)

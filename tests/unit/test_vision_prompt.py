@@ -38,7 +38,7 @@ def test_the_content_key_follows_each_image() -> None:
 
 def test_which_checkpoints_see() -> None:
     for served in ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                   "gemma3"):
+                   "qwen3_5_moe", "gemma3"):
         config = {"model_type": served, "vision_config": {}}
         assert sees(config) and sees(config, "vision")
         assert not sees(config, "text")
@@ -47,7 +47,7 @@ def test_which_checkpoints_see() -> None:
     with pytest.raises(VisionUnsupported, match="model type gemma4 has a vision tower"):
         sees(gemma4)  # never text only by surprise
     assert not sees(gemma4, "text")
-    with pytest.raises(VisionUnsupported, match="model type qwen3_5_moe has a vision tower"):
-        sees({"model_type": "qwen3_5_moe", "vision_config": {}})  # dense Qwen3.5 only
+    with pytest.raises(VisionUnsupported, match="model type qwen3_omni_moe has a vision tower"):
+        sees({"model_type": "qwen3_omni_moe", "vision_config": {}})  # Qwen3-VL, 3.5 only
     with pytest.raises(VisionUnsupported, match="images are served only for model types"):
         sees({"model_type": "qwen3"}, "vision")
