@@ -31,9 +31,10 @@ PREFIX = [(11 * j) % 500 + 3 for j in range(40 * BLOCK_SIZE + 5)]  # 40 full blo
 ROWS, TAIL, OUTPUT = 6, 7, 12
 # In tokens of KV: the rows' share of the pool (64 blocks: the prefix's 41 and a block or
 # two a row, not 6 x 41) and the prefix cache's (48 blocks: the prefix's entry); the budget
-# is that and the gather reserve (an eighth of it).
+# is that, a scratch block a layer (`kv/pool_plan.py`) and the gather reserve (an eighth of
+# it; a growth's transient comes out of the reserve, here its floor).
 ROW_TOKENS, CACHE_TOKENS = 64 * BLOCK_SIZE, 48 * BLOCK_SIZE
-BUDGET_TOKENS = (ROW_TOKENS + CACHE_TOKENS) * 8 // 7
+BUDGET_TOKENS = -(-(ROW_TOKENS + CACHE_TOKENS + BLOCK_SIZE) * 8 // 7)
 SLACK = 4 * 1024**2  # a decode step's activations and logits (test_paged_kv.py's)
 
 

@@ -1,8 +1,10 @@
 """The block pool holds what its rows use (`replicas.engine.kv.blocks`): a layer's arrays start
 small, grow (doubling) as rows need blocks, never past the budget's block count, keep every
-block's KV and id through a growth, give trailing free capacity back; greedy text with
-growths mid-generation is mlx-lm's; and an idle paged replica with no budget set holds far
-less than its budget (MLX's own memory, `mx.get_active_memory`)."""
+block's KV and id through a growth, give trailing free capacity back (at the next write, or
+when the batch empties); a growth's transient stays within the budget's share for the pool
+(`kv/pool_plan.py`, by MLX's peak memory); greedy text with growths mid-generation is
+mlx-lm's; and an idle paged replica with no budget set holds far less than its budget (MLX's
+own memory, `mx.get_active_memory`)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,18 @@ import pytest
 from replicas.contract import GenerationRequest, SamplingParams, TokenPrompt
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv import blocks as blocks_module
-from replicas.engine.kv.blocks import MIN_BLOCKS, BlockPool, LayerBlocks, PoolExhausted
+from replicas.engine.batch.rows import Done, Row
+from replicas.engine.kv.blocks import (BLOCK_SIZE, MIN_BLOCKS, BlockPool, LayerBlocks,
+                                       PoolExhausted)
+from replicas.engine.kv import pool_plan
+from replicas.engine.kv.pool_plan import GATHER_SHARE, paging_plan
+from replicas.engine.sampling.samplers import make_request_sampler
 from replicas.replica import ModelReplica, ReplicaOptions
-from tests.integration.test_paged_kv import _greedy_text_is_mlx_lms
+from tests.integration.test_paged_kv import GREEDY, _greedy_text_is_mlx_lms, model, paged_batch
 from tests.streams import collect
 
 H, D, BS = 2, 8, 4
+MIB = 1024**2
 
 
 def _kv(n: int, seed: int) -> tuple[mx.array, mx.array]:
@@ -70,6 +78,92 @@ def test_trailing_free_capacity_goes_back_and_held_blocks_keep_their_kv() -> Non
     got = layer.read(held, 3 * BS)
     assert np.array_equal(np.array(got[0][:, :, BS:]), np.array(k[:, :, BS:]))
     assert layer.allocate(1) == [3]  # the lowest free id: held blocks stay packed
+
+
+@pytest.mark.parametrize("layers", [1, 2, 6, 7, 48])
+@pytest.mark.parametrize("budget", [64 * MIB, 1024 * MIB, 16 * 1024 * MIB])
+def test_the_plan_keeps_a_growths_transient_within_the_reserve(layers: int, budget: int) -> None:
+    """The pool's arrays (its blocks, a scratch block a layer) fit the budget less the
+    gather share, and with one layer's old arrays mid-growth beside them still fit it plus
+    the reserve (the view's, which a growth has to itself), for any number of layers."""
+    plan = paging_plan(budget, layers * 4096, layers, budget // 4, BLOCK_SIZE, 1 << 40)
+    pool = plan.blocks + plan.cache_bytes // plan.block_bytes
+    arrays = (pool + 1) * plan.block_bytes
+    room = budget - budget // GATHER_SHARE  # the pool's, beside the reserve
+    assert plan.growth_bytes >= pool * plan.block_bytes // layers
+    assert arrays <= room and arrays + plan.growth_bytes <= room + plan.gather_bytes
+    assert pool * plan.block_bytes > room * layers // (layers + 1) - 2 * plan.block_bytes
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_a_growth_stays_within_the_budget_by_mlxs_peak(
+        layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few layers, so one layer's old arrays beside the new ones mid-growth are a large
+    share of the pool (half of it for two), and no gather floor (the reserve is the
+    budget's eighth, as for a budget of a few GiB): a pool of `paging_plan`'s blocks, grown
+    by doubling to all of them (the last growth from 256 blocks a layer) the way a batch's
+    steps grow it (every layer in turn, each step evaluated), holds its arrays within the
+    budget less the reserve and never more than the budget by MLX's peak memory: the
+    transient fits the reserve, which a growth has to itself (it waits for the step before,
+    and so for its gathered view, to end)."""
+    monkeypatch.setattr(pool_plan, "GATHER_FLOOR", 0)
+    heads, dim = 4, 64
+    per_token = layers * 2 * heads * dim * 4  # K and V, float32
+    budget = 64 * MIB if layers == 2 else 80 * MIB
+    plan = paging_plan(budget, per_token, layers, 0, BLOCK_SIZE, 1 << 30)
+    assert plan.gather_bytes == budget // GATHER_SHARE
+    assert (plan.blocks + 1) * plan.block_bytes + plan.growth_bytes <= budget
+    assert 256 < plan.blocks < 512, plan.blocks  # the last growth copies 256 blocks a layer
+    pool = BlockPool(plan.blocks)
+    token = [mx.ones((1, heads, 1, dim)) for _ in range(2)]
+    mx.eval(token)
+    gc.collect()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    while pool.layer(0).used < plan.blocks:
+        for i in range(layers):  # a step: each layer takes its blocks and writes in turn
+            layer = pool.layer(i)
+            table = layer.allocate(min(8, plan.blocks - layer.used))
+            layer.write(table[-1:], *token)
+            assert layer.keys is not None and layer.values is not None
+            mx.eval(layer.keys, layer.values)
+    mx.synchronize()
+    peak = mx.get_peak_memory() - base
+    assert pool.layer(0).capacity == plan.blocks == pool.stats().allocated
+    # The transient was there to measure (the arrays alone are less), and within the budget.
+    assert pool.nbytes <= budget - plan.gather_bytes
+    assert pool.nbytes < peak <= budget, (pool.nbytes, peak, budget)
+
+
+def test_the_pool_gives_its_capacity_back_when_the_batch_empties() -> None:
+    """Rows that grew the pool to 128 blocks a layer end together: when the engine takes
+    the last of them out of the batch (`finish`), the pool's trailing capacity goes back at
+    once, by MLX's own active memory, not at a next write that an idle replica never sees."""
+    batch, kv = paged_batch(model("builtin:tiny"), 64 * MIB)
+    assert kv.blocks is not None
+    rows = [Row(tuple((7 * i + 3 * j) % 400 + 3 for j in range(700)), 0, 3, frozenset(),
+                make_request_sampler(GREEDY)) for i in range(4)]
+    batch.insert(rows)
+    ended: list[int] = []
+    for _ in range(100):
+        ended += [r.uid for r in batch.step() if r.finish_reason is not None]
+        if len(ended) == len(rows):
+            break
+    grown = kv.blocks()
+    assert len(ended) == len(rows) and grown.allocated >= 4 * MIN_BLOCKS, grown
+    gc.collect()
+    mx.synchronize()
+    before = mx.get_active_memory()
+    batch.finish([Done(uid, keep=True) for uid in ended])
+    gc.collect()
+    mx.synchronize()
+    after = mx.get_active_memory()
+    idle = kv.blocks()
+    assert batch.empty and idle.used == 0 and idle.allocated == MIN_BLOCKS, idle
+    per_block = 1024 * BLOCK_SIZE  # builtin:tiny: 1 KiB of KV a token, both layers
+    freed = (grown.allocated - MIN_BLOCKS) * per_block
+    assert before - after >= freed * 3 // 4, (before, after, freed)
 
 
 def test_greedy_text_with_growths_mid_generation_is_mlx_lms(

@@ -279,6 +279,8 @@ class LocalBatch:
         self._ended = {r.uid: (self._key(r.uid, r.all_tokens), r.prompt_cache)
                        for r in responses
                        if r.finish_reason is not None and r.prompt_cache is not None}
+        for r in responses:  # the batch holds an ended row's KV (`_ended`) until `finish`,
+            r.prompt_cache = None  # and only the batch: its blocks go back there, not later
         self._forget(r.uid for r in responses if r.finish_reason is not None)
         return list(responses)
 
@@ -294,6 +296,10 @@ class LocalBatch:
         for d in done:  # an ended row's KV (paged: its blocks) goes back now, not next step
             self._ended.pop(d.uid, None)
         self._forget(d.uid for d in done)
+        if self._pool is not None and not self._rows:
+            # The batch is empty: the pool's trailing free capacity goes back now, not at a
+            # write that an idle replica may not see for hours.
+            self._pool.trim()
 
     def _key(self, uid: int, tokens: Sequence[int]) -> list[int]:
         """Row `uid`'s tokens as the prefix cache keys them (its images by content)."""

@@ -14,8 +14,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.blocks import BLOCK_SIZE, BlockPool
-from replicas.engine.kv.budget import KvBudget, Paging, paging_plan
+from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.paged import paged_layers
+from replicas.engine.kv.pool_plan import Paging, paging_plan
 from replicas.engine.kv.prefix_cache import PromptCache
 from replicas.engine.kv.rows import PagedRowKVCache
 from replicas.engine.kv.shared_blocks import NO_BLOCKS
@@ -47,8 +48,9 @@ def make_pool(model: nn.Module, config: EngineConfig, kv: KvBudget,
     pool = BlockPool(plan.blocks + plan.cache_bytes // max(1, plan.block_bytes),
                      plan.block_size)
     log.info("paged KV: %d blocks of %d tokens (%d bytes each, %d layers), a %d-byte "
-             "gather reserve, %d bytes for the prefix cache", plan.blocks, plan.block_size,
-             plan.block_bytes, layers, plan.gather_bytes, plan.cache_bytes)
+             "gather reserve, %d bytes for the prefix cache, %d beside the blocks (scratch, a "
+             "growth's transient)", plan.blocks, plan.block_size, plan.block_bytes, layers,
+             plan.gather_bytes, plan.cache_bytes, plan.growth_bytes)
     return pool, plan
 
 

@@ -23,12 +23,14 @@ cost is a transient: a growth holds one layer's old and new arrays for a moment 
 grow one at a time, each in its own `update_and_fetch`), i.e. one layer's old arrays above
 the grown pool, at most 1/layers of the pool. It comes while a step's graph is built, when
 the step before may still be running (`batch/decode.py` queues one ahead) and hold its
-gathered view; admission (`budget.paging_plan`) keeps no room apart for it: the gather
-reserve (an eighth of the budget, at least 256 MiB) and MLX's slack above the budget cover
-it on models of 8 layers or more, not by construction. Free ids are handed out
-lowest first (a heap), so held blocks stay packed at the bottom, and once blocks were
-freed and the highest held one lies in the bottom quarter, the next write halves the
-capacity (`_shrink`): a replica that served a long burst gives the memory back.
+gathered view: a growth waits for it first (a stall log2(blocks) times in a replica's
+life), so the gather reserve holds the view or the transient in turn, and the plan keeps
+the pool small enough for the transient to fit it (`kv/pool_plan.py`; test_paged_growth.py
+checks it by MLX's peak memory). Free
+ids are handed out lowest first (a heap), so held blocks stay packed at the bottom, and
+once blocks were freed and the highest held one lies in the bottom quarter, the next write
+halves the capacity (`_shrink`), or `trim` does when the batch empties
+(`LocalBatch.finish`): a replica that served a long burst gives the memory back, idle too.
 
 Every layer has its own free list: mlx-lm calls each layer's cache on its own, and all
 layers of a batch grow alike, so their tables stay in step without a shared row object.
@@ -141,6 +143,10 @@ class LayerBlocks:
         self.capacity = capacity
         if self.keys is None or self.values is None:
             return
+        if capacity > old:
+            # The step before (queued one ahead) ends first: its gathered view is gone before
+            # old and new arrays stand side by side, so the two share one reserve (pool_plan).
+            mx.synchronize()
         keep = min(old, capacity) * self.block_size
         arrays = []
         for a in (self.keys, self.values):
@@ -166,6 +172,12 @@ class LayerBlocks:
             want //= 2
         if want < self.capacity:
             self._resize(max(want, MIN_BLOCKS))
+
+    def trim(self) -> None:
+        """Give trailing free capacity back now, not at the next write (the batch is
+        empty: the next write may be long in coming)."""
+        if not self._packed:
+            self._shrink()
 
     def share(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -315,6 +327,13 @@ class BlockPool:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def trim(self) -> None:
+        """Every layer's trailing free capacity back (`LayerBlocks.trim`), and the index
+        arrays kept for the last batch shape: the batch went idle."""
+        self.memo.clear()
+        for layer in self._layers.values():
+            layer.trim()
 
     @property
     def nbytes(self) -> int:

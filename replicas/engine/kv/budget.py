@@ -15,8 +15,9 @@ every rank) and its budget, and admits by what the batch holds:
   never pass the budget, not even inside a step;
 - paged (`Paging`, `replicas.engine.kv.paged`): a batch holds the sum of its rows' blocks,
   and the view each layer gathers for attention (rows x longest, one layer's K+V) must fit
-  the gather reserve; the budget is split between the rows' blocks, the gather and the
-  prefix cache's share of the pool (`paging_plan`). A row reserves the blocks it will own
+  the gather reserve; the budget is split between the rows' blocks, the gather, the
+  prefix cache's share of the pool and the room a pool's growth needs for a moment
+  (`paging_plan`, in `kv/pool_plan.py`). A row reserves the blocks it will own
   (its unshared tokens, the partial block it copies on write, its growth); the full blocks
   of a prefix cache hit it shares count once however many rows hold them (`shared_blocks`), and
   the prefix cache counts only the blocks no row holds.
@@ -46,6 +47,10 @@ from mlx.utils import tree_flatten
 
 from replicas.engine.kv.blocks import PoolStats
 from replicas.engine.kv.layout import CACHE_STEP, KvLayout, measure_kv
+from replicas.engine.kv.pool_plan import GATHER_FLOOR as GATHER_FLOOR  # re-exported
+from replicas.engine.kv.pool_plan import GATHER_SHARE as GATHER_SHARE
+from replicas.engine.kv.pool_plan import Paging as Paging
+from replicas.engine.kv.pool_plan import paging_plan as paging_plan
 from replicas.engine.kv.shared_blocks import NO_BLOCKS, SharedBlocks, Shares
 
 log = logging.getLogger(__name__)
@@ -170,52 +175,6 @@ def tightest(ranks: Sequence[RankMemory], reference: int) -> int:
 
 def round_up(tokens: int) -> int:
     return -(-tokens // CACHE_STEP) * CACHE_STEP
-
-
-# The gather reserve: this share of the budget, and at least GATHER_FLOOR (out of the
-# activation reserve, which MIN_RESERVE keeps beside the budget).
-GATHER_SHARE = 8
-GATHER_FLOOR = MIN_RESERVE // 2
-
-
-@dataclass(frozen=True)
-class Paging:
-    """What a paged batch may hold: `blocks` of `block_size` tokens (`block_bytes` each,
-    every paged layer), and per forward pass one layer's gathered view of at most
-    `gather_bytes` (`gather_per_token` a view position); the prefix cache keeps its own
-    `cache_bytes` beside the pool."""
-
-    block_size: int
-    block_bytes: int
-    blocks: int
-    gather_per_token: int
-    gather_bytes: int
-    cache_bytes: int
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def fits(self, tokens: Sequence[int], shared: int = 0) -> bool:
-        """Whether rows of `tokens` fit, `shared` of their blocks held by more than one
-        (a prefix cache hit's full blocks, counted once: `KvBudget`)."""
-        blocks = sum(self.blocks_for(t) for t in tokens) - shared
-        view = len(tokens) * max(tokens, default=0) * self.gather_per_token
-        return blocks <= self.blocks and view <= self.gather_bytes
-
-
-def paging_plan(budget: int, per_token: int, layers: int, cache_bytes: int, block_size: int,
-                most_tokens: int) -> Paging:
-    """Split `budget` for a paged batch: the gather reserve (`GATHER_SHARE`, at least
-    `GATHER_FLOOR`, which comes out of the activation reserve), the prefix cache's bytes (at
-    most half of what is left) and the pool (the rest, never more blocks than
-    `most_tokens` need). `per_token`: every paged layer's KV for one token, `layers` of them."""
-    gather = budget // GATHER_SHARE
-    left = budget - gather
-    cache = min(cache_bytes, left // 2)
-    block_bytes = per_token * block_size
-    blocks = min((left - cache) // max(1, block_bytes), -(-most_tokens // block_size))
-    return Paging(block_size, block_bytes, max(1, blocks), max(1, per_token // max(1, layers)),
-                  max(gather, GATHER_FLOOR), cache)
 
 
 Item = TypeVar("Item")
