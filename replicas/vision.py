@@ -24,7 +24,8 @@ language model rotates only in its full-attention layers (its linear-attention l
 recurrent state, prefilled over the prefix like a text prompt's). Gemma 3's
 image tokens attend to each other both ways (`BIDIRECTIONAL_MODEL_TYPES`): the prefix
 carries each image's span (`PromptEmbeddings.blocks`), which the batch prefills whole under
-that mask (`replicas.engine.model.bidirectional`).
+that mask (`replicas.engine.model.bidirectional`). LFM2-VL needs none of these: 1-D
+positions, and its short convolutions' state prefilled over the prefix as a text prompt's.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ from replicas.timings import Timings
 # `builtin:vision-qwen`, `builtin:vision-qwen25`, `builtin:vision-qwen3`,
 # `builtin:vision-qwen3-moe`, `builtin:vision-qwen35` and `builtin:vision-qwen35-moe`;
 # test_vision_gemma.py on
-# `builtin:vision-gemma3`).
+# `builtin:vision-gemma3`; test_vision_lfm2.py on `builtin:vision-lfm2`).
 VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl",
                                                 "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                                                "qwen3_5_moe", "gemma3"})
+                                                "qwen3_5_moe", "gemma3", "lfm2-vl"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
 MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl",
                                               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
@@ -159,7 +160,8 @@ class VisionModel:
         if not isinstance(token, int):
             raise VisionUnsupported(f"{path}: config.json names no image_token_index")
         config = json.loads((Path(path) / "config.json").read_text())
-        end = config.get("vision_end_token_id", config.get("eoi_token_index"))  # Qwen's, Gemma's
+        end = config.get("vision_end_token_id",  # Qwen's, Gemma's, LFM2-VL's
+                         config.get("eoi_token_index", config.get("image_end_token_id")))
         return cls(encoder, processor, token, timings, mrope, end,
                    bidirectional=encoder.config.model_type in BIDIRECTIONAL_MODEL_TYPES,
                    deepstacked=deepstacked)
@@ -189,7 +191,8 @@ class VisionModel:
         length = image_at[-1] + 1
         key = _content_key(ids[:length], images, self.image_token_id, self._end_token)
         pixels = inputs["pixel_values"]
-        extra = {name: inputs[name] for name in ("image_sizes", "image_grid_thw")
+        extra = {name: inputs[name] for name in ("image_sizes", "image_grid_thw",
+                                                 "spatial_shapes", "pixel_attention_mask")
                  if inputs.get(name) is not None}
         if self._gemma:  # its merge reads the attention mask
             extra["mask"] = np.ones((1, length), dtype=np.int32)

@@ -38,7 +38,7 @@ def test_the_content_key_follows_each_image() -> None:
 
 def test_which_checkpoints_see() -> None:
     for served in ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                   "qwen3_5_moe", "gemma3"):
+                   "qwen3_5_moe", "gemma3", "lfm2-vl"):
         config = {"model_type": served, "vision_config": {}}
         assert sees(config) and sees(config, "vision")
         assert not sees(config, "text")
