@@ -2,8 +2,8 @@
 of short convolutions beside attention (mlx-lm's `lfm2-vl` over LFM2), its image prefix
 plain 1-D positions, driven by the ordinary batch. Its answers are mlx-vlm's own, token
 for token, with 0, 1 and 2 images, alone, batched beside text rows, prefilled in chunks
-(the convolution's state carried across them) and from the prefix cache; a resumed stream
-continues exactly.
+(the convolution's state carried across them) and from the prefix cache, with images in
+several turns; a resumed stream continues exactly.
 
 The convolution state is an `ArraysCache`, the kind Qwen3.5's linear attention keeps, so
 the slow preemption check stays with test_vision_qwen.py's hybrid source.
@@ -19,7 +19,13 @@ from typing import Any, Callable, Iterator
 import pytest
 from PIL import Image
 
-from replicas.contract import ChatPrompt, GenerationRequest
+from replicas.contract import (
+    ChatMessage,
+    ChatPrompt,
+    GenerationRequest,
+    ImageAt,
+    SamplingParams,
+)
 from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
@@ -94,6 +100,33 @@ def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica,
     assert finished(again).usage.cached_tokens == prompt - 1
     assert finished(other).usage.cached_tokens == 0
     assert tokens(other) != tokens(first)
+
+
+def test_images_in_several_turns_are_mlx_vlms(replica: ModelReplica) -> None:
+    """Images in two user turns with text between them, each closed by `<|image_end|>`
+    (what tells one image's tokens from the next's in the prefix cache's key)."""
+    from mlx_vlm import load, stream_generate
+
+    red, blue = image("red"), image("blue", (64, 32))
+    history = (ChatMessage("user", "Look:", images=(ImageAt(5, red),)),
+               ChatMessage("assistant", "I see it."),
+               ChatMessage("user", "And now?", images=(ImageAt(8, blue),)))
+    request = GenerationRequest("turns", "vl", ChatPrompt(history),
+                                SamplingParams(max_tokens=10, temperature=0.0),
+                                report_tokens=True)
+    ours = tokens(stream_events(replica, request))
+    model, processor = load(str(resolve_source(SOURCE)))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image"}]},
+                {"role": "assistant", "content": "I see it."},
+                {"role": "user", "content": [{"type": "text", "text": "And now?"},
+                                             {"type": "image"}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(p.data)) for p in (red, blue)]
+    theirs = [r.token for r in stream_generate(model, processor, prompt, image=pictures,
+                                               max_tokens=10, temperature=0.0)][:10]
+    assert ours == theirs
 
 
 def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:

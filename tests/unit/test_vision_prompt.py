@@ -49,5 +49,7 @@ def test_which_checkpoints_see() -> None:
     assert not sees(gemma4, "text")
     with pytest.raises(VisionUnsupported, match="model type qwen3_omni_moe has a vision tower"):
         sees({"model_type": "qwen3_omni_moe", "vision_config": {}})  # Qwen3-VL, 3.5 only
+    with pytest.raises(VisionUnsupported, match="model type glm4v has a vision tower"):
+        sees({"model_type": "glm4v", "vision_config": {}})  # mlx-lm has no glm4v text half
     with pytest.raises(VisionUnsupported, match="images are served only for model types"):
         sees({"model_type": "qwen3"}, "vision")
