@@ -23,11 +23,11 @@ cost is a transient: a growth holds one layer's old and new arrays for a moment 
 grow one at a time, each in its own `update_and_fetch`), i.e. one layer's old arrays above
 the grown pool, at most 1/layers of the pool. It comes while a step's graph is built, when
 the step before may still be running (`batch/decode.py` queues one ahead) and hold its
-gathered view: a growth waits for it first (a stall log2(blocks) times in a replica's
-life), so the gather reserve holds the view or the transient in turn, and the plan keeps
-the pool small enough for the transient to fit it (`kv/pool_plan.py`; test_paged_growth.py
-checks it by MLX's peak memory). Free
-ids are handed out lowest first (a heap), so held blocks stay packed at the bottom, and
+gathered view: a growth (or a shrink) waits for it first (a stall log2(blocks) times in
+a replica's life), so the gather reserve holds the view or the transient in turn, and the
+plan sizes the pool so the transient fits what its arrays leave plus that reserve
+(`kv/pool_plan.py`; test_paged_growth.py checks it by MLX's peak memory). Free ids are
+handed out lowest first (a heap), so held blocks stay packed at the bottom, and
 once blocks were freed and the highest held one lies in the bottom quarter, the next write
 halves the capacity (`_shrink`), or `trim` does when the batch empties
 (`LocalBatch.finish`): a replica that served a long burst gives the memory back, idle too.
@@ -143,10 +143,10 @@ class LayerBlocks:
         self.capacity = capacity
         if self.keys is None or self.values is None:
             return
-        if capacity > old:
-            # The step before (queued one ahead) ends first: its gathered view is gone before
-            # old and new arrays stand side by side, so the two share one reserve (pool_plan).
-            mx.synchronize()
+        # The step before (queued one ahead) ends first: its gathered view is gone before old
+        # and new arrays stand side by side (a growth's, or a shrink's), so the two share one
+        # reserve (pool_plan). Rare: log2(blocks) growths in a replica's life.
+        mx.synchronize()
         keep = min(old, capacity) * self.block_size
         arrays = []
         for a in (self.keys, self.values):
