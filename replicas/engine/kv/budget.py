@@ -59,9 +59,10 @@ log = logging.getLogger(__name__)
 # already discounted), the share of it weights plus KV may use: the rest is the OS.
 HOST_SHARE = 0.75
 # Kept out of the KV budget for activations and temporaries (a prefill chunk's attention,
-# the logits): this share of the usable memory, and at least MIN_RESERVE.
+# the logits): this share of the usable memory, and at least MIN_RESERVE, which holds the
+# paged gather's floor twice over (`pool_plan`).
 RESERVE_SHARE = 0.05
-MIN_RESERVE = 512 * 1024**2
+MIN_RESERVE = 2 * GATHER_FLOOR
 # MLX's limit allows this much over weights plus budget, and the activation reserve besides
 # (a prefill chunk's attention, the logits: never part of the KV budget), before
 # allocation waits.
