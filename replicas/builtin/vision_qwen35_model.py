@@ -13,49 +13,19 @@ and processor (vision_qwen3_model.py).
 
 from __future__ import annotations
 
-import copy
-import importlib
-import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
 from ..startup import Progress
-from .build import cached_build, default_cache_root, save_random_model
+from .build import cached_build, default_cache_root
 from .chat_template import chat_template
 from .recipe import cache_key
-from .scripts import parse_scripts, scripts_text
-from .tokenizer_files import (
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    token_id,
-    train_tokenizer,
-    training_texts,
-    write_json,
-    write_tokenizer_files,
-)
+from .scripts import scripts_text
 from .vision_qwen3_model import RECIPE as DENSE_RECIPE
-from .vision_qwen3_model import TEXT, VISION
-from .vision_qwen_model import (
-    _IMAGE_MEAN,
-    _IMAGE_STD,
-    IMAGE_PAD,
-    IMAGE_PART,
-    MAX_PIXELS,
-    MERGE_SIZE,
-    MIN_PIXELS,
-    PATCH_SIZE,
-    TEMPORAL_PATCH,
-    VIDEO_PAD,
-    VISION_END,
-    VISION_START,
-    _tokenizer_config,
-)
+from .vision_qwen3_model import VISION, build_qwen3_vl_layout
+from .vision_qwen_model import IMAGE_PART
 
-log = logging.getLogger(__name__)
 
 NAME = "vision-qwen35"
 MOE_NAME = "vision-qwen35-moe"
@@ -80,7 +50,6 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     MOE_NAME: ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", MOE),
 }
 SEED = 20251208
-DTYPE = "float32"
 
 
 def ensure_vision_qwen35_model(name: str = NAME, cache_dir: Path | None = None) -> Path:
@@ -102,48 +71,11 @@ def ensure_vision_qwen35_model(name: str = NAME, cache_dir: Path | None = None) 
 
 def build_vision_qwen35_model(out_dir: Path, scripts: str, key: str, name: str = NAME) -> None:
     model_type, architecture, text_extra = VARIANTS[name]
-    vision_tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-    tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2,
-                                special=(*SPECIAL_TOKENS, *vision_tokens))
-    eos = write_tokenizer_files(tokenizer, out_dir, TEXT.max_position_embeddings)
-    _tokenizer_config(out_dir, tokenizer, vision_tokens)
-    pad = token_id(tokenizer, PAD_TOKEN)
-    text = TEXT.config(tokenizer.get_vocab_size(), eos, pad, DTYPE)
-    text.update(copy.deepcopy(HYBRID))  # mlx-vlm's config renames keys in place
-    text.update(text_extra)
-    text.update({"model_type": f"{model_type}_text", "tie_word_embeddings": False})
-    for derived in ("architectures", "rope_theta"):
-        text.pop(derived)
-    config = {
-        "architectures": [architecture], "model_type": model_type, "text_config": text,
-        "vision_config": {**VISION, "model_type": model_type, "deepstack_visual_indexes": []},
-        "image_token_id": token_id(tokenizer, IMAGE_PAD),
-        "video_token_id": token_id(tokenizer, VIDEO_PAD),
-        "vision_start_token_id": token_id(tokenizer, VISION_START),
-        "vision_end_token_id": token_id(tokenizer, VISION_END),
-        "tie_word_embeddings": False, "eos_token_id": [eos], "torch_dtype": DTYPE,
-    }
-    write_json(out_dir / "config.json", config)
-    write_json(out_dir / "generation_config.json",
-               {"bos_token_id": pad, "eos_token_id": [eos], "pad_token_id": pad})
-    write_json(out_dir / "preprocessor_config.json", {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-        "patch_size": PATCH_SIZE, "temporal_patch_size": TEMPORAL_PATCH,
-        "merge_size": MERGE_SIZE, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
-        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "image_mean": _IMAGE_MEAN, "image_std": _IMAGE_STD,
-        "do_convert_rgb": True, "resample": 3})
-    weights = _random_weights(config)
-    parameters = save_random_model(out_dir, weights, name=name, key=key, seed=SEED)
-    log.info("built builtin:%s (%d parameters)", name, parameters)
-
-
-def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
-    """mlx-vlm's own Qwen3.5 (or Qwen3.5 MoE) model with its initial (random) weights, under
-    the names mlx-vlm saves."""
-    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
-    mx.random.seed(SEED)
-    model = module.Model(module.ModelConfig.from_dict(dict(config)))
-    weights = dict(tree_flatten(model.parameters()))
-    return {name: value.astype(getattr(mx, DTYPE)) for name, value in weights.items()}
+    build_qwen3_vl_layout(
+        out_dir, scripts, key, name=name, seed=SEED, model_type=model_type,
+        architecture=architecture,
+        text={**HYBRID, **text_extra, "model_type": f"{model_type}_text",
+              "tie_word_embeddings": False},
+        drop=("architectures", "rope_theta"),
+        vision={**VISION, "model_type": model_type, "deepstack_visual_indexes": []},
+        tied=False)

@@ -15,6 +15,8 @@ change no answer).
 
 from __future__ import annotations
 
+import copy
+import importlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -89,28 +91,40 @@ def ensure_vision_qwen3_model(cache_dir: Path | None = None) -> Path:
 
 
 def build_vision_qwen3_model(out_dir: Path, scripts: str, key: str) -> None:
+    build_qwen3_vl_layout(
+        out_dir, scripts, key, name=NAME, seed=SEED, model_type="qwen3_vl",
+        architecture="Qwen3VLForConditionalGeneration",
+        text={"model_type": "qwen3_vl_text", "rope_theta": 5000000.0,
+              "rope_scaling": {"rope_type": "default", "mrope_section": MROPE_SECTION,
+                               "mrope_interleaved": True}},
+        drop=("architectures",), vision=VISION, tied=TEXT.tie_word_embeddings)
+
+
+def build_qwen3_vl_layout(out_dir: Path, scripts: str, key: str, *, name: str, seed: int,
+                          model_type: str, architecture: str, text: dict[str, Any],
+                          drop: tuple[str, ...], vision: dict[str, Any], tied: bool) -> None:
+    """One checkpoint of the Qwen3-VL family (Qwen3-VL, its MoE, Qwen3.5): the built-in
+    tokenizer with `builtin:vision-qwen`'s vision tokens, `TEXT`'s config with `text` over it
+    and `drop` taken out, the `vision` tower, Qwen3-VL's processor, and the random weights
+    of mlx-vlm's own `model_type` classes."""
     vision_tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
     tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2,
                                 special=(*SPECIAL_TOKENS, *vision_tokens))
     eos = write_tokenizer_files(tokenizer, out_dir, TEXT.max_position_embeddings)
     _tokenizer_config(out_dir, tokenizer, vision_tokens)
     pad = token_id(tokenizer, PAD_TOKEN)
-    text = TEXT.config(tokenizer.get_vocab_size(), eos, pad, DTYPE)
-    text.update({
-        "model_type": "qwen3_vl_text", "rope_theta": 5000000.0,
-        "rope_scaling": {"rope_type": "default", "mrope_section": MROPE_SECTION,
-                         "mrope_interleaved": True},
-    })
-    text.pop("architectures")
+    text_config = TEXT.config(tokenizer.get_vocab_size(), eos, pad, DTYPE)
+    text_config.update(copy.deepcopy(text))  # mlx-vlm's config renames keys in place
+    for derived in drop:
+        text_config.pop(derived)
     config = {
-        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
-        "text_config": text, "vision_config": VISION,
+        "architectures": [architecture], "model_type": model_type,
+        "text_config": text_config, "vision_config": vision,
         "image_token_id": token_id(tokenizer, IMAGE_PAD),
         "video_token_id": token_id(tokenizer, VIDEO_PAD),
         "vision_start_token_id": token_id(tokenizer, VISION_START),
         "vision_end_token_id": token_id(tokenizer, VISION_END),
-        "tie_word_embeddings": TEXT.tie_word_embeddings,
-        "eos_token_id": [eos], "torch_dtype": DTYPE,
+        "tie_word_embeddings": tied, "eos_token_id": [eos], "torch_dtype": DTYPE,
     }
     write_json(out_dir / "config.json", config)
     write_json(out_dir / "generation_config.json",
@@ -123,18 +137,16 @@ def build_vision_qwen3_model(out_dir: Path, scripts: str, key: str) -> None:
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": _IMAGE_MEAN, "image_std": _IMAGE_STD,
         "do_convert_rgb": True, "resample": 3})
-    weights = _random_weights(config)
-    parameters = save_random_model(out_dir, weights, name=NAME, key=key, seed=SEED)
-    log.info("built builtin:%s (%d parameters)", NAME, parameters)
+    weights = _random_weights(config, seed)
+    parameters = save_random_model(out_dir, weights, name=name, key=key, seed=seed)
+    log.info("built builtin:%s (%d parameters)", name, parameters)
 
 
-def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
-    """mlx-vlm's own Qwen3-VL model with its initial (random) weights, under the names
-    mlx-vlm saves."""
-    from mlx_vlm.models import qwen3_vl
-
-    mx.random.seed(SEED)
-    model_config = qwen3_vl.ModelConfig.from_dict(dict(config))
-    model = qwen3_vl.Model(model_config)
+def _random_weights(config: dict[str, Any], seed: int) -> dict[str, mx.array]:
+    """mlx-vlm's own model of `config`'s type with its initial (random) weights, under the
+    names mlx-vlm saves."""
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelConfig.from_dict(dict(config)))
     weights = dict(tree_flatten(model.parameters()))
     return {name: value.astype(getattr(mx, DTYPE)) for name, value in weights.items()}
