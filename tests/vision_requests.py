@@ -96,3 +96,32 @@ def assert_preempted_rows_continue_exactly(source: str, model_id: str,
     assert preempted > 0  # the budget did force rows out
     assert squeezed == ample
     assert all(len(a) > CACHE_STEP - 64 for a in ample)  # each ran past its first step
+
+
+def two_turns(model: str, max_tokens: int = 10) -> GenerationRequest:
+    """Images in two user turns with text between them: a red one, then a blue one."""
+    history = (ChatMessage("user", "Look:", images=(ImageAt(5, image("red")),)),
+               ChatMessage("assistant", "I see it."),
+               ChatMessage("user", "And now?", images=(ImageAt(8, image("blue", (64, 32))),)))
+    return GenerationRequest("turns", model, ChatPrompt(history),
+                             SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                             report_tokens=True)
+
+
+def mlx_vlms_two_turns(source: str, max_tokens: int = 10) -> list[int]:
+    """mlx-vlm's own greedy tokens for `two_turns`, its template and processor."""
+    from mlx_vlm import load, stream_generate
+
+    from replicas.sources import resolve_source
+
+    model, processor = load(str(resolve_source(source)))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image"}]},
+                {"role": "assistant", "content": "I see it."},
+                {"role": "user", "content": [{"type": "text", "text": "And now?"},
+                                             {"type": "image"}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(p.data)) for p in (image("red"), image("blue", (64, 32)))]
+    return [r.token for r in stream_generate(model, processor, prompt, image=pictures,
+                                             max_tokens=max_tokens, temperature=0.0)][:max_tokens]

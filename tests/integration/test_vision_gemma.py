@@ -44,6 +44,7 @@ from tests.vision_requests import (
     finished,
     image,
     tokens,
+    two_turns,
 )
 
 SOURCE = "builtin:vision-gemma3"
@@ -291,13 +292,7 @@ def test_images_in_several_turns_and_a_tool_result(replica: ModelReplica,
     """Images in two user turns with text between them: each its own block (the text
     between them causal), as the reference; and a screenshot in a tool result reaches the
     model."""
-    red, blue = image("red"), image("blue", (64, 32))
-    history = (ChatMessage("user", "Look:", images=(ImageAt(5, red),)),
-               ChatMessage("assistant", "I see it."),
-               ChatMessage("user", "And now?", images=(ImageAt(8, blue),)))
-    request = GenerationRequest("turns", "g3", ChatPrompt(history),
-                                SamplingParams(max_tokens=10, temperature=0.0),
-                                report_tokens=True)
+    request = two_turns("g3")
     assert tokens(stream_events(replica, request)) == reference(request)
 
     def screenshot(color: str) -> list[int]:

@@ -20,17 +20,22 @@ import pytest
 from PIL import Image
 
 from replicas.contract import (
-    ChatMessage,
     ChatPrompt,
     GenerationRequest,
-    ImageAt,
-    SamplingParams,
 )
 from replicas.engine.config import EngineConfig
 from replicas.replica import ModelReplica, ReplicaOptions
 from replicas.sources import resolve_source
 from tests.streams import stream_events
-from tests.vision_requests import answers, ask, finished, image, tokens
+from tests.vision_requests import (
+    answers,
+    ask,
+    finished,
+    image,
+    mlx_vlms_two_turns,
+    tokens,
+    two_turns,
+)
 
 SOURCE = "builtin:vision-lfm2"
 Reference = Callable[[GenerationRequest], list[int]]
@@ -105,28 +110,7 @@ def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica,
 def test_images_in_several_turns_are_mlx_vlms(replica: ModelReplica) -> None:
     """Images in two user turns with text between them, each closed by `<|image_end|>`
     (what tells one image's tokens from the next's in the prefix cache's key)."""
-    from mlx_vlm import load, stream_generate
-
-    red, blue = image("red"), image("blue", (64, 32))
-    history = (ChatMessage("user", "Look:", images=(ImageAt(5, red),)),
-               ChatMessage("assistant", "I see it."),
-               ChatMessage("user", "And now?", images=(ImageAt(8, blue),)))
-    request = GenerationRequest("turns", "vl", ChatPrompt(history),
-                                SamplingParams(max_tokens=10, temperature=0.0),
-                                report_tokens=True)
-    ours = tokens(stream_events(replica, request))
-    model, processor = load(str(resolve_source(SOURCE)))
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
-                                             {"type": "image"}]},
-                {"role": "assistant", "content": "I see it."},
-                {"role": "user", "content": [{"type": "text", "text": "And now?"},
-                                             {"type": "image"}]}]
-    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                     add_generation_prompt=True)
-    pictures = [Image.open(io.BytesIO(p.data)) for p in (red, blue)]
-    theirs = [r.token for r in stream_generate(model, processor, prompt, image=pictures,
-                                               max_tokens=10, temperature=0.0)][:10]
-    assert ours == theirs
+    assert tokens(stream_events(replica, two_turns("vl"))) == mlx_vlms_two_turns(SOURCE)
 
 
 def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:

@@ -21,12 +21,9 @@ import pytest
 from PIL import Image
 
 from replicas.contract import (
-    ChatMessage,
     ChatPrompt,
     GenerationRequest,
-    ImageAt,
     OutputEvent,
-    SamplingParams,
 )
 from replicas.engine.config import EngineConfig
 from replicas.engine.failures import EngineDead
@@ -38,7 +35,9 @@ from tests.vision_requests import (
     assert_preempted_rows_continue_exactly,
     finished,
     image,
+    mlx_vlms_two_turns,
     tokens,
+    two_turns,
 )
 
 SOURCES = ["builtin:vision-qwen", "builtin:vision-qwen25", "builtin:vision-qwen3",
@@ -134,28 +133,7 @@ def test_the_prefix_cache_keys_on_the_image(replica: ModelReplica,
 def test_images_in_several_turns_are_mlx_vlms(replica: ModelReplica, source: str) -> None:
     """Images in two user turns with text between them: the positions of the text between
     the images are 3-D too (mlx-vlm's `get_rope_index` over the whole prefix)."""
-    from mlx_vlm import load, stream_generate
-
-    red, blue = image("red"), image("blue", (64, 32))
-    history = (ChatMessage("user", "Look:", images=(ImageAt(5, red),)),
-               ChatMessage("assistant", "I see it."),
-               ChatMessage("user", "And now?", images=(ImageAt(8, blue),)))
-    request = GenerationRequest("turns", "vq", ChatPrompt(history),
-                                SamplingParams(max_tokens=10, temperature=0.0),
-                                report_tokens=True)
-    ours = tokens(stream_events(replica, request))
-    model, processor = load(str(resolve_source(source)))
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
-                                             {"type": "image"}]},
-                {"role": "assistant", "content": "I see it."},
-                {"role": "user", "content": [{"type": "text", "text": "And now?"},
-                                             {"type": "image"}]}]
-    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                     add_generation_prompt=True)
-    pictures = [Image.open(io.BytesIO(p.data)) for p in (red, blue)]
-    theirs = [r.token for r in stream_generate(model, processor, prompt, image=pictures,
-                                               max_tokens=10, temperature=0.0)][:10]
-    assert ours == theirs
+    assert tokens(stream_events(replica, two_turns("vq"))) == mlx_vlms_two_turns(source)
 
 
 def test_tokenize_counts_an_images_real_tokens(replica: ModelReplica) -> None:
