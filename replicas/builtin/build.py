@@ -114,6 +114,24 @@ def ensure_recipe(recipe: Recipe, cache_dir: Path | None = None) -> Path:
     return cached_build(root, key, make)
 
 
+def ensure_scripted(name: str, recipe: Recipe, salt: str,
+                    builder: Callable[[Path, str, str], object],
+                    cache_dir: Path | None = None, expected: str = "a few seconds") -> Path:
+    """`builtin:<name>`'s cached directory, built first if missing by
+    `builder(directory, scripts, key)`: the models made beside a recipe's own build (vision,
+    rerank, encoders), keyed by `recipe`, the scripts and `salt` (what else shapes them)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    text = scripts_text()
+    key = cache_key(recipe, text + salt)
+
+    def make(tmp: Path) -> None:
+        with Progress(f"building the built-in model builtin:{name}",
+                      f"once (cached in {root}), {expected}"):
+            builder(tmp, text, key)
+
+    return cached_build(root, key, make)
+
+
 def refresh_shipped(recipe: Recipe) -> Path:
     """Train `recipe` from scratch, ignoring the shipped weights, and ship the result in
     their place (`python -m replicas.builtin tiny --refresh-shipped`); returns the file."""

@@ -17,11 +17,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, processors
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root, save_random_model
+from .build import ensure_scripted, save_random_model
 from .embed_model import write_sentence_transformers
-from .recipe import Architecture, RandomInit, Recipe, cache_key
-from .scripts import parse_scripts, scripts_text
+from .recipe import Architecture, RandomInit, Recipe
+from .scripts import parse_scripts
 from .tokenizer_files import (
     IM_START,
     PAD_TOKEN,
@@ -47,16 +46,8 @@ SHAPE = Recipe(
 
 def ensure_encoder_model(cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:embed-bert`, built first if missing (a second)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(SHAPE, text + "bert cls")
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{NAME}",
-                      f"once (cached in {root}), a second"):
-            build_encoder_model(tmp, text, key)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(NAME, SHAPE, "bert cls", build_encoder_model, cache_dir,
+                           expected="a second")
 
 
 def build_encoder_model(out_dir: Path, scripts: str, key: str) -> None:

@@ -26,13 +26,12 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root, save_random_model
+from .build import ensure_scripted, save_random_model
 from tokenizers import Tokenizer, processors
 
 from .encoder_model import _bracket, bert_config
-from .recipe import Architecture, RandomInit, Recipe, cache_key
-from .scripts import parse_scripts, scripts_text
+from .recipe import Architecture, RandomInit, Recipe
+from .scripts import parse_scripts
 from .tokenizer_files import EOS_TOKEN, IM_START, PAD_TOKEN, token_id, train_tokenizer, \
     training_texts, write_json, write_tokenizer_files
 
@@ -85,16 +84,7 @@ def ensure_cross_encoder_model(cache_dir: Path | None = None) -> Path:
 
 
 def _ensure(recipe: Recipe, salt: str, builder: Any, cache_dir: Path | None) -> Path:
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(recipe, text + salt)
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{recipe.name}",
-                      f"once (cached in {root}), a second"):
-            builder(tmp, text, key)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(recipe.name, recipe, salt, builder, cache_dir, expected="a second")
 
 
 def _build_decoder(out_dir: Path, scripts: str, key: str) -> None:

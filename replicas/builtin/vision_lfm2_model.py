@@ -23,11 +23,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root, save_random_model
+from .build import ensure_scripted, save_random_model
 from .chat_template import chat_template
-from .recipe import cache_key
-from .scripts import parse_scripts, scripts_text
+from .scripts import parse_scripts
 from .tokenizer_files import (
     PAD_TOKEN,
     SPECIAL_TOKENS,
@@ -71,17 +69,10 @@ DTYPE = "float32"
 
 def ensure_vision_lfm2_model(cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:vision-lfm2`, built first if missing (seconds)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(replace(MISTRAL_TEXT, name=NAME), text + repr(sorted(TEXT.items()))
-                    + repr(sorted(VISION.items())) + chat_template(IMAGE))
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{NAME}",
-                      f"once (cached in {root}), a few seconds"):
-            build_vision_lfm2_model(tmp, text, key)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(
+        NAME, replace(MISTRAL_TEXT, name=NAME),
+        repr(sorted(TEXT.items())) + repr(sorted(VISION.items())) + chat_template(IMAGE),
+        build_vision_lfm2_model, cache_dir)
 
 
 def build_vision_lfm2_model(out_dir: Path, scripts: str, key: str) -> None:

@@ -20,11 +20,10 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root, save_random_model
+from .build import ensure_scripted, save_random_model
 from .chat_template import chat_template
-from .recipe import Architecture, RandomInit, Recipe, cache_key
-from .scripts import parse_scripts, scripts_text
+from .recipe import Architecture, RandomInit, Recipe
+from .scripts import parse_scripts
 from .tokenizer_files import (
     PAD_TOKEN,
     SPECIAL_TOKENS,
@@ -64,16 +63,8 @@ _IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 
 def ensure_vision_model(cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:vision`, built first if missing (a few seconds)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(TEXT, text + repr(sorted(VISION.items())) + chat_template(IMAGE_TOKEN))
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{NAME}",
-                      f"once (cached in {root}), a few seconds"):
-            build_vision_model(tmp, text, key)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(NAME, TEXT, repr(sorted(VISION.items())) + chat_template(IMAGE_TOKEN),
+                           build_vision_model, cache_dir)
 
 
 def build_vision_model(out_dir: Path, scripts: str, key: str) -> None:

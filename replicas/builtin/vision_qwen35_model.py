@@ -17,11 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root
+from .build import ensure_scripted
 from .chat_template import chat_template
-from .recipe import cache_key
-from .scripts import scripts_text
 from .vision_qwen3_model import RECIPE as DENSE_RECIPE
 from .vision_qwen3_model import VISION, build_qwen3_vl_layout
 from .vision_qwen_model import IMAGE_PART
@@ -55,18 +52,11 @@ SEED = 20251208
 def ensure_vision_qwen35_model(name: str = NAME, cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:<name>` (a `VARIANTS` name), built first if missing
     (seconds)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(replace(DENSE_RECIPE, name=name),
-                    text + repr(sorted(VISION.items())) + repr(sorted(HYBRID.items()))
-                    + repr(VARIANTS[name]) + chat_template(IMAGE_PART))
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{name}",
-                      f"once (cached in {root}), a few seconds"):
-            build_vision_qwen35_model(tmp, text, key, name)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(
+        name, replace(DENSE_RECIPE, name=name),
+        repr(sorted(VISION.items())) + repr(sorted(HYBRID.items())) + repr(VARIANTS[name])
+        + chat_template(IMAGE_PART),
+        lambda tmp, text, key: build_vision_qwen35_model(tmp, text, key, name), cache_dir)
 
 
 def build_vision_qwen35_model(out_dir: Path, scripts: str, key: str, name: str = NAME) -> None:

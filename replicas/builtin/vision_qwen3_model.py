@@ -25,11 +25,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root, save_random_model
+from .build import ensure_scripted, save_random_model
 from .chat_template import chat_template
-from .recipe import cache_key
-from .scripts import parse_scripts, scripts_text
+from .scripts import parse_scripts
 from .tokenizer_files import (
     PAD_TOKEN,
     SPECIAL_TOKENS,
@@ -77,17 +75,9 @@ DTYPE = "float32"
 
 def ensure_vision_qwen3_model(cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:vision-qwen3`, built first if missing (seconds)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(RECIPE, text + repr(sorted(VISION.items())) + repr(MROPE_SECTION)
-                    + chat_template(IMAGE_PART))
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{NAME}",
-                      f"once (cached in {root}), a few seconds"):
-            build_vision_qwen3_model(tmp, text, key)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(
+        NAME, RECIPE, repr(sorted(VISION.items())) + repr(MROPE_SECTION)
+        + chat_template(IMAGE_PART), build_vision_qwen3_model, cache_dir)
 
 
 def build_vision_qwen3_model(out_dir: Path, scripts: str, key: str) -> None:

@@ -16,11 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root
+from .build import ensure_scripted
 from .chat_template import chat_template
-from .recipe import cache_key
-from .scripts import scripts_text
 from .vision_qwen3_model import RECIPE as DENSE_RECIPE
 from .vision_qwen3_model import TEXT, VISION, build_qwen3_vl_layout
 from .vision_qwen_model import IMAGE_PART, MROPE_SECTION
@@ -38,17 +35,10 @@ SEED = 20251207
 
 def ensure_vision_qwen3_moe_model(cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:vision-qwen3-moe`, built first if missing (seconds)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(RECIPE, text + repr(sorted(VISION.items())) + repr(sorted(MOE.items()))
-                    + repr(MROPE_SECTION) + chat_template(IMAGE_PART))
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{NAME}",
-                      f"once (cached in {root}), a few seconds"):
-            build_vision_qwen3_moe_model(tmp, text, key)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(
+        NAME, RECIPE, repr(sorted(VISION.items())) + repr(sorted(MOE.items()))
+        + repr(MROPE_SECTION) + chat_template(IMAGE_PART), build_vision_qwen3_moe_model,
+        cache_dir)
 
 
 def build_vision_qwen3_moe_model(out_dir: Path, scripts: str, key: str) -> None:

@@ -21,11 +21,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..startup import Progress
-from .build import cached_build, default_cache_root, save_random_model
+from .build import ensure_scripted, save_random_model
 from .chat_template import chat_template
-from .recipe import cache_key
-from .scripts import parse_scripts, scripts_text
+from .scripts import parse_scripts
 from .tokenizer_files import (
     PAD_TOKEN,
     SPECIAL_TOKENS,
@@ -80,17 +78,10 @@ _IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
 def ensure_vision_qwen_model(name: str = NAME, cache_dir: Path | None = None) -> Path:
     """The cached directory of `builtin:<name>` (a `VARIANTS` name), built first if missing
     (seconds)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    text = scripts_text()
-    key = cache_key(replace(MISTRAL_TEXT, name=name), text + repr(VARIANTS[name])
-                    + repr(MROPE_SECTION) + chat_template(IMAGE_PART))
-
-    def make(tmp: Path) -> None:
-        with Progress(f"building the built-in model builtin:{name}",
-                      f"once (cached in {root}), a few seconds"):
-            build_vision_qwen_model(tmp, text, key, name)
-
-    return cached_build(root, key, make)
+    return ensure_scripted(
+        name, replace(MISTRAL_TEXT, name=name),
+        repr(VARIANTS[name]) + repr(MROPE_SECTION) + chat_template(IMAGE_PART),
+        lambda tmp, text, key: build_vision_qwen_model(tmp, text, key, name), cache_dir)
 
 
 def build_vision_qwen_model(out_dir: Path, scripts: str, key: str, name: str = NAME) -> None:
