@@ -28,6 +28,9 @@ from ingress.client import ModelState
 log = logging.getLogger(__name__)
 
 _TTL_S = 1.0
+# A controller busy with a deploy or a replacement can take many seconds to answer: requests
+# wait this long for it, then go on with the states last known (the call runs on).
+_STATUS_WAIT_S = 2.0
 # Serve's word for a deployment whose replicas failed to start its threshold of times
 # (3 per replica), or failed their health checks: it retries them with a growing backoff.
 _GAVE_UP = (DeploymentStatus.DEPLOY_FAILED, DeploymentStatus.UNHEALTHY)
@@ -37,14 +40,17 @@ class ServeModelStates:
     """`deployments`: each served model id and its deployment's name (`model:ID`)."""
 
     def __init__(self, app: str, deployments: Mapping[str, str],
-                 status: Callable[[], Any] = serve.status, ttl_s: float = _TTL_S) -> None:
+                 status: Callable[[], Any] = serve.status, ttl_s: float = _TTL_S,
+                 wait_s: float = _STATUS_WAIT_S) -> None:
         self._app = app
         self._deployments = dict(deployments)
         self._status = status
         self._ttl_s = ttl_s
+        self._wait_s = wait_s
         self._states: dict[str, ModelState] = {}
         self._at = -float("inf")
         self._lock = asyncio.Lock()
+        self._asking: asyncio.Future[Any] | None = None  # the controller call in flight
 
     async def states(self) -> Mapping[str, ModelState]:
         """Each model's state; a model missing from the answer counts as ready."""
@@ -58,8 +64,13 @@ class ServeModelStates:
         return (await self.states()).get(model, "ready")
 
     async def _ask(self) -> dict[str, ModelState]:
+        if self._asking is None or self._asking.done():  # one call at a time, however slow
+            self._asking = asyncio.ensure_future(asyncio.to_thread(self._status))
         try:
-            status = await asyncio.to_thread(self._status)
+            status = await asyncio.wait_for(asyncio.shield(self._asking), self._wait_s)
+        except TimeoutError:
+            log.debug("serve.status() slower than %.0f s: states as last known", self._wait_s)
+            return self._states
         except Exception:  # noqa: BLE001 - no answer: route as if ready, Serve's wait decides
             log.debug("serve.status() failed", exc_info=True)
             return {}

@@ -41,6 +41,7 @@ BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 GCS_PORT = 6400 + SHIFT
 DASHBOARD_PORT = 8365 + SHIFT
 DASHBOARD = f"http://127.0.0.1:{DASHBOARD_PORT}"
+DASHBOARD_PATIENCE_S = 180  # how long a dashboard call retries before it counts as down
 
 
 def _ports(node_manager: int, agent: int, workers: int) -> list[str]:
@@ -177,8 +178,18 @@ class LocalCluster:
     # ---- dashboard REST API (token auth) ------------------------------------------------
 
     def _get(self, path: str) -> Any:
-        r = httpx.get(f"{DASHBOARD}{path}", timeout=30,
-                      headers={"Authorization": f"Bearer {self.token}"})
+        # On CI's loaded 2-core box the dashboard once took over 30 s to answer during a
+        # redeploy: a slow answer is retried (what callers poll for has its own deadline).
+        deadline = time.monotonic() + DASHBOARD_PATIENCE_S
+        while True:
+            try:
+                r = httpx.get(f"{DASHBOARD}{path}", timeout=30,
+                              headers={"Authorization": f"Bearer {self.token}"})
+                break
+            except httpx.TimeoutException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
         r.raise_for_status()
         return r.json()
 

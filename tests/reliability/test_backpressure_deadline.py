@@ -25,9 +25,9 @@ pytestmark = pytest.mark.reliability
 TIMER_SLACK_S = 0.01
 # How late past its deadline a request may end, for the proxy hops and the event loop's
 # wake-up while four endless generations share 2 cores: 0.02 to 0.25 s measured on a
-# 2-core box; 2 s is eight times that, and still far short of what an unenforced deadline
-# gives (an endless generation runs for minutes).
-LATE_MARGIN_S = 2.0
+# 2-core box, but CI's loaded box has stalled for a minute. 30 s is still far short of what
+# an unenforced deadline gives (an endless generation of ENDLESS_TOKENS runs for minutes).
+LATE_MARGIN_S = 30.0
 
 
 def client(base_url: str) -> httpx.AsyncClient:
@@ -109,8 +109,8 @@ def test_deadline_ends_streams_with_an_error_event_and_others_with_504(cluster: 
                 timed(http, "/v1/chat/completions", {**endless, "model": TIGHT.model}),
             )
             results = [await runner, *replies]
-            await wait_idle(TINY, timeout_s=10)
-            await wait_idle(TIGHT, timeout_s=10)
+            await wait_idle(TINY, timeout_s=120)
+            await wait_idle(TIGHT, timeout_s=120)
             return results
 
     results = asyncio.run(scenario())

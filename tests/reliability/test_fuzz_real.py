@@ -46,6 +46,8 @@ SEED = int(os.environ.get("ORCHARD_FUZZ_REAL_SEED", "19"))
 # must name the body that caused it.
 CONCURRENCY = 1
 ANSWER_TIMEOUT_S = 60.0  # far past the cluster's 5 s request deadline: only a hang hits it
+# How long the pool may stay busy after a timed-out body before that counts as a wedge.
+STALL_PATIENCE_S = 300.0
 MIN_PER_API = 10  # fewer means the run proved nothing about that API
 
 async def _send(http: httpx.AsyncClient, body: Body) -> tuple[int, str, str]:
@@ -57,6 +59,22 @@ async def _send(http: httpx.AsyncClient, body: Body) -> tuple[int, str, str]:
             return response.status_code, response.headers.get("content-type", ""), text
 
     return await asyncio.wait_for(call(), ANSWER_TIMEOUT_S)
+
+
+async def _try(http: httpx.AsyncClient, body: Body) -> tuple[str, str | None, str]:
+    """(outcome bucket, problem or None, reply text) for one send of `body`."""
+    try:
+        status, content_type, text = await _send(http, body)
+    except (TimeoutError, httpx.HTTPError) as exc:
+        return "no-answer", f"{type(exc).__name__}: {exc}", ""
+    bucket, problem = _verdict(body, status, content_type, text)
+    return bucket, problem, text
+
+
+def _timed_out(problem: str, text: str) -> bool:
+    """The reply is the deadline's (a 504, or an error event of type timeout_error), or
+    none came in time."""
+    return problem.startswith("TimeoutError") or '"timeout_error"' in text
 
 
 def _verdict(body: Body, status: int, content_type: str, text: str) -> tuple[str, str | None]:
@@ -111,6 +129,7 @@ def test_every_api_survives_random_and_adversarial_bodies(cluster: str, tmp_path
     counts: dict[str, collections.Counter[str]] = {p: collections.Counter() for p in PATHS}
     problems: list[dict[str, Any]] = []
     slowest: list[tuple[float, str, str]] = []
+    stalled: list[tuple[str, str, bool]] = []  # (path, label, answered when sent again)
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=cluster + pool.prefix, headers=auth_headers(),
@@ -124,14 +143,15 @@ def test_every_api_survives_random_and_adversarial_bodies(cluster: str, tmp_path
                 async with gate:
                     if time.monotonic() > deadline:
                         return  # over budget: not sent, not counted
-                    problem: str | None
                     sent_at = time.monotonic()
-                    try:
-                        status, content_type, text = await _send(http, body)
-                    except (TimeoutError, httpx.HTTPError) as exc:
-                        bucket, problem, text = "no-answer", f"{type(exc).__name__}: {exc}", ""
-                    else:
-                        bucket, problem = _verdict(body, status, content_type, text)
+                    bucket, problem, text = await _try(http, body)
+                    if problem is not None and _timed_out(problem, text):
+                        # CI's loaded box once stalled for over a minute: a body that meets
+                        # the deadline is sent again once the pool is idle, and counts as a
+                        # problem only if it times out again.
+                        await wait_idle(pool, timeout_s=STALL_PATIENCE_S)
+                        bucket, problem, text = await _try(http, body)
+                        stalled.append((body.path, body.label, problem is None))
                     counts[body.path][bucket] += 1
                     slowest.append((time.monotonic() - sent_at, body.path, body.label))
                     if problem is not None:
@@ -155,6 +175,8 @@ def test_every_api_survives_random_and_adversarial_bodies(cluster: str, tmp_path
         for path, counter in counts.items():
             print(f"  {path:<28} {sent[path]:>4}  {dict(sorted(counter.items()))}")
         print("  slowest:", [(round(s, 1), p, label) for s, p, label in sorted(slowest)[-5:]])
+        if stalled:
+            print("  timed out, then sent again (answered?):", stalled)
     if problems:
         report = tmp_path / "fuzz_problems.json"
         report.write_text(json.dumps(problems, indent=1))

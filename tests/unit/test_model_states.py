@@ -8,6 +8,7 @@ protocol's overloaded answer with `Retry-After` in each API's shape, never queue
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import anthropic
@@ -237,3 +238,26 @@ def test_a_model_that_comes_up_within_the_wait_is_served() -> None:
     done = oai.chat.completions.create(model="slow", max_tokens=4,
                                        messages=[{"role": "user", "content": "hi"}])
     assert done.choices[0].message.content == "hi" and handles["slow"].calls == 1
+
+
+def test_a_slow_controller_holds_no_request_past_the_wait() -> None:
+    """serve.status() stuck (a controller busy deploying): requests go on with the states
+    last known after `wait_s`, and the stuck call is not started again meanwhile."""
+    release = threading.Event()
+    calls = Counted(LOADING)
+
+    def stuck() -> Any:
+        answer = calls()
+        if calls.calls > 1:
+            release.wait(30)
+        return answer
+
+    async def ask() -> list[str]:
+        states = ServeModelStates("orchard", DEPLOYMENTS, stuck, ttl_s=0.0, wait_s=0.05)
+        first = await states.state("slow")  # answered at once
+        later = [await states.state("slow") for _ in range(3)]  # the second call hangs
+        release.set()
+        return [first, *later]
+
+    assert asyncio.run(ask()) == ["loading"] * 4
+    assert calls.calls == 2
