@@ -154,11 +154,15 @@ def test_a_model_whose_replicas_fail_to_start_is_refused_at_once(
                         timeout=120)
     # Serve marks the deployment failed after its replica's third failed start.
     wait_for(lambda: states(oai)[BROKEN] == "failed", 300)
-    started = time.monotonic()
-    with pytest.raises(openai.InternalServerError) as raised:
-        oai.chat.completions.create(model=BROKEN, messages=HI, max_tokens=4)
-    # At once: the 3 s replica wait is not waited out for a model that failed.
-    assert time.monotonic() - started < 3
+    took = []
+    for _ in range(3):
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as raised:
+            oai.chat.completions.create(model=BROKEN, messages=HI, max_tokens=4)
+        took.append(time.monotonic() - started)
+    # At once: the 3 s replica wait is not waited out for a model that failed. (The fastest
+    # of three: waiting out the 3 s makes every one slower; a stall of CI's box only some.)
+    assert min(took) < 3, took
     response = raised.value.response
     assert response.status_code == 503 and int(response.headers["retry-after"]) >= 10
     assert "failed to start" in response.json()["error"]["message"]

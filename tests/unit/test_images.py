@@ -115,7 +115,7 @@ def test_pixels_are_counted_from_the_header_before_decoding() -> None:
             "image/png", WHERE, LIMITS)
     refused(r"\(it is 10000x8000\)", check_image, header_only_png(10_000, 8_000), "image/png",
             WHERE, LIMITS)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10  # decoding them would take minutes, or all memory
 
 
 def test_content_join_moves_images_with_their_text() -> None:

@@ -77,7 +77,7 @@ def test_seats_and_tokens_are_counted_across_replicas() -> None:
         for ledger in (a, b):
             with pytest.raises(RateLimitedError) as refused:
                 await ledger.admit(CI)
-            assert 55 < refused.value.retry_after_s <= 60  # when the first 70 leave
+            assert 30 < refused.value.retry_after_s <= 60  # when the first 70 leave (60 s window)
             assert dict(ledger.headers(CI))[b"x-ratelimit-remaining-tokens"] == b"0"
         a._loop.cancel()  # type: ignore[union-attr]
         b._loop.cancel()  # type: ignore[union-attr]
