@@ -22,9 +22,12 @@ prefix also carries DeepStack's features, added after the first layers at its im
 tokens (`DEEPSTACK_MODEL_TYPES`, `replicas.engine.model.deepstack`); Qwen3.5's hybrid
 language model rotates only in its full-attention layers (its linear-attention layers keep a
 recurrent state, prefilled over the prefix like a text prompt's). Gemma 3's
-image tokens attend to each other both ways (`BIDIRECTIONAL_MODEL_TYPES`): the prefix
+image tokens attend to each other both ways (`BIDIRECTIONAL_MODEL_TYPES`), and Gemma 4's
+where its config says so (`use_bidirectional_attention: "vision"`): the prefix
 carries each image's span (`PromptEmbeddings.blocks`), which the batch prefills whole under
-that mask (`replicas.engine.model.bidirectional`). LFM2-VL needs none of these: 1-D
+that mask (`replicas.engine.model.bidirectional`). Gemma 4's prefix embeddings come
+scaled, and its per-layer inputs read the pad token at image tokens, as mlx-vlm's
+(`replicas.engine.model.gemma4`). LFM2-VL needs none of these: 1-D
 positions, and its short convolutions' state prefilled over the prefix as a text prompt's.
 """
 
@@ -44,7 +47,7 @@ from mlx.utils import tree_flatten
 
 from replicas.contract import ImageData
 from replicas.engine.model.bidirectional import image_blocks
-from replicas.engine.model import deepstack
+from replicas.engine.model import deepstack, gemma4
 from replicas.engine.model.mrope import install
 from replicas.engine.request import PromptEmbeddings
 from replicas.errors import InvalidRequestError
@@ -58,10 +61,12 @@ from replicas.timings import Timings
 # `builtin:vision-qwen`, `builtin:vision-qwen25`, `builtin:vision-qwen3`,
 # `builtin:vision-qwen3-moe`, `builtin:vision-qwen35` and `builtin:vision-qwen35-moe`;
 # test_vision_gemma.py on
-# `builtin:vision-gemma3`; test_vision_lfm2.py on `builtin:vision-lfm2`).
+# `builtin:vision-gemma3` and `builtin:vision-gemma4`; test_vision_lfm2.py on
+# `builtin:vision-lfm2`).
 VISION_MODEL_TYPES: frozenset[str] = frozenset({"mistral3", "qwen2_vl", "qwen2_5_vl",
                                                 "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                                                "qwen3_5_moe", "gemma3", "lfm2-vl"})
+                                                "qwen3_5_moe", "gemma3", "gemma4",
+                                                "lfm2-vl"})
 # Those whose language model takes 3-D rotary positions (`replicas.engine.model.mrope`).
 MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl",
                                               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
@@ -69,7 +74,8 @@ MROPE_MODEL_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_
 # (`replicas.engine.model.deepstack`; test_vision_qwen.py on `builtin:vision-qwen3` and
 # `builtin:vision-qwen3-moe`).
 DEEPSTACK_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_vl", "qwen3_vl_moe"})
-# Those whose image tokens attend to each other both ways (`model.bidirectional`).
+# Those whose image tokens attend to each other both ways (`model.bidirectional`); Gemma 4's
+# do where its text config's `use_bidirectional_attention` is "vision" (`_bidirectional`).
 BIDIRECTIONAL_MODEL_TYPES: frozenset[str] = frozenset({"gemma3"})
 
 
@@ -112,9 +118,11 @@ class VisionModel:
         self._deepstack = deepstacked  # and DeepStack's additions with both (Qwen3-VL)
         # Each image's span goes with them, attending both ways (Gemma); tests turn it off
         # to show that it matters.
-        self.bidirectional = self._gemma = bidirectional
-        # What the chat template writes per image: Gemma's start-of-image token, which its
-        # processor expands; the others' image token itself.
+        self.bidirectional = bidirectional
+        # Gemma 3's merge reads the attention mask, and its template writes the
+        # start-of-image token per image, which its processor expands; the others' (Gemma 4's
+        # too) write the image token itself.
+        self._gemma = getattr(encoder.config, "model_type", None) == "gemma3"
         self._placeholder: str = processor.boi_token if self._gemma else processor.image_token
         self._timings = timings
         self._processor = processor
@@ -150,6 +158,9 @@ class VisionModel:
             if deepstacked:  # its first layers add the tower's earlier blocks' features
                 levels = len(encoder.config.vision_config.deepstack_visual_indexes)
                 deepstack.install(language_model, levels)
+            if encoder.config.model_type == "gemma4":  # mlx-vlm's embeddings as they are
+                gemma4.install(language_model, encoder.config.image_token_id)
+                text.hidden_size_per_layer_input = 0  # mlx-lm's copy looks them up
             text.embed_tokens = _embed_tokens(language_model)
             text.layers = []  # mlx-lm's copy runs them; these are never read
             weights: dict[str, mx.array] = dict(tree_flatten(encoder.parameters()))
@@ -160,11 +171,11 @@ class VisionModel:
         if not isinstance(token, int):
             raise VisionUnsupported(f"{path}: config.json names no image_token_index")
         config = json.loads((Path(path) / "config.json").read_text())
-        end = config.get("vision_end_token_id",  # Qwen's, Gemma's, LFM2-VL's
-                         config.get("eoi_token_index", config.get("image_end_token_id")))
+        end = next((config[name] for name in (  # Qwen's, Gemma 3's, Gemma 4's, LFM2-VL's
+            "vision_end_token_id", "eoi_token_index", "eoi_token_id", "image_end_token_id")
+            if name in config), None)
         return cls(encoder, processor, token, timings, mrope, end,
-                   bidirectional=encoder.config.model_type in BIDIRECTIONAL_MODEL_TYPES,
-                   deepstacked=deepstacked)
+                   bidirectional=_bidirectional(encoder.config), deepstacked=deepstacked)
 
     def prompt(self, text: str, images: Sequence[ImageData]) -> RenderedPrompt:
         """`text` (the chat template's output, one image token per image) and its images
@@ -227,6 +238,14 @@ class VisionModel:
     @property
     def _merge(self) -> int:
         return int(self._encoder.config.vision_config.spatial_merge_size)
+
+
+def _bidirectional(config: Any) -> bool:
+    """Whether the model's image tokens attend to each other both ways: Gemma 3's always,
+    Gemma 4's where its text config says "vision" (as mlx-vlm's `_make_masks` reads it)."""
+    if config.model_type == "gemma4":
+        return getattr(config.text_config, "use_bidirectional_attention", None) == "vision"
+    return config.model_type in BIDIRECTIONAL_MODEL_TYPES
 
 
 def _embed_tokens(language_model: nn.Module) -> nn.Module:

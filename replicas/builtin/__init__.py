@@ -11,7 +11,8 @@ and `builtin:vision-qwen25` ones laid out as Qwen2-VL and Qwen2.5-VL (vision_qwe
 `builtin:vision-qwen3-moe` one laid out as Qwen3-VL's MoE (vision_qwen3_moe_model.py),
 `builtin:vision-qwen35` and `builtin:vision-qwen35-moe` ones laid out as Qwen3.5 and its MoE,
 hybrid (vision_qwen35_model.py),
-`builtin:vision-gemma3` one laid out as Gemma 3 (vision_gemma_model.py),
+`builtin:vision-gemma3` and `builtin:vision-gemma4` ones laid out as Gemma 3 and Gemma 4
+(vision_gemma_model.py),
 `builtin:vision-lfm2` one laid out as LFM2-VL (vision_lfm2_model.py); `builtin:rerank` a
 Qwen3-Reranker-style decoder, `builtin:cross-encoder` a ModernBERT cross-encoder and
 `builtin:cross-encoder-bert` a BERT one (rerank_model.py); `builtin:fmt-<format>`
@@ -39,7 +40,7 @@ from .rerank_model import NAME as RERANK_NAME
 from .rerank_model import ensure_rerank_model
 from .vision_model import NAME as VISION_NAME
 from .vision_model import ensure_vision_model
-from .vision_gemma_model import NAME as VISION_GEMMA_NAME
+from .vision_gemma_model import VARIANTS as VISION_GEMMA_NAMES
 from .vision_gemma_model import ensure_vision_gemma_model
 from .vision_lfm2_model import NAME as VISION_LFM2_NAME
 from .vision_lfm2_model import ensure_vision_lfm2_model
@@ -57,7 +58,7 @@ from .scripts import Message, Script, load_scripts, script
 # (`fmt-<tool format>`, family_models.py).
 BUILTIN_NAMES: tuple[str, ...] = (*RECIPES, EMBED_NAME, ENCODER_NAME, VISION_NAME,
                                   *VISION_QWEN_NAMES, VISION_QWEN3_NAME, VISION_QWEN3_MOE_NAME,
-                                  *VISION_QWEN35_NAMES, VISION_GEMMA_NAME, VISION_LFM2_NAME,
+                                  *VISION_QWEN35_NAMES, *VISION_GEMMA_NAMES, VISION_LFM2_NAME,
                                   RERANK_NAME, CROSS_ENCODER_NAME, BERT_CROSS_ENCODER_NAME,
                                   *FAMILY_MODELS)
 
@@ -81,8 +82,8 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
         return ensure_vision_qwen3_moe_model(cache_dir)
     if name in VISION_QWEN35_NAMES:
         return ensure_vision_qwen35_model(name, cache_dir)
-    if name == VISION_GEMMA_NAME:
-        return ensure_vision_gemma_model(cache_dir)
+    if name in VISION_GEMMA_NAMES:
+        return ensure_vision_gemma_model(name, cache_dir)
     if name == VISION_LFM2_NAME:
         return ensure_vision_lfm2_model(cache_dir)
     if name == ENCODER_NAME:
