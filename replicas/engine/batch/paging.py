@@ -15,10 +15,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.blocks import BLOCK_SIZE, BlockPool
 from replicas.engine.kv.budget import KvBudget
+from replicas.engine.kv.layout import plain_layers
 from replicas.engine.kv.paged import paged_layers
 from replicas.engine.kv.pool_plan import Paging, paging_plan
 from replicas.engine.kv.prefix_cache import PromptCache
-from replicas.engine.kv.rows import PagedRowKVCache
+from replicas.engine.kv.rows import PagedRowKVCache, kinds
 from replicas.engine.kv.shared_blocks import NO_BLOCKS
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,8 @@ def unpaged(config: EngineConfig, speculative: bool, model: nn.Module) -> str | 
         return "speculation rolls rows back in the padded cache (not on blocks yet)"
     cache = make_prompt_cache(model)
     if not paged_layers(cache):
-        kinds = ", ".join(sorted({type(c).__name__ for c in cache}))
-        return f"this model's cache layers ({kinds}) are not all plain attention"
+        return (f"this model's cache layers ({kinds(cache)}) are not plain attention beside "
+                "sliding windows and recurrent state only")
     return None
 
 
@@ -42,15 +43,22 @@ def make_pool(model: nn.Module, config: EngineConfig, kv: KvBudget,
     """The pool for `kv`'s budget: the rows' blocks and the prefix cache's share of the
     same pool (its entries are block refs, `PromptCache.attach`: a hit joins the batch
     without a copy)."""
-    layers = len(make_prompt_cache(model))
-    plan = paging_plan(kv.budget_bytes, kv.layout.per_token, layers, config.prompt_cache_bytes,
-                       BLOCK_SIZE, config.max_batch_size * context_length)
+    sizes = plain_layers(model)  # the layers that page; a hybrid's others hold a fixed cost
+    layers, layout = len(sizes), kv.layout
+    fixed = layout.bytes_for(0) + sum(per * window for window, per in layout.windows)
+    plan = paging_plan(kv.budget_bytes, sum(sizes), layers, config.prompt_cache_bytes,
+                       BLOCK_SIZE, config.max_batch_size * context_length, max(sizes),
+                       fixed, config.max_batch_size)
     pool = BlockPool(plan.blocks + plan.cache_bytes // max(1, plan.block_bytes),
                      plan.block_size)
     log.info("paged KV: %d blocks of %d tokens (%d bytes each, %d layers), a %d-byte "
              "gather reserve, %d bytes for the prefix cache, %d beside the blocks (scratch, a "
              "growth's transient)", plan.blocks, plan.block_size, plan.block_bytes, layers,
              plan.gather_bytes, plan.cache_bytes, plan.growth_bytes)
+    if plan.row_bytes:
+        log.info("paged KV: the layers that do not page (sliding windows, recurrent state) "
+                 "keep mlx-lm's batch form, %d bytes a row, room for %d rows", plan.row_bytes,
+                 plan.rows)
     return pool, plan
 
 

@@ -230,8 +230,8 @@ class KvBudget:
 
     @property
     def projected(self) -> int:
-        if (p := self.paging) is not None:
-            return self._held_blocks(p) * p.block_bytes
+        if (p := self.paging) is not None:  # and a hybrid's fixed cost a row (`Paging`)
+            return self._held_blocks(p) * p.block_bytes + len(self._reserved) * p.row_bytes
         held = list(self._reserved.values())  # one read: `stats` runs on another thread
         return self.held(len(held), max(held, default=0))
 

@@ -109,6 +109,16 @@ def measure_kv(model: nn.Module,
     return KvLayout(per_token, tuple(sorted(windows.items())), per_sequence)
 
 
+def plain_layers(model: nn.Module) -> list[int]:
+    """Bytes per position of each plain attention layer (`KVCache`, what a paged batch
+    pages) of `model`, by the same probe: a hybrid's full-attention layers need not all be
+    one size, and the block pool sizes a growth's transient by the largest."""
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(_PROBE_TOKENS))]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return [_per_position(c) for c in cache if type(c) is KVCache]
+
+
 def leaves(cache: list[Any]) -> Iterator[Any]:
     """Every cache of `cache`'s layers, a `CacheList`'s members each (LongCat's two
     attentions a layer)."""

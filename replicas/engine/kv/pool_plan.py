@@ -45,6 +45,11 @@ class Paging:
     gather_bytes: int
     cache_bytes: int
     growth_bytes: int = 0
+    # A hybrid's layers that do not page (sliding windows, recurrent state): what each row
+    # holds in them whatever its length, and the most rows the budget keeps that room for
+    # (0: no such layers, no cap but the blocks).
+    row_bytes: int = 0
+    rows: int = 0
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -52,33 +57,44 @@ class Paging:
     def fits(self, tokens: Sequence[int], shared: int = 0) -> bool:
         """Whether rows of `tokens` fit, `shared` of their blocks held by more than one
         (a prefix cache hit's full blocks, counted once: `KvBudget`)."""
+        if self.row_bytes and len(tokens) > self.rows:
+            return False
         blocks = sum(self.blocks_for(t) for t in tokens) - shared
         view = len(tokens) * max(tokens, default=0) * self.gather_per_token
         return blocks <= self.blocks and view <= self.gather_bytes
 
 
 def layer_block(block_bytes: int, layers: int) -> int:
-    """One layer's block (layers of one size assumed), rounded up."""
+    """One layer's block where its layers are one size, rounded up (`paging_plan` takes
+    the largest layer's where they differ)."""
     return -(-block_bytes // max(1, layers))
 
 
 def paging_plan(budget: int, per_token: int, layers: int, cache_bytes: int, block_size: int,
-                most_tokens: int) -> Paging:
+                most_tokens: int, largest: int | None = None, row_bytes: int = 0,
+                most_rows: int = 0) -> Paging:
     """Split `budget` for a paged batch: the gather reserve (`GATHER_SHARE`, at least
     `GATHER_FLOOR`, which comes out of the activation reserve; a growth's transient
     uses it too), the prefix cache's bytes (at most half of the pool) and the rows'
     blocks (the rest, never more than `most_tokens` need). `per_token`: every paged layer's
-    KV for one token, `layers` of them."""
+    KV for one token, `layers` of them, the largest `largest` a token (None: all one size).
+    `row_bytes`: what a row holds in the layers that do not page (a hybrid's sliding windows
+    and recurrent state, mlx-lm's batch forms), kept for `most_rows` rows (at most half of
+    what the gather leaves) before the pool takes the rest."""
     gather = budget // GATHER_SHARE
     reserve = max(gather, GATHER_FLOOR)
-    left = budget - gather  # the pool's arrays: n blocks and the scratch ones
+    rows = 0
+    if row_bytes > 0:
+        rows = max(1, min(most_rows, (budget - gather) // 2 // row_bytes))
+    left = budget - gather - rows * row_bytes  # the pool's arrays: n blocks, the scratch ones
     block_bytes = max(1, per_token * block_size)
-    per_layer = layer_block(block_bytes, layers)
+    layer = per_token // max(1, layers) if largest is None else largest
+    per_layer = layer_block(block_bytes, layers) if largest is None else largest * block_size
     pool = max(0, min((left - block_bytes) // block_bytes,
                       # and mid-growth one layer's old arrays (n of its blocks) beside them
                       (left - block_bytes + reserve) // (block_bytes + per_layer)))
     cache = min(cache_bytes, pool * block_bytes // 2)
     blocks = min(pool - cache // block_bytes, -(-most_tokens // block_size))
     growth = (blocks + cache // block_bytes) * per_layer
-    return Paging(block_size, block_bytes, max(1, blocks), max(1, per_token // max(1, layers)),
-                  reserve, cache, growth)
+    return Paging(block_size, block_bytes, max(1, blocks), max(1, layer), reserve, cache,
+                  growth, row_bytes, rows)

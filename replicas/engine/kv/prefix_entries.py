@@ -33,7 +33,8 @@ log = logging.getLogger("replicas.engine.kv.prefix_cache")  # one logger for the
 @dataclass
 class _Entry:
     cache: list[Any]
-    nbytes: int  # its arrays' bytes (scaled); 0 for an entry by blocks (`PromptCache.nbytes`)
+    nbytes: int  # its arrays' bytes (scaled); by blocks, only a hybrid's other layers'
+    # (its blocks count in `nbytes`, `PromptCache.nbytes`)
 
 
 class PrefixEntries:
@@ -141,6 +142,7 @@ class PrefixEntries:
         except PoolExhausted:
             log.debug("prompt cache: no free blocks for %d tokens", len(tokens))
             return
+        mx.eval([c.state for c in cache if not isinstance(c, PagedRowKVCache)])  # no lazy slice
         if self._new_bytes(cache) > self.limit:
             if self._disk is not None and spill:
                 self._disk.put(tokens, plain(cache))
@@ -152,9 +154,11 @@ class PrefixEntries:
             return
         if replaced is not None:
             self._drop(replaced)
-        for prefix_key in self._trie.remove_prefixes(key):  # it serves them by trimming
-            self._drop(self._lru.pop(prefix_key))
-            self._held.remove(prefix_key)
+        if can_trim_prompt_cache(cache):  # it serves them by trimming (a hybrid's cannot)
+            for prefix_key in self._trie.remove_prefixes(key):
+                self._drop(self._lru.pop(prefix_key))
+                self._held.remove(prefix_key)
+        fixed = self._fixed(cache)
         self.evict_to(self.limit - self._new_bytes(cache))
         if replaced is None:
             self._trie.add(key)
@@ -162,17 +166,26 @@ class PrefixEntries:
         for layer in cache:
             if isinstance(layer, PagedRowKVCache) and layer.blocks:
                 pool.layer(layer.layer).hold(layer.blocks)
-        self._lru[key] = _Entry(cache, 0)
+        self._lru[key] = _Entry(cache, fixed)
+        self._bytes += fixed
         if self._disk is not None and spill and persist:
             self._disk.put(tokens, plain(cache))
 
     def _new_bytes(self, cache: list[Any]) -> int:
-        """What an entry by blocks would add: its blocks this cache holds no ref to yet."""
+        """What an entry by blocks would add: its blocks this cache holds no ref to yet,
+        and a hybrid's layers that do not page (its own arrays: `_fixed`)."""
         assert self._pool is not None
         layers = [c for c in cache if isinstance(c, PagedRowKVCache) and c.blocks]
         fresh = max((self._pool.layer(c.layer).uncached(c.blocks or []) for c in layers),
                     default=0)
-        return fresh * self._pool.block_bytes * self._scale[0] // self._scale[1]
+        return fresh * self._pool.block_bytes * self._scale[0] // self._scale[1] + \
+            self._fixed(cache)
+
+    def _fixed(self, cache: list[Any]) -> int:
+        """An entry's bytes outside the pool (scaled): a hybrid's sliding-window and
+        recurrent layers, which it holds as arrays of its own."""
+        own = sum(c.nbytes for c in cache if not isinstance(c, PagedRowKVCache))
+        return own * self._scale[0] // self._scale[1]
 
     def _drop(self, entry: _Entry) -> None:
         """An entry leaves: its arrays' bytes, or its block refs, go back."""

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from replicas.engine.kv.attention import install
 from replicas.engine.kv.blocks import BlockPool
@@ -138,21 +138,36 @@ def into_blocks(cache: Sequence[Any], pool: BlockPool) -> list[Any]:
 
 
 def paged_layers(cache: list[Any]) -> bool:
-    """Whether a model's fresh cache (`make_prompt_cache`) pages: every layer plain
-    attention (`KVCache`). Sliding windows, recurrent state, `CacheList`s and quantized
-    KV keep mlx-lm's padded batch for now."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
+    """Whether a model's fresh cache (`make_prompt_cache`) pages: at least one layer plain
+    attention (`KVCache`, what pages) and every other layer a kind that keeps mlx-lm's own
+    batch form beside the pool (`beside_pool`). Quantized KV, `CacheList`s and chunked
+    attention keep mlx-lm's padded batch for the whole model for now."""
+    return any(type(c) is KVCache for c in cache) and \
+        all(type(c) is KVCache or beside_pool(c) for c in cache)
+
+
+def beside_pool(layer: Any) -> bool:
+    """A layer kind whose cost per row is fixed, which a paged batch leaves in mlx-lm's
+    batch form (one slot per row): a sliding window (`RotatingKVCache`, its batch
+    `BatchRotatingKVCache` keeps at most the window a row), recurrent or SSM state
+    (`ArraysCache`)."""
+    return type(layer) is RotatingKVCache or isinstance(layer, ArraysCache)
+
+
+def kinds(cache: list[Any]) -> str:
+    """The cache kinds of a model's layers, named once each."""
+    return ", ".join(sorted({type(c).__name__ for c in cache}))
 
 
 def make_paged_prompt_cache(model: nn.Module, pool: BlockPool) -> list[Any]:
-    """`make_prompt_cache(model)` with every layer a `PagedRowKVCache` on `pool`."""
+    """`make_prompt_cache(model)` with every plain attention layer a `PagedRowKVCache` on
+    `pool` (by its layer index); sliding-window and recurrent layers as mlx-lm makes them."""
     cache = make_prompt_cache(model)
     if not paged_layers(cache):
-        kinds = sorted({type(c).__name__ for c in cache})
-        raise ValueError(f"paged KV: this model's cache layers ({', '.join(kinds)}) are not "
-                         "all plain attention; serve it with memory.paged_kv off or auto")
+        raise ValueError(f"paged KV: this model's cache layers ({kinds(cache)}) do not page; "
+                         "serve it with memory.paged_kv off or auto")
     install(model)  # attention by groups of like length (`replicas.engine.kv.attention`)
-    return [PagedRowKVCache(pool, i) for i in range(len(cache))]
+    return [PagedRowKVCache(pool, i) if type(c) is KVCache else c for i, c in enumerate(cache)]
 
 
 def as_paged_rows(cache: list[Any], pool: BlockPool) -> list[Any]:

@@ -1,0 +1,171 @@
+"""Paged KV for models whose other layers are not plain attention (`kv/rows.py`
+`paged_layers`): their full-attention layers page, their sliding-window layers stay on
+mlx-lm's `BatchRotatingKVCache` and their recurrent / SSM layers on its `ArraysCache`, one
+fixed slot a row. On the built-in architecture models: `arch-sliding` (gpt-oss, 64-token
+windows beside full layers, attention sinks), `arch-linear` (Qwen3-Next, linear attention
+beside one full layer) and `arch-ssm` (Nemotron-H, Mamba-2 beside one attention layer):
+greedy text identical to mlx-lm's own `BatchGenerator`, rows of mixed lengths (past the
+window) joining and leaving mid-stream, a prefix cache hit, and the pool holding exactly
+the full-attention layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from replicas.engine.batch.local import LocalBatch
+from replicas.engine.batch.rows import Done, Row
+from replicas.engine.config import EngineConfig
+from replicas.engine.kv import attention
+from replicas.engine.kv.budget import KvBudget
+from replicas.engine.kv.layout import measure_kv
+from replicas.engine.sampling.samplers import make_request_sampler
+from tests.integration.test_paged_kv import GREEDY, model, paged_batch
+from tests.integration.test_paged_prefix import (
+    ARRIVALS as SHARED_ARRIVALS, SYSTEM, _batch, _question, _row, _seed_system, _theirs)
+
+HYBRIDS = ["builtin:arch-sliding", "builtin:arch-linear", "builtin:arch-ssm"]
+# (step it joins at, prompt tokens, tokens it decodes): mixed lengths, two past the
+# sliding window (64) and several blocks (32) long, joining and leaving mid-stream.
+ARRIVALS = [(0, 150, 12), (0, 9, 20), (3, 40, 16), (5, 90, 10), (5, 5, 24), (11, 70, 8),
+            (14, 30, 6)]
+BATCH_FORM = {RotatingKVCache: "BatchRotatingKVCache", ArraysCache: "ArraysCache"}
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(41 * i + 13 * j) % 500 + 3 for j in range(n)]
+
+
+def _run(insert: Any, step: Any, end: Any, on_step: Any = lambda: None) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    uids: dict[int, int] = {}
+    live: set[int] = set()
+    steps = 0
+    while len(uids) < len(ARRIVALS) or live:
+        for i, (at, n, limit) in enumerate(ARRIVALS):
+            if at == steps and i not in uids:
+                uids[i] = insert(_prompt(i, n), limit)
+                live.add(uids[i])
+        for response in step():
+            out.setdefault(response.uid, []).append(response.token)
+            if response.finish_reason is not None:
+                live.discard(response.uid)
+                end(response.uid)
+        on_step()
+        steps += 1
+    return {i: out[uid] for i, uid in uids.items()}
+
+
+def _batch_form(layer: Any) -> str:
+    if type(layer) is KVCache:
+        return "PagedBatchKVCache"
+    return next(form for kind, form in BATCH_FORM.items() if isinstance(layer, kind))
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_full_attention_pages_and_the_text_is_mlx_lms(name: str) -> None:
+    m = model(name)
+    fresh = make_prompt_cache(m)
+    assert {type(c) for c in fresh} - {KVCache}  # a hybrid: some layers are not plain KV
+    want_forms = [_batch_form(c) for c in fresh]
+    batch, kv = paged_batch(m, 64 * 1024**2)
+    assert kv.paging is not None and kv.blocks is not None
+    layout = kv.layout
+    # Admission counts each row's fixed cost in the layers that do not page.
+    assert kv.paging.row_bytes == layout.bytes_for(0) + sum(
+        per * window for window, per in layout.windows) > 0
+
+    def insert(tokens: list[int], limit: int) -> int:
+        row = Row(tuple(tokens), 0, limit, frozenset(), make_request_sampler(GREEDY))
+        return batch.insert([row])[0][0]
+
+    forms: set[tuple[str, ...]] = set()
+    used: list[int] = []
+
+    def on_step() -> None:
+        caches = batch._gen._generation_batch.prompt_cache
+        if caches:
+            forms.add(tuple(type(c).__name__ for c in caches))
+        used.append(kv.blocks().used)  # type: ignore[misc]
+
+    ours = _run(insert, batch.step, lambda uid: batch.finish([Done(uid, keep=False)]),
+                on_step)
+    assert forms == {tuple(want_forms)}  # every step: full attention paged, others mlx-lm's
+    # The pool holds the full-attention layers, and only those.
+    assert batch._pool is not None
+    assert sorted(batch._pool._layers) == [i for i, c in enumerate(fresh) if type(c) is KVCache]
+    assert max(used) >= sum(-(-(n + limit) // 32) for _, n, limit in ARRIVALS[:2])
+    assert attention.hooked(m)
+
+    gen = BatchGenerator(m, completion_batch_size=32, prefill_batch_size=8)
+    theirs = _run(lambda t, n: gen.insert([t], max_tokens=[n])[0], lambda: gen.next()[1],
+                  lambda uid: None)
+    assert ours == theirs
+    assert [len(ours[i]) for i in range(len(ARRIVALS))] == [n for _, _, n in ARRIVALS]
+    assert batch.empty
+    blocks = kv.blocks()  # type: ignore[misc]
+    assert blocks.used == 0 and blocks.free == blocks.total  # every row gave its blocks back
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_rows_hitting_a_cached_prefix_give_mlx_lms_text(name: str) -> None:
+    """The system prompt kept at its message boundary (a hybrid's entry is served whole:
+    its recurrent state cannot be trimmed), then rows joining mid-stream hit it: their
+    full-attention layers share its blocks, their other layers start from its state."""
+    batch, kv = _batch(name)
+    _seed_system(batch)
+    prompts = [SYSTEM + _question(i, n) for i, (_, n, _) in enumerate(SHARED_ARRIVALS)]
+    uids: dict[int, int] = {}
+    out: dict[int, list[int]] = {}
+    served: dict[int, int] = {}
+    shared_while_running = 0
+    step = 0
+    while len(uids) < len(SHARED_ARRIVALS) or not batch.empty:
+        for i, (at, _, limit) in enumerate(SHARED_ARRIVALS):
+            if at == step:
+                [(uid, n)] = batch.insert([_row(prompts[i], limit)])
+                uids[i], served[i] = uid, n
+        for r in batch.step():
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                batch.finish([Done(r.uid, keep=True)])
+        shared_while_running = max(shared_while_running, kv.blocks().shared)  # type: ignore[misc]
+        step += 1
+    assert all(n >= len(SYSTEM) for n in served.values()), served  # every row hit it
+    assert shared_while_running >= 2  # the system prompt's full blocks, read in place
+    want = _theirs(name, prompts, [limit for _, _, limit in SHARED_ARRIVALS])
+    assert [out[uids[i]] for i in range(len(SHARED_ARRIVALS))] == want
+    assert batch.cache is not None
+    batch.cache.evict_to(0)
+    assert kv.blocks().used == 0  # type: ignore[misc]
+
+
+def test_admission_counts_the_fixed_cost_of_each_row() -> None:
+    """A row reserves its blocks and its layers' fixed cost; the budget keeps that cost's
+    room for `max_batch_size` rows."""
+    m = model("builtin:arch-linear")
+    batch, kv = paged_batch(m, 64 * 1024**2, max_batch_size=6)
+    p = kv.paging
+    assert p is not None and p.rows == 6
+    bound = lambda n: None  # noqa: E731 - no prefix cache
+    assert kv.reserve("a", 100, bound)
+    assert kv.projected == p.blocks_for(100) * p.block_bytes + p.row_bytes
+    for i in range(5):
+        assert kv.reserve(i, 10, bound)
+    assert not kv.reserve("one too many", 10, bound)  # the fixed room holds six rows
+
+
+@pytest.mark.parametrize("name", ["builtin:arch-longcat"])
+def test_models_that_still_do_not_page_say_why(name: str) -> None:
+    """A `CacheList` layer (LongCat's two attentions a layer) keeps the padded batch: `auto`
+    says why in the log, `on` refuses."""
+    m = model(name)
+    with pytest.raises(ValueError, match="CacheList"):
+        paged_batch(m, 64 * 1024**2)
+    auto = LocalBatch(m, EngineConfig(prompt_cache_bytes=0, paged_kv="auto"))
+    kv = KvBudget(64 * 1024**2, measure_kv(m), 64)
+    auto.page(kv, 32768)
+    assert kv.paging is None
