@@ -79,8 +79,14 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 # Requests a colocated replica takes beyond its generation limit: model lists, token counts
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
 # and the over-limit requests it answers with an overloaded error.
 _COLOCATED_HEADROOM = 16
+
+# How often a stopping replica checks whether its in-flight requests are done. Serve's 2 s
+# default is slept before the first check too, so an idle app's stop (ingress, then models)
+# waited 4 s for nothing; the drain itself still lasts up to graceful_shutdown_timeout_s.
+DRAIN_POLL_S = 0.5
 
 
 def _capabilities(model: ModelSettings) -> tuple[str, ...]:
@@ -165,6 +171,7 @@ def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, 
         # first and starts the other ranks in the rest (`deployments.shards`).
         options["placement_group_bundles"] = [_bundle(settings)] * settings.shards
         options["placement_group_strategy"] = settings.placement_strategy
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
     policy = settings.routing_policy
     if policy != "none":
         options["request_router_config"] = {
