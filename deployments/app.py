@@ -75,18 +75,18 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         # The ingress relays the models' streams: while it is replaced it must drain them too.
         graceful_shutdown_timeout_s=max(m.graceful_shutdown_timeout_s for m in settings),
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     ).bind(cards, *models, edge=edge)
 
-
-# Requests a colocated replica takes beyond its generation limit: model lists, token counts
-        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
-# and the over-limit requests it answers with an overloaded error.
-_COLOCATED_HEADROOM = 16
 
 # How often a stopping replica checks whether its in-flight requests are done. Serve's 2 s
 # default is slept before the first check too, so an idle app's stop (ingress, then models)
 # waited 4 s for nothing; the drain itself still lasts up to graceful_shutdown_timeout_s.
 DRAIN_POLL_S = 0.5
+
+# Requests a colocated replica takes beyond its generation limit: model lists, token counts
+# and the over-limit requests it answers with an overloaded error.
+_COLOCATED_HEADROOM = 16
 
 
 def _capabilities(model: ModelSettings) -> tuple[str, ...]:
@@ -165,13 +165,13 @@ def _deployment_options(settings: ModelSettings, max_ongoing: int) -> dict[str, 
         "max_queued_requests": settings.max_queued_requests,
         "ray_actor_options": _actor_options(settings),
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
     }
     if settings.shards > 1:
         # One bundle per shard: Serve reserves them with the replica, which runs in the
         # first and starts the other ranks in the rest (`deployments.shards`).
         options["placement_group_bundles"] = [_bundle(settings)] * settings.shards
         options["placement_group_strategy"] = settings.placement_strategy
-        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
     policy = settings.routing_policy
     if policy != "none":
         options["request_router_config"] = {
