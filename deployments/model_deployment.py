@@ -46,6 +46,7 @@ from replicas.engine.stats import EngineStats
 from replicas.errors import InvalidRequestError
 from replicas.kv_pull import Fetch, Source
 from replicas.replica import ModelReplica, ReplicaOptions
+from replicas.startup import announce
 
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class ReplicaOwner:
                 "sync_steps": steps, "sync_seconds": sync_s}
 
     def __del__(self) -> None:
+        began = time.perf_counter()
         stopped = getattr(self, "_stopped", None)
         if stopped is not None:
             stopped.set()
@@ -189,12 +191,19 @@ class ReplicaOwner:
         reporter = getattr(self, "_reporter", None)
         if reporter is not None:
             reporter.stop()
+        threads = time.perf_counter()
         replica = getattr(self, "_replica", None)  # unset when __init__ refused the node
         if replica is not None:
             replica.shutdown()  # a sharded replica's rank 0 tells the others to stop
+        engine = time.perf_counter()
         shards = getattr(self, "_shards", None)
         if shards is not None:
             shards.stop()
+        # One line per stop, so a slow Ctrl-C shows whether this replica's part was slow.
+        model = replica.options.model_id if replica is not None else "?"
+        announce(f"{model}: replica stopped in {time.perf_counter() - began:.2f}s: threads "
+                 f"{threads - began:.2f}s, engine and disk tier {engine - threads:.2f}s, "
+                 f"shards {time.perf_counter() - engine:.2f}s")
 
 
 def _answered(stats: EngineStats) -> bool:
