@@ -6,7 +6,8 @@ windows beside full layers, attention sinks), `arch-linear` (Qwen3-Next, linear 
 beside one full layer) and `arch-ssm` (Nemotron-H, Mamba-2 beside one attention layer):
 greedy text identical to mlx-lm's own `BatchGenerator`, rows of mixed lengths (past the
 window) joining and leaving mid-stream, a prefix cache hit, and the pool holding exactly
-the full-attention layers."""
+the full-attention layers. And Gemma 3 with images (`builtin:vision-gemma3`: sliding and
+full layers) against mlx-vlm."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from replicas.engine.kv import attention
 from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.layout import measure_kv
 from replicas.engine.sampling.samplers import make_request_sampler
+from replicas.sources import resolve_source
 from tests.integration.test_paged_kv import GREEDY, model, paged_batch
 from tests.integration.test_paged_prefix import (
     ARRIVALS as SHARED_ARRIVALS, SYSTEM, _batch, _question, _row, _seed_system, _theirs)
@@ -169,3 +171,24 @@ def test_models_that_still_do_not_page_say_why(name: str) -> None:
     kv = KvBudget(64 * 1024**2, measure_kv(m), 64)
     auto.page(kv, 32768)
     assert kv.paging is None
+
+
+def test_gemma3_with_images_pages_and_answers_as_mlx_vlm() -> None:
+    """A sliding-window hybrid served with images (`builtin:vision-gemma3`), paged: rows
+    with 0, 1 and 2 images batched with text rows, each image prefilled under Gemma's
+    image mask in 3-token steps, answer as mlx-vlm's Gemma does."""
+    from mlx_vlm import load
+
+    from tests.integration.test_vision_gemma import (
+        GEMMA3, answers, masked_generate, replica_with, requests)
+
+    vlm, processor = load(str(resolve_source(GEMMA3.source)))
+    want = [masked_generate(vlm, processor, r) for r in requests()]
+    rep = replica_with(GEMMA3, paged_kv="on", prompt_cache_bytes=0, prefill_step_size=3)
+    try:
+        assert rep._batch is not None and rep._batch._pool is not None  # noqa: SLF001
+        got = answers(rep, requests())
+        assert rep._batch._pool._layers  # noqa: SLF001 - the full-attention layers wrote
+    finally:
+        rep.shutdown()
+    assert got == want

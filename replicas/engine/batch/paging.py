@@ -10,7 +10,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.blocks import BLOCK_SIZE, BlockPool
@@ -21,6 +21,7 @@ from replicas.engine.kv.pool_plan import Paging, paging_plan
 from replicas.engine.kv.prefix_cache import PromptCache
 from replicas.engine.kv.rows import PagedRowKVCache, kinds
 from replicas.engine.kv.shared_blocks import NO_BLOCKS
+from replicas.engine.model.mrope import row_positions
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ def unpaged(config: EngineConfig, speculative: bool, model: nn.Module) -> str | 
     if not paged_layers(cache):
         return (f"this model's cache layers ({kinds(cache)}) are not plain attention beside "
                 "sliding windows and recurrent state only")
+    if row_positions(model) is not None and any(type(c) is not KVCache for c in cache):
+        return (f"this model's cache layers ({kinds(cache)}) are not all plain attention, and "
+                "a hybrid with 3-D (M-RoPE) positions, Qwen3.5 with images, is not checked "
+                "paged yet")
     return None
 
 
