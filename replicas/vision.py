@@ -161,6 +161,8 @@ class VisionModel:
             if encoder.config.model_type == "gemma4":  # mlx-vlm's embeddings as they are
                 gemma4.install(language_model, encoder.config.image_token_id)
                 text.hidden_size_per_layer_input = 0  # mlx-lm's copy looks them up
+                # Orchard takes no audio: E2B's and E4B's audio tower is never read.
+                encoder.audio_tower = encoder.embed_audio = None
             text.embed_tokens = _embed_tokens(language_model)
             text.layers = []  # mlx-lm's copy runs them; these are never read
             weights: dict[str, mx.array] = dict(tree_flatten(encoder.parameters()))

@@ -13,8 +13,8 @@ checkpoint. As with `builtin:vision`, the text means nothing but depends on the 
 
 `builtin:vision-gemma4` is the same built by mlx-vlm's `gemma4` classes (`GEMMA4`): Gemma 4's
 vision tower (2-D rotary patches, pooled 2 x 2) and embedder, and a Gemma 4 text model with a
-sliding and a global layer, per-layer inputs (as Gemma 4's E2B and E4B have) and images
-attending both ways (`use_bidirectional_attention: "vision"`). Its template writes the image
+sliding and two global layers, the last sharing the KV of the one before it, per-layer
+inputs (as Gemma 4's E2B and E4B have both) and images attending both ways (`use_bidirectional_attention: "vision"`). Its template writes the image
 token `<|image|>`, which the processor expands into `<|image>`, as many soft tokens as the
 image's size gives (at most 16) and `<image|>`. One builder makes both (`Layout`).
 """
@@ -69,12 +69,14 @@ VISION: dict[str, Any] = {
 SEED = 20251206
 DTYPE = "float32"
 GEMMA4_TEXT: dict[str, Any] = {
-    "model_type": "gemma4_text", "hidden_size": ARCH.hidden_size, "num_hidden_layers": 2,
+    "model_type": "gemma4_text", "hidden_size": ARCH.hidden_size, "num_hidden_layers": 3,
     "intermediate_size": ARCH.intermediate_size, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 32, "global_head_dim": 32,
-    "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 16,
+    # As Gemma 4's E2B and E4B: per-layer inputs, and the last layer reading the KV of the
+    # last one of its kind before it (no cache of its own).
+    "num_kv_shared_layers": 1, "hidden_size_per_layer_input": 16,
     "rms_norm_eps": 1e-6, "sliding_window": 512,
-    "layer_types": ["sliding_attention", "full_attention"],
+    "layer_types": ["sliding_attention", "full_attention", "full_attention"],
     # Gemma 4's (spelled out: mlx-lm's and mlx-vlm's defaults differ).
     "rope_parameters": {
         "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0,
@@ -109,6 +111,8 @@ class Layout:
     config: Callable[[Any, int, int], dict[str, Any]]  # (tokenizer, pad, eos)
     processor_files: Callable[[], dict[str, dict[str, Any]]]
     weights: Callable[[dict[str, Any]], dict[str, mx.array]]
+    # Further tokens the processor names (`extra_special_tokens` name: token).
+    more_tokens: tuple[tuple[str, str], ...] = ()
 
 
 def ensure_vision_gemma_model(name: str = NAME, cache_dir: Path | None = None) -> Path:
@@ -125,7 +129,7 @@ def ensure_vision_gemma_model(name: str = NAME, cache_dir: Path | None = None) -
 def build_vision_gemma_model(out_dir: Path, scripts: str, key: str,
                              layout: Layout | None = None) -> None:
     layout = layout or LAYOUTS[NAME]
-    tokens = (layout.boi, layout.eoi, layout.image_token)
+    tokens = (layout.boi, layout.eoi, layout.image_token, *(t for _, t in layout.more_tokens))
     tokenizer = train_tokenizer(training_texts(parse_scripts(scripts)), 1024, 2,
                                 special=(*SPECIAL_TOKENS, *tokens))
     eos = write_tokenizer_files(tokenizer, out_dir, layout.text["max_position_embeddings"])
@@ -178,6 +182,8 @@ def _gemma4_config(tokenizer: Any, pad: int, eos: int) -> dict[str, Any]:
         "image_token_id": token_id(tokenizer, G4_IMAGE_TOKEN),
         "boi_token_id": token_id(tokenizer, G4_BOI),
         "eoi_token_id": token_id(tokenizer, G4_EOI),
+        # Gemma 4's processor adds its video token to a vocabulary without one: here it is.
+        "video_token_id": token_id(tokenizer, G4_VIDEO_TOKEN),
         # No audio or video tokens in this vocabulary: ids no prompt holds.
         "audio_token_id": vocab + 1, "boa_token_id": vocab + 2, "eoa_token_id": vocab + 3,
         "vision_soft_tokens_per_image": TOKENS_PER_IMAGE,
@@ -203,8 +209,10 @@ def _tokenizer_config(out_dir: Path, tokenizer: Any, layout: Layout) -> None:
     config = json.loads(path.read_text())
     config["chat_template"] = chat_template(layout.placeholder)
     config["extra_special_tokens"] = {"boi_token": layout.boi, "eoi_token": layout.eoi,
-                                      "image_token": layout.image_token}
-    for token in (layout.boi, layout.eoi, layout.image_token):
+                                      "image_token": layout.image_token,
+                                      **dict(layout.more_tokens)}
+    for token in (layout.boi, layout.eoi, layout.image_token,
+                  *(t for _, t in layout.more_tokens)):
         config["added_tokens_decoder"][str(token_id(tokenizer, token))] = {
             "content": token, "lstrip": False, "normalized": False, "rstrip": False,
             "single_word": False, "special": True}
@@ -256,12 +264,13 @@ def _gemma4_weights(config: dict[str, Any]) -> dict[str, mx.array]:
     return {name: value.astype(getattr(mx, DTYPE)) for name, value in weights.items()}
 
 
-G4_BOI, G4_EOI, G4_IMAGE_TOKEN = "<|image>", "<image|>", "<|image|>"
+G4_BOI, G4_EOI, G4_IMAGE_TOKEN, G4_VIDEO_TOKEN = "<|image>", "<image|>", "<|image|>", "<|video|>"
 LAYOUTS: dict[str, Layout] = {
     NAME: Layout(NAME, BOI, EOI, IMAGE_TOKEN, BOI, TEXT, VISION, _gemma3_config,
                  _gemma3_processor_files, _gemma3_weights),
     "vision-gemma4": Layout("vision-gemma4", G4_BOI, G4_EOI, G4_IMAGE_TOKEN, G4_IMAGE_TOKEN,
                             GEMMA4_TEXT, GEMMA4_VISION, _gemma4_config,
-                            _gemma4_processor_files, _gemma4_weights),
+                            _gemma4_processor_files, _gemma4_weights,
+                            (("video_token", G4_VIDEO_TOKEN),)),
 }
 VARIANTS: tuple[str, ...] = tuple(LAYOUTS)
