@@ -3,7 +3,8 @@
 mlx-lm's `BatchRotatingKVCache` and their recurrent / SSM layers on its `ArraysCache`, one
 fixed slot a row. On the built-in architecture models: `arch-sliding` (gpt-oss, 64-token
 windows beside full layers, attention sinks), `arch-linear` (Qwen3-Next, linear attention
-beside one full layer) and `arch-ssm` (Nemotron-H, Mamba-2 beside one attention layer):
+beside one full layer) and `arch-ssm` (Nemotron-H, Mamba-2 beside one attention layer), `arch-kimi-linear` (Kimi
+Delta Attention beside one MLA layer, its latent in a plain `KVCache`):
 greedy text identical to mlx-lm's own `BatchGenerator`, rows of mixed lengths (past the
 window) joining and leaving mid-stream, a prefix cache hit, and the pool holding exactly
 the full-attention layers. And Gemma 3 with images (`builtin:vision-gemma3`: sliding and
@@ -29,7 +30,8 @@ from tests.integration.test_paged_kv import GREEDY, model, paged_batch
 from tests.integration.test_paged_prefix import (
     ARRIVALS as SHARED_ARRIVALS, SYSTEM, _batch, _question, _row, _seed_system, _theirs)
 
-HYBRIDS = ["builtin:arch-sliding", "builtin:arch-linear", "builtin:arch-ssm"]
+HYBRIDS = ["builtin:arch-sliding", "builtin:arch-linear", "builtin:arch-ssm",
+           "builtin:arch-kimi-linear"]
 # (step it joins at, prompt tokens, tokens it decodes): mixed lengths, two past the
 # sliding window (64) and several blocks (32) long, joining and leaving mid-stream.
 ARRIVALS = [(0, 150, 12), (0, 9, 20), (3, 40, 16), (5, 90, 10), (5, 5, 24), (11, 70, 8),

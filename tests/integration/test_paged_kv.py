@@ -5,7 +5,9 @@ batch could not hold; and MLX's peak memory within the budget plus the reserve.
 
 Full-attention architectures: `builtin:tiny` (Llama, GQA), `builtin:pipe` (Qwen2), and
 random-weight Qwen3 dense, Qwen3-MoE and a 4-bit-weight Qwen3 built from mlx-lm's own
-classes (the built-in matrix has no plain-attention MoE or quantized model)."""
+classes (the built-in matrix has no plain-attention MoE or quantized model), and MLA
+(`builtin:arch-mla`). Hybrids (sliding windows, linear attention, SSM):
+`test_paged_hybrid.py`."""
 
 from __future__ import annotations
 
@@ -67,7 +69,9 @@ def model(name: str) -> nn.Module:
     raise KeyError(name)
 
 
-MODELS = ["builtin:tiny", "builtin:pipe", "qwen3", "qwen3-moe", "qwen3-4bit"]
+# `builtin:arch-mla` (DeepSeek V3): MLA's absorbed latent is a plain `KVCache`, so it pages.
+MODELS = ["builtin:tiny", "builtin:pipe", "qwen3", "qwen3-moe", "qwen3-4bit",
+          "builtin:arch-mla"]
 
 
 def prompt(i: int) -> list[int]:
