@@ -18,7 +18,8 @@ into the paged form (mlx-lm's `_merge_caches` asks row 0's class), as
 cache hit) joins by sharing its blocks, and `extract` hands a row out the same way, so
 neither copies KV. A row never writes a block it shares: a step copies a shared block
 before writing into it (`_own`). Only plain attention layers page (`paged_layers` says
-which models qualify); a model with any other cache kind stays on mlx-lm's padded batch.
+which models qualify): a hybrid's sliding-window and recurrent layers keep mlx-lm's batch
+forms beside them, and a model with any other cache kind stays on mlx-lm's padded batch.
 """
 
 from __future__ import annotations

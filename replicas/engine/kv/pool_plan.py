@@ -16,6 +16,10 @@ share plus the reserve (the gather share, or the gather floor where it is larger
 from the activation reserve). The second bounds the pool only
 where one layer is a large share of it: few layers and a budget over a few hundred MiB (a
 2-layer model above about 600 MiB; never from 7 layers up).
+
+A hybrid's other layers (sliding windows, recurrent state) stay in mlx-lm's batch forms, a
+fixed cost a row (`row_bytes`): the plan keeps room for `most_rows` of them out of the
+budget before the pool takes the rest, and `Paging.fits` admits no more rows than that.
 """
 
 from __future__ import annotations
