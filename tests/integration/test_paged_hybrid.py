@@ -194,3 +194,24 @@ def test_gemma3_with_images_pages_and_answers_as_mlx_vlm() -> None:
     finally:
         rep.shutdown()
     assert got == want
+
+
+def test_lfm2_with_images_pages_and_answers_as_mlx_vlm() -> None:
+    """A convolution-state hybrid served with images (`builtin:vision-lfm2`: `ArraysCache`
+    beside full attention), paged, the image prefix in 3-token chunks carrying the
+    convolution's state: each row answers as mlx-vlm's own generation."""
+    from replicas.engine.config import EngineConfig as Engine
+    from replicas.replica import ModelReplica, ReplicaOptions
+    from tests.integration import test_vision_lfm2 as lfm2
+
+    generate = lfm2.reference.__wrapped__()  # the module's fixture, called as a function
+    want = [generate(r) for r in lfm2.requests()]
+    rep = ModelReplica(ReplicaOptions(model_id="vl", source=lfm2.SOURCE, engine=Engine(
+        prefill_step_size=3, prompt_cache_bytes=0, paged_kv="on")))
+    rep.start()
+    try:
+        assert rep._batch is not None and rep._batch._pool is not None  # noqa: SLF001
+        got = lfm2.answers(rep, lfm2.requests())
+    finally:
+        rep.shutdown()
+    assert got == want
