@@ -27,6 +27,7 @@ import pytest
 from replicas.builtin import ensure_builtin
 from replicas.engine.failpoints import ENV
 from tests.cluster.conftest import LocalCluster
+from tests.sharded.driver import Driver
 
 # (reference id, sharded id, sharding): greedy text must match.
 PAIRS = [("tiny", "tiny-x2", "tensor"), ("pipe", "pipe-x2", "pipeline"),
@@ -116,3 +117,13 @@ def sharded_cluster() -> Iterator[LocalCluster]:
     finally:
         local.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="package")
+def driver(sharded_cluster: LocalCluster) -> Iterator[Driver]:
+    """The package's one Ray driver (`driver.py`): the deployments' stats, the ranks' limits."""
+    started = Driver(sharded_cluster, sharded_cluster.logs / "driver.log")
+    try:
+        yield started
+    finally:
+        started.close()

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,8 +24,9 @@ import pytest
 
 from replicas.builtin import script
 from replicas.engine import failpoints
-from tests.cluster.conftest import BASE_URL, GCS_PORT, ROOT, LocalCluster
+from tests.cluster.conftest import BASE_URL, LocalCluster
 from tests.reliability.wire import never_end_bias
+from tests.sharded.driver import Driver
 from tests.sharded.group import alive, assert_replaced, group_of, running_replicas, \
     shard_actors
 from tests.sharded.conftest import FAULTED, FAULTED_HEALTH_PERIOD_S, HEARTBEAT_TIMEOUT_S, PAIRS, \
@@ -45,6 +44,11 @@ CONTROL_LOOP_S = 10.0
 # From a freeze until the frozen rank is gone: detection, the replica's graceful stop, the
 # shards' stop grace (10 s) and Ray ending a process that cannot answer it.
 TEARDOWN_S = 120.0
+# The fault tests' stream: the fault strikes at its fifth chunk, and the ingress finds the
+# replica failed within a token or two of it (ring steps need every rank), so the rest comes
+# from the replacement; `_assert_resumed` checks that it did.
+STREAM_TOKENS = 120
+LOGGED_S = 60.0  # from the stream's end until the ingress's log line is on disk
 PROMPTS = ["List five of the largest cities in the world.", "Tell me about the ocean.",
            "Write a haiku about the moon."]
 
@@ -126,60 +130,18 @@ def test_shards_are_spread_one_per_node(sharded_cluster: LocalCluster) -> None:
         assert {replica["node_id"], workers[0]["node_id"]} == nodes
 
 
-# A driver of its own, not this process (as tests/e2e/test_layouts.py): it prints the model
-# deployment's stats as JSON.
-STATS_DRIVER = """
-import json, sys
-import ray
-from ray import serve
-ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
-stats = {}
-for model in sys.argv[2:]:  # a model id, or a deployment's name (prefill:ID)
-    name = model if ":" in model else f"model:{model}"
-    handle = serve.get_deployment_handle(name, app_name="orchard")
-    stats[model] = handle.stats.remote().result(timeout_s=60)
-print(json.dumps(stats, default=str))
-"""
-
-
-def test_pipeline_stages_follow_the_nodes_memory(sharded_cluster: LocalCluster) -> None:
+def test_pipeline_stages_follow_the_nodes_memory(driver: Driver) -> None:
     """`pipe-u2`'s nodes are configured with 3 and 1 GiB: its 4 layers split 3 (rank 0, the
     last three) and 1, each rank checks it holds exactly its stage at load, and its greedy
     text equals the whole model's (test_greedy_text_is_the_whole_models). `pipe-x2`'s
     nodes are equal: mlx-lm's even split."""
-    done = subprocess.run(
-        [sys.executable, "-c", STATS_DRIVER, f"127.0.0.1:{GCS_PORT}", "pipe-u2", "pipe-x2"],
-        cwd=ROOT, env=sharded_cluster.env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    stats = {k: v for line in done.stdout.strip().splitlines() if line.startswith("{")
-             for k, v in json.loads(line).items()}
+    stats = driver.stats("pipe-u2", "pipe-x2")
     assert stats["pipe-u2"]["pipeline_layers"] == [3, 1]
     assert stats["pipe-x2"]["pipeline_layers"] is None
 
 
-# Each rank's MLX memory limit, read in the rank's own process (a shard worker's method).
-LIMITS_DRIVER = """
-import json, sys
-import ray
-ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
-found = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(True)
-               if a["name"].startswith(f"orchard-shard:{sys.argv[2]}:"))
-print(json.dumps([ray.get(ray.get_actor(n, namespace=ns).memory_limit.remote())
-                  for n, ns in found]))
-"""
-
-
-def _driver(cluster: LocalCluster, script: str, *args: str) -> Any:
-    """The last line a driver of its own printed, as JSON."""
-    done = subprocess.run([sys.executable, "-c", script, f"127.0.0.1:{GCS_PORT}", *args],
-                          cwd=ROOT, env=cluster.env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_every_rank_keeps_its_own_budget_and_preempts_in_lockstep(
-        client: openai.OpenAI, sharded_cluster: LocalCluster) -> None:
+        client: openai.OpenAI, driver: Driver) -> None:
     """`tiny-m2` (tiny by tensor, SMALL_BUDGET of KV on each Mac): each rank measured its
     own KV and set its own MLX limit (rank 1's read in its own process), admission takes the
     tightest, and four requests without max_tokens, which outgrow the budget together, are
@@ -198,10 +160,10 @@ def test_every_rank_keeps_its_own_budget_and_preempts_in_lockstep(
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         sharded = list(pool.map(lambda p: run("tiny-m2", p, None), prompts))
-    memory = _driver(sharded_cluster, STATS_DRIVER, "tiny-m2")["tiny-m2"]["memory"]
+    memory = driver.stats("tiny-m2")["tiny-m2"]["memory"]
     assert [budget for budget, _ in memory["ranks"]] == [SMALL_BUDGET, SMALL_BUDGET]
     assert memory["budget_bytes"] == SMALL_BUDGET  # equal ranks: the tightest is either
-    limits = _driver(sharded_cluster, LIMITS_DRIVER, "tiny-m2")
+    limits = driver.limits("tiny-m2")
     assert limits == [memory["ranks"][1][1]]  # rank 1 set the limit its own figures give
     assert memory["preempted"] > 0 and memory["projected_bytes"] == 0
     for prompt, (text, prompt_tokens, completion_tokens) in zip(prompts, sharded):
@@ -211,7 +173,7 @@ def test_every_rank_keeps_its_own_budget_and_preempts_in_lockstep(
 
 
 def test_a_split_sharded_model_moves_each_rank_s_kv_to_the_same_rank(
-        client: openai.OpenAI, sharded_cluster: LocalCluster) -> None:
+        client: openai.OpenAI, driver: Driver) -> None:
     """Prefill and decode roles on replicas sharded by tensor: a long prompt is prefilled
     by the prefill replica's two ranks, and each rank's part of the KV (its KV head) goes
     to the decode replica's same rank, rank 1's without passing through rank 0. Every
@@ -225,7 +187,7 @@ def test_a_split_sharded_model_moves_each_rank_s_kv_to_the_same_rank(
     assert usage is not None and usage.prompt_tokens > SPLIT_MIN_TOKENS
     assert usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
-    stats = _driver(sharded_cluster, STATS_DRIVER, SPLIT, f"prefill:{SPLIT}")
+    stats = driver.stats(SPLIT, f"prefill:{SPLIT}")
     pulls = stats[SPLIT]["pulls"]
     assert pulls["outcomes"] == {"prefill pulled": 1}, pulls
     assert pulls["tokens"] == usage.prompt_tokens - 1
@@ -238,10 +200,10 @@ def test_a_split_sharded_model_moves_each_rank_s_kv_to_the_same_rank(
 
 @pytest.mark.parametrize("model", ["tiny-x2", SPECULATING])
 def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI, model: str,
-                                                         sharded_cluster: LocalCluster) -> None:
+                                                         driver: Driver) -> None:
     """The scripts as the whole model writes them; on `tiny-s2` with speculation, rank 0's
     drafts verified by both ranks in one pass (greedy output must not change)."""
-    before = _driver(sharded_cluster, STATS_DRIVER, model)[model]["decode"]
+    before = driver.stats(model)[model]["decode"]
     cities = script("cities")
     full = client.chat.completions.create(model=model, messages=cities.message_dicts,
                                           temperature=0, max_tokens=200)
@@ -284,7 +246,7 @@ def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI, 
     calls = called.choices[0].message.tool_calls or []
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
         [(name, json.loads(args)) for name, args in tools.expected_calls]
-    decode = _driver(sharded_cluster, STATS_DRIVER, model)[model]["decode"]
+    decode = driver.stats(model)[model]["decode"]
     if model == SPECULATING:  # drafts were verified, some kept: more than a token a pass
         assert decode["speculative"] and decode["drafted"] > before["drafted"]
         assert decode["accepted"] > before["accepted"]
@@ -294,11 +256,11 @@ def test_scripted_answers_stops_reasoning_json_and_tools(client: openai.OpenAI, 
 
 
 def test_sampled_drafts_on_a_sharded_replica_are_kept_by_the_qp_rule(
-        client: openai.OpenAI, sharded_cluster: LocalCluster) -> None:
+        client: openai.OpenAI, driver: Driver) -> None:
     """Unseeded sampled requests on `tiny-s2`: rank 0's draft model samples the drafts, rank
     0 judges them by the q/p rule and shares what it kept; the draft agrees with the model
     (it is the model), so nearly all are kept, and every stream completes on both ranks."""
-    before = _driver(sharded_cluster, STATS_DRIVER, SPECULATING)[SPECULATING]["decode"]
+    before = driver.stats(SPECULATING)[SPECULATING]["decode"]
     words = "river stone apple quiet seven lantern orbit maple copper violet tide".split()
     prompts = [" ".join(words[(i * 3 + j) % len(words)] for j in range(6)) for i in range(6)]
 
@@ -309,7 +271,7 @@ def test_sampled_drafts_on_a_sharded_replica_are_kept_by_the_qp_rule(
     with ThreadPoolExecutor(len(prompts)) as pool:
         texts = list(pool.map(ask, prompts))
     assert all(texts)
-    decode = _driver(sharded_cluster, STATS_DRIVER, SPECULATING)[SPECULATING]["decode"]
+    decode = driver.stats(SPECULATING)[SPECULATING]["decode"]
     drafted = decode["drafted"] - before["drafted"]
     # Drafts past a row's end count as drafted, not kept ("sample, then compare": ~0.35).
     assert drafted > 20 and decode["accepted"] - before["accepted"] >= 0.75 * drafted, decode
@@ -346,7 +308,8 @@ def test_a_lost_or_frozen_shard_fails_the_replica_and_its_stream_resumes(
     model = FAULTED  # random weights never pick EOS: the stream runs until max_tokens
     _wait_serving(client, model)
     old = group_of(sharded_cluster, model)
-    _stream_through_fault(client, model, lambda: os.kill(old.pids[1], getattr(signal, fault)))
+    _stream_through_fault(sharded_cluster, client, model,
+                          lambda: os.kill(old.pids[1], getattr(signal, fault)))
     assert_replaced(sharded_cluster, model, old)
 
 
@@ -363,7 +326,8 @@ def test_a_failed_step_on_rank_0_fails_the_replica_and_its_stream_resumes(
     armed = Path(sharded_cluster.env[failpoints.ENV])
     with open(f"/proc/{old.pids[0]}/environ", "rb") as environ:  # Ray workers inherit it
         assert f"{failpoints.ENV}={armed}".encode() in environ.read().split(b"\0")
-    _stream_through_fault(client, model, lambda: failpoints.arm(armed, "step", model))
+    _stream_through_fault(sharded_cluster, client, model,
+                          lambda: failpoints.arm(armed, "step", model))
     # Fired once, by the old rank 0: the replacement found the failpoint claimed.
     assert [p.name for p in armed.glob(f"step.{model}*")] == \
         [f"step.{model}.fired.{old.pids[0]}"]
@@ -384,23 +348,39 @@ def _wait_serving(client: openai.OpenAI, model: str) -> None:
             time.sleep(2)
 
 
-def _stream_through_fault(client: openai.OpenAI, model: str,
+def _stream_through_fault(cluster: LocalCluster, client: openai.OpenAI, model: str,
                           fault: Callable[[], object]) -> None:
-    """One 600-token stream, `fault` injected mid-stream: it must still end whole."""
+    """One STREAM_TOKENS-token stream, `fault` injected mid-stream: it must still end whole,
+    and the ingress must have resumed it (its log says so), so it cannot pass by having
+    ended before the fault struck."""
     stream = client.chat.completions.create(
-        model=model, temperature=0, max_tokens=600, stream=True,
+        model=model, temperature=0, max_tokens=STREAM_TOKENS, stream=True,
         stream_options={"include_usage": True},
         messages=[{"role": "user", "content": PROMPTS[1]}])
-    received, usage, reason = 0, None, None
+    received, usage, reason, request = 0, None, None, ""
     for chunk in stream:
         received += 1
+        request = chunk.id
         if chunk.usage is not None:
             usage = chunk.usage
         if chunk.choices:
             reason = chunk.choices[0].finish_reason or reason
         if received == 5:  # mid-stream: the first chunks are out
             fault()
-    assert usage is not None and usage.completion_tokens == 600 and reason == "length"
+    assert usage is not None and usage.completion_tokens == STREAM_TOKENS \
+        and reason == "length"
+    _assert_resumed(cluster, request, model)
+
+
+def _assert_resumed(cluster: LocalCluster, request: str, model: str) -> None:
+    """The ingress logged that `request`'s replica failed under it: the stream went on on
+    another (`deployments.model_clients`; its process's stderr, in the head's session)."""
+    line = f"request {request} to '{model}': its replica failed"
+    deadline = time.monotonic() + LOGGED_S
+    while not any(line in path.read_text(errors="replace")
+                  for path in cluster.session_logs().glob("worker-*.err")):
+        assert time.monotonic() < deadline, f"no resume of {request} logged: {line!r}"
+        time.sleep(1)
 
 
 def test_an_idle_frozen_shard_is_found_by_its_heartbeat(

@@ -9,9 +9,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.cluster.conftest import LocalCluster
 from tests.sharded.conftest import MTP_SHARDED
-from tests.sharded.test_sharded import PROMPTS, STATS_DRIVER, _driver, client, generate
+from tests.sharded.driver import Driver
+from tests.sharded.test_sharded import PROMPTS, client, generate
 
 __all__ = ["client"]  # the fixture, shared with test_sharded.py
 
@@ -20,19 +20,19 @@ pytestmark = pytest.mark.cluster
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_mtp_drafts_on_a_sharded_replica_keep_the_whole_models_text(
-        client: openai.OpenAI, sharded_cluster: LocalCluster, stream: bool) -> None:
+        client: openai.OpenAI, driver: Driver, stream: bool) -> None:
     """DeepSeek V3 with its MTP layer (`builtin:mtp-agree`, whose layer predicts what the
     model will) by tensor: rank 0 drafts from the model's hidden states, both ranks
     verify; greedy text is the unsharded model's, several tokens a pass."""
-    before = _driver(sharded_cluster, STATS_DRIVER, MTP_SHARDED)[MTP_SHARDED]["decode"]
+    before = driver.stats(MTP_SHARDED)[MTP_SHARDED]["decode"]
     for prompt in PROMPTS:
         expected = generate(client, "mla", prompt, stream=False)
         assert generate(client, MTP_SHARDED, prompt, stream=stream) == expected, prompt
         assert len(expected[0]) > 20
-    decode = _driver(sharded_cluster, STATS_DRIVER, MTP_SHARDED)[MTP_SHARDED]["decode"]
+    decode = driver.stats(MTP_SHARDED)[MTP_SHARDED]["decode"]
     # The whole model's KV is the packed form: 8-bit codes plus a float32 scale and bias
     # per 32 values, 1.25 bytes a value, over each of 2 layers' latent (64) and rope key (32).
-    whole = _driver(sharded_cluster, STATS_DRIVER, "mla")["mla"]["memory"]["layout"]
+    whole = driver.stats("mla")["mla"]["memory"]["layout"]
     assert whole["per_token"] == 2 * (64 + 32) * 1.25
     assert decode["method"] == "mtp" and decode["accepted"] > before["accepted"]
     assert decode["tokens"] - before["tokens"] > 2 * (decode["passes"] - before["passes"])
