@@ -88,11 +88,16 @@ def test_full_attention_pages_and_the_text_is_mlx_lms(name: str) -> None:
 
     forms: set[tuple[str, ...]] = set()
     used: list[int] = []
+    per_row: list[float] = []  # what the other layers hold a decoding row, by mlx-lm
 
     def on_step() -> None:
-        caches = batch._gen._generation_batch.prompt_cache
+        decoding = batch._gen._generation_batch
+        caches = decoding.prompt_cache
         if caches:
             forms.add(tuple(type(c).__name__ for c in caches))
+            other = sum(c.nbytes for c, kind in zip(caches, want_forms)
+                        if kind != "PagedBatchKVCache")
+            per_row.append(other / len(decoding.uids))
         used.append(kv.blocks().used)  # type: ignore[misc]
 
     ours = _run(insert, batch.step, lambda uid: batch.finish([Done(uid, keep=False)]),
@@ -103,6 +108,7 @@ def test_full_attention_pages_and_the_text_is_mlx_lms(name: str) -> None:
     assert sorted(batch._pool._layers) == [i for i, c in enumerate(fresh) if type(c) is KVCache]
     assert max(used) >= sum(-(-(n + limit) // 32) for _, n, limit in ARRIVALS[:2])
     assert attention.hooked(m)
+    assert 0 < max(per_row) <= kv.paging.row_bytes  # admission's fixed cost a row holds
 
     gen = BatchGenerator(m, completion_batch_size=32, prefill_batch_size=8)
     theirs = _run(lambda t, n: gen.insert([t], max_tokens=[n])[0], lambda: gen.next()[1],
