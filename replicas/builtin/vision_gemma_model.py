@@ -11,12 +11,13 @@ tokens and `<end_of_image>\\n\\n`. `preprocessor_config.json` is what transforme
 `Gemma3ImageProcessor` reads, so mlx-vlm loads the directory as it loads the real
 checkpoint. As with `builtin:vision`, the text means nothing but depends on the image.
 
-`builtin:vision-gemma4` is the same built by mlx-vlm's `gemma4` classes (`GEMMA4`): Gemma 4's
-vision tower (2-D rotary patches, pooled 2 x 2) and embedder, and a Gemma 4 text model with a
-sliding and two global layers, the last sharing the KV of the one before it, per-layer
-inputs (as Gemma 4's E2B and E4B have both) and images attending both ways (`use_bidirectional_attention: "vision"`). Its template writes the image
-token `<|image|>`, which the processor expands into `<|image>`, as many soft tokens as the
-image's size gives (at most 16) and `<image|>`. One builder makes both (`Layout`).
+`builtin:vision-gemma4` is the same built by mlx-vlm's `gemma4` classes (`GEMMA4_TEXT`,
+`GEMMA4_VISION`): Gemma 4's vision tower (2-D rotary patches, pooled 2 x 2) and embedder,
+and a Gemma 4 text model with a sliding and two global layers, the last sharing the KV of
+the one before it, per-layer inputs (as Gemma 4's E2B and E4B have both) and images
+attending both ways (`use_bidirectional_attention: "vision"`). Its template writes the
+image token `<|image|>`, which the processor expands into `<|image>`, as many soft tokens
+as the image's size gives (at most 16) and `<image|>`. One builder makes both (`Layout`).
 """
 
 from __future__ import annotations

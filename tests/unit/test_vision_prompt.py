@@ -38,15 +38,15 @@ def test_the_content_key_follows_each_image() -> None:
 
 def test_which_checkpoints_see() -> None:
     for served in ("mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                   "qwen3_5_moe", "gemma3", "lfm2-vl"):
+                   "qwen3_5_moe", "gemma3", "gemma4", "lfm2-vl"):
         config = {"model_type": served, "vision_config": {}}
         assert sees(config) and sees(config, "vision")
         assert not sees(config, "text")
     assert not sees({"model_type": "qwen3"})
-    gemma4 = {"model_type": "gemma4", "vision_config": {}}
-    with pytest.raises(VisionUnsupported, match="model type gemma4 has a vision tower"):
-        sees(gemma4)  # never text only by surprise
-    assert not sees(gemma4, "text")
+    gemma3n = {"model_type": "gemma3n", "vision_config": {}}
+    with pytest.raises(VisionUnsupported, match="model type gemma3n has a vision tower"):
+        sees(gemma3n)  # never text only by surprise
+    assert not sees(gemma3n, "text")
     with pytest.raises(VisionUnsupported, match="model type qwen3_omni_moe has a vision tower"):
         sees({"model_type": "qwen3_omni_moe", "vision_config": {}})  # Qwen3-VL, 3.5 only
     with pytest.raises(VisionUnsupported, match="model type glm4v has a vision tower"):

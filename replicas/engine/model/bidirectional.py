@@ -1,4 +1,5 @@
-"""Bidirectional attention over an image's tokens inside an otherwise causal mask (Gemma 3).
+"""Bidirectional attention over an image's tokens inside an otherwise causal mask (Gemma 3,
+and Gemma 4 where its config says `use_bidirectional_attention: "vision"`).
 
 Gemma 3 was trained with each image's tokens attending to each other both ways, while
 every other token attends causally (transformers' Gemma 3 masks: the causal mask OR "query and key are in the same image", and on a sliding layer that AND the
