@@ -9,7 +9,10 @@ replica there, Serve's proxy on the next), a Ray of its own (`RAY_TMPDIR`) and a
 Orchard cache (`ORCHARD_CACHE_DIR`), so the built-in model's weights are written and checked
 again; `--warm-cache` keeps one cache across runs (the second start of a checkout). The
 client streams a chat completion from the moment `serve run` starts, again until one
-answers; the figure is the time to its first content chunk. `--baseline DIR`: another
+answers; the figure is the time to its first content chunk. Beside it, the CPU seconds
+each of the start's processes spent until then, by role (`StartupCpu`): on a 2-core box
+CPU is what a start waits for, and these, unlike wall time, hold on a loaded box.
+`--baseline DIR`: another
 checkout (say `git archive` of an older commit), run alternately with this one, so both see
 the same load; its ratio is printed. Median and spread per checkout, and each run's phases
 as its replica logged them (a checkout older than the split logs none). Bounded: every run
@@ -39,7 +42,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from load.harness.process_cpu import process_tree
+from load.harness.process_cpu import cpu_seconds, process_tree, role
 from load.harness.serve_settings import serve_settings
 from load.harness.servers import stop_server
 
@@ -55,6 +58,72 @@ class Run:
     split: str = ""  # the replica's line, as logged
     phases: dict[str, float] = field(default_factory=dict)
     load_avg: float = 0.0  # the machine's 1-minute load average when the run started
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU s to the first answer, by role
+
+
+# Roles finer than `process_cpu.role`'s, for a start: Ray's own processes by name (their
+# command lines, as Ray titles them), first match wins; the rest as `role` names them.
+_STARTUP_ROLES = (
+    ("serve run", "bin/serve run"),
+    ("build task", "build_serve_application"),
+    ("idle workers", "ray::IDLE"),  # prestarted by Ray, unused by Serve's runtime env
+    ("raylet", "/ray/raylet/raylet "),
+    ("starting worker", "/ray/_private/workers/"),  # not titled yet: its role comes later
+    ("board", "ray::_Board"),
+    ("dashboard", "ray::DashboardAgent"),
+    ("dashboard", "ray-dashboard-"),
+    ("dashboard", "multiprocessing.forkserver"),
+    ("runtime env agent", "ray::RuntimeEnvAgent"),
+    ("log monitor", "log_monitor.py"),
+    ("autoscaler", "autoscaler/_private/monitor.py"),
+)
+
+_PROVISIONAL = ("idle workers", "starting worker", "other ray")  # a later title replaces
+
+
+class StartupCpu:
+    """CPU seconds of a start's process tree, sampled every `_SAMPLE_S` on a thread, so a
+    process that exits before the first answer (Serve's build task) keeps its last reading;
+    a process keeps the first role it shows other than an idle worker's (a prestarted
+    worker that runs the build task is titled `ray::IDLE` again after it, and a worker
+    still starting has no title yet)."""
+
+    _SAMPLE_S = 0.25
+
+    def __init__(self, root: int) -> None:
+        self._root = root
+        self._seen: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._SAMPLE_S):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in process_tree(self._root):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace")
+            except OSError:
+                continue
+            name = next((n for n, mark in _STARTUP_ROLES if mark in cmdline), None) or role(pid)
+            known = self._seen.get(pid)
+            if known is not None and known[0] not in _PROVISIONAL:
+                name = known[0]
+            self._seen[pid] = (name, max(cpu_seconds(pid), known[1] if known else 0.0))
+
+    def stop(self) -> dict[str, float]:
+        """A last sample; CPU seconds by role, largest first, with their total."""
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        spent: dict[str, float] = {}
+        for name, seconds in self._seen.values():
+            spent[name] = spent.get(name, 0.0) + seconds
+        ordered = dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+        return {"total": sum(ordered.values()), **ordered}
 
 
 def _free_port() -> int:
@@ -115,9 +184,11 @@ def one_run(checkout: Path, label: str, cache: Path | None, timeout_s: float,
         started = time.monotonic()
         proc = subprocess.Popen([serve, "run", str(path)], cwd=checkout, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        cpu = StartupCpu(proc.pid)
         try:
             first = _first_token(f"http://127.0.0.1:{port}/v1/chat/completions",
                                  started + timeout_s, proc)
+            spent = cpu.stop()
             # The replica's line follows its first token by up to a poll and Ray's relay.
             seen = time.monotonic()
             while first is not None and not SPLIT.search(log_path.read_text()) \
@@ -130,7 +201,7 @@ def one_run(checkout: Path, label: str, cache: Path | None, timeout_s: float,
     phases = {name.strip(): float(s) for name, s in
               re.findall(r"([a-z ]+) (\d+\.\d)s", match[3])} if match else {}
     return Run(label, None if first is None else first - started,
-               match[0] if match else "", phases, load_avg)
+               match[0] if match else "", phases, load_avg, spent)
 
 
 def _summary(runs: list[Run]) -> str:
@@ -148,6 +219,16 @@ def _median_phases(runs: list[Run]) -> str:
     ordered = list(dict.fromkeys(names))
     return ", ".join(f"{n} {statistics.median(r.phases[n] for r in runs if n in r.phases):.1f}s"
                      for n in ordered)
+
+
+def _median_cpu(runs: list[Run]) -> str:
+    names = list(dict.fromkeys(n for r in runs for n in r.cpu))
+    return ", ".join(f"{n} {statistics.median(r.cpu.get(n, 0.0) for r in runs):.1f}"
+                     for n in names)
+
+
+def _cpu_line(cpu: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,14 +261,16 @@ def main() -> None:
                 runs.append(run)
                 answered = "no answer" if run.seconds is None else f"{run.seconds:.1f} s"
                 print(f"{label} run {i + 1}: first token {answered} (load {run.load_avg:.1f})"
-                      f"\n  {run.split or 'no split line'}", flush=True)
+                      f"\n  {run.split or 'no split line'}"
+                      f"\n  CPU s to the first answer: {_cpu_line(run.cpu)}", flush=True)
     finally:
         for cache in caches.values():
             shutil.rmtree(cache, ignore_errors=True)
     print()
     for label, _ in checkouts:
         mine = [r for r in runs if r.checkout == label]
-        print(f"{label}: {_summary(mine)}\n  phases (medians): {_median_phases(mine)}")
+        print(f"{label}: {_summary(mine)}\n  phases (medians): {_median_phases(mine)}"
+              f"\n  CPU s by role (medians): {_median_cpu(mine)}")
     if args.baseline:
         medians = {label: [r.seconds for r in runs if r.checkout == label and r.seconds]
                    for label, _ in checkouts}
