@@ -73,11 +73,34 @@ def ready(client: httpx.Client, base_url: str, model: str) -> bool:
         return False
 
 
+# How a test stops `serve run`: Ctrl-C (SIGINT to the process group), SIGINT to `serve run`
+# alone, or SIGTERM to it (systemd, launchd, `docker stop`).
+Stop = Literal["ctrl-c", "sigint", "sigterm"]
+
+# How long a stop may take before `serve run` is killed, and how long what it started may
+# outlive it before that is killed too (a leftover). Generous: a loaded CI box is slow.
+STOP_TIMEOUT_S = 60
+SETTLE_TIMEOUT_S = 30
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How a `serve run` ended: its exit code (-9: killed after `STOP_TIMEOUT_S`), the
+    seconds from the stop signal to its exit, and the command lines of the processes it had
+    started that still ran `SETTLE_TIMEOUT_S` later (killed then). HAProxy is not counted:
+    it runs in a session of its own and outlives `serve run` by design."""
+    how: Stop
+    returncode: int
+    seconds: float
+    leftovers: tuple[str, ...]
+
+
 @dataclass
 class ServeProcess:
     base_url: str
     log_path: Path
     proc: subprocess.Popen[bytes]
+    stopped: Stopped | None = None  # set once the `serve_run` block has stopped it
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -104,11 +127,6 @@ class ServeProcess:
         return seen
 
 
-# How a test stops `serve run`: Ctrl-C (SIGINT to the process group), SIGINT to `serve run`
-# alone, or SIGTERM to it (systemd, launchd, `docker stop`).
-Stop = Literal["ctrl-c", "sigint", "sigterm"]
-
-
 @contextmanager
 def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-tiny",
               env: Mapping[str, str] | None = None,
@@ -133,32 +151,57 @@ def serve_run(config: Path, port: int, log_path: Path, *, model: str = "orchard-
                     raise RuntimeError(
                         f"serve run did not come up; log:\n{log_path.read_text()[-5000:]}")
                 time.sleep(1)
-        yield ServeProcess(base_url, log_path, proc)
+        serve = ServeProcess(base_url, log_path, proc)
+        yield serve
     finally:
-        stop(proc, stop_with)
+        stopped = stop(proc, stop_with)
         log.close()
+    serve.stopped = stopped
 
 
-def stop(proc: subprocess.Popen[bytes], how: Stop = "ctrl-c") -> None:
+def stop(proc: subprocess.Popen[bytes], how: Stop = "ctrl-c") -> Stopped:
+    """Stop `serve run` `how`, kill it after `STOP_TIMEOUT_S`, then whatever it started that
+    outlives it by `SETTLE_TIMEOUT_S`; how it went (a second stop: the first's code, 0 s)."""
     # Read before Ctrl-C: HAProxy (direct ingress) runs in a session of its own and outlives
     # `serve run`, holding the port, so every descendant left afterwards is killed too.
     descendants = _descendants(proc.pid)
+    began = time.monotonic()
     if proc.poll() is None:
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and Ray down
         else:
             os.kill(proc.pid, signal.SIGINT if how == "sigint" else signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    for pid, cmdline in descendants:
-        try:
-            if _cmdline(pid) == cmdline:  # still that process, not a reused pid
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
+    seconds = time.monotonic() - began
+    # Ray's processes may take a moment to follow `serve run` out (SIGTERM aborts it):
+    # wait for them, but not for HAProxy, which is meant to outlive it.
+    settle = time.monotonic() + SETTLE_TIMEOUT_S
+    while [c for _, c in _alive(descendants) if b"haproxy" not in c] \
+            and time.monotonic() < settle:
+        time.sleep(0.2)
+    leftovers = []
+    for pid, cmdline in _alive(descendants):
+        if b"haproxy" not in cmdline:
+            leftovers.append(cmdline.replace(b"\0", b" ").decode(errors="replace")[:200])
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    print(f"serve run stopped by {how} in {seconds:.1f}s, exit code {proc.returncode}, "
+          f"{len(leftovers)} processes left", file=sys.stderr)
+    return Stopped(how, proc.returncode, seconds, tuple(leftovers))
+
+
+def _alive(processes: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """Those of `processes` still running (the same command line: not a reused pid)."""
+    alive = []
+    for pid, cmdline in processes:
+        with contextlib.suppress(OSError):
+            if _cmdline(pid) == cmdline:
+                alive.append((pid, cmdline))
+    return alive
 
 
 def _cmdline(pid: int) -> bytes:
