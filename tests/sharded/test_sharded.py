@@ -74,12 +74,24 @@ def generate(client: openai.OpenAI, model: str, prompt: str, stream: bool,
     return "".join(text), reason
 
 
+# The whole models' greedy answers, by (model, prompt): each is asked once, however many
+# sharded models and stream modes are checked against it.
+_WHOLE: dict[tuple[str, str], tuple[str, str | None]] = {}
+
+
+def whole_text(client: openai.OpenAI, model: str, prompt: str) -> tuple[str, str | None]:
+    """The unsharded `model`'s greedy answer to `prompt` (not streamed)."""
+    if (model, prompt) not in _WHOLE:
+        _WHOLE[model, prompt] = generate(client, model, prompt, stream=False)
+    return _WHOLE[model, prompt]
+
+
 @pytest.mark.parametrize("whole,sharded", [(w, s) for w, s, _ in PAIRS])
 @pytest.mark.parametrize("stream", [False, True])
 def test_greedy_text_is_the_whole_models(client: openai.OpenAI, whole: str, sharded: str,
                                          stream: bool) -> None:
     for prompt in PROMPTS:
-        expected = generate(client, whole, prompt, stream=False)
+        expected = whole_text(client, whole, prompt)
         got = generate(client, sharded, prompt, stream=stream)
         assert got == expected, (sharded, prompt)
         assert len(expected[0]) > 20  # a real continuation, not an empty pair
@@ -108,7 +120,7 @@ def test_echo_scores_the_prompt_on_every_rank(client: openai.OpenAI, whole: str,
         assert got.logprobs.token_logprobs[1:] == pytest.approx(
             expected.logprobs.token_logprobs[1:], abs=0.05)
     assert generate(client, sharded, PROMPTS[0], stream=True) == \
-        generate(client, whole, PROMPTS[0], stream=False)
+        whole_text(client, whole, PROMPTS[0])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -116,7 +128,7 @@ def test_a_quantized_kv_cache_shards_as_the_whole_model(client: openai.OpenAI,
                                                         stream: bool) -> None:
     for prompt in PROMPTS:
         assert generate(client, "tiny-q8-x2", prompt, stream) == \
-            generate(client, "tiny-q8", prompt, stream=False)
+            whole_text(client, "tiny-q8", prompt)
 
 
 def test_shards_are_spread_one_per_node(sharded_cluster: LocalCluster) -> None:

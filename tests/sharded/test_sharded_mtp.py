@@ -11,7 +11,7 @@ import pytest
 
 from tests.sharded.conftest import MTP_SHARDED
 from tests.sharded.driver import Driver
-from tests.sharded.test_sharded import PROMPTS, client, generate
+from tests.sharded.test_sharded import PROMPTS, client, generate, whole_text
 
 __all__ = ["client"]  # the fixture, shared with test_sharded.py
 
@@ -26,7 +26,7 @@ def test_mtp_drafts_on_a_sharded_replica_keep_the_whole_models_text(
     verify; greedy text is the unsharded model's, several tokens a pass."""
     before = driver.stats(MTP_SHARDED)[MTP_SHARDED]["decode"]
     for prompt in PROMPTS:
-        expected = generate(client, "mla", prompt, stream=False)
+        expected = whole_text(client, "mla", prompt)
         assert generate(client, MTP_SHARDED, prompt, stream=stream) == expected, prompt
         assert len(expected[0]) > 20
     decode = driver.stats(MTP_SHARDED)[MTP_SHARDED]["decode"]
