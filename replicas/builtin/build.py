@@ -274,6 +274,18 @@ def save_random_model(out_dir: Path, weights: dict[str, mx.array], *, name: str,
     return parameters
 
 
+def vlm_initial_weights(model_type: str, config: dict[str, Any],
+                        seed: int) -> dict[str, mx.array]:
+    """mlx-vlm's own `model_type` model (`mlx_vlm.models.<model_type>`) built from its
+    `config.json` dict with its initial weights (seeded), under the names mlx-vlm saves."""
+    family: Any = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    mx.random.seed(seed)
+    model_config = family.ModelConfig.from_dict(config)
+    model_config.text_config = family.TextConfig.from_dict(config["text_config"])
+    model_config.vision_config = family.VisionConfig.from_dict(config["vision_config"])
+    return dict(tree_flatten(family.Model(model_config).parameters()))
+
+
 def save_mtp(out_dir: Path, weights: dict[str, mx.array]) -> None:
     """The MTP layer in a file of its own, listed in the index as a checkpoint's are.
     Not a `model*.safetensors` file: mlx-lm 0.32.2 loads all of those, and deepseek_v3's

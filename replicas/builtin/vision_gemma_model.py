@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .build import ensure_scripted, save_random_model
+from .build import ensure_scripted, save_random_model, vlm_initial_weights
 from .chat_template import chat_template
 from .scripts import parse_scripts
 from .tokenizer_files import (
@@ -228,14 +227,7 @@ def _gemma3_weights(config: dict[str, Any]) -> dict[str, mx.array]:
     sqrt(hidden size), and at mlx's init the input token would drown out the attention and
     MLP, which each add an RMS of 2 after their norms), and the projector's weight, ones
     at init (every image feature the same direction), is drawn at random."""
-    from mlx_vlm.models import gemma3
-
-    mx.random.seed(SEED)
-    model_config = gemma3.ModelConfig.from_dict(config)
-    model_config.text_config = gemma3.TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = gemma3.VisionConfig.from_dict(config["vision_config"])
-    model = gemma3.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
+    weights = vlm_initial_weights("gemma3", config, SEED)
     del weights["language_model.lm_head.weight"]
     embed = "language_model.model.embed_tokens.weight"
     weights[embed] = weights[embed] / TEXT["hidden_size"] ** 0.5
@@ -250,14 +242,7 @@ def _gemma4_weights(config: dict[str, Any]) -> dict[str, mx.array]:
     mlx-vlm saves (no output head: tied). As for Gemma 3 (`_gemma3_weights`), the token
     embeddings shrink to rows of length about 1 (Gemma 4 also multiplies them by
     sqrt(hidden size)), and so do the per-layer embeddings, scaled by sqrt of their width."""
-    from mlx_vlm.models import gemma4
-
-    mx.random.seed(SEED)
-    model_config = gemma4.ModelConfig.from_dict(config)
-    model_config.text_config = gemma4.TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = gemma4.VisionConfig.from_dict(config["vision_config"])
-    model = gemma4.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
+    weights = vlm_initial_weights("gemma4", config, SEED)
     embed = "language_model.model.embed_tokens.weight"
     weights[embed] = weights[embed] / GEMMA4_TEXT["hidden_size"] ** 0.5
     per_layer = "language_model.model.embed_tokens_per_layer.weight"

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .build import ensure_scripted, save_random_model
+from .build import ensure_scripted, save_random_model, vlm_initial_weights
 from .chat_template import chat_template
 from .scripts import parse_scripts
 from .tokenizer_files import (
@@ -136,14 +135,7 @@ def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
     layers' output projections and the projector's last linear are scaled by 4: at mlx's
     init each layer adds little to the residual stream, the answers settle on one token
     whatever came before, and two images of different colours answer alike."""
-    from mlx_vlm.models import lfm2_vl
-
-    mx.random.seed(SEED)
-    model_config = lfm2_vl.ModelConfig.from_dict(config)
-    model_config.text_config = lfm2_vl.TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = lfm2_vl.VisionConfig.from_dict(config["vision_config"])
-    model = lfm2_vl.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
+    weights = vlm_initial_weights("lfm2_vl", config, SEED)
     weights.pop("language_model.lm_head.weight", None)
     for name in weights:
         projector = name.startswith("multi_modal_projector.linear_2.")

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .build import ensure_scripted, save_random_model
+from .build import ensure_scripted, save_random_model, vlm_initial_weights
 from .chat_template import chat_template
 from .recipe import Architecture, RandomInit, Recipe
 from .scripts import parse_scripts
@@ -117,12 +116,5 @@ def _vision_tokenizer_config(out_dir: Path, tokenizer: Any) -> None:
 def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
     """mlx-vlm's own `mistral3` model with its initial (random) weights, under the names
     mlx-vlm saves; scaled so the image moves the answer (see the module's docstring)."""
-    from mlx_vlm.models import mistral3
-
-    mx.random.seed(TEXT.seed)
-    model_config = mistral3.ModelConfig.from_dict(config)
-    model_config.text_config = mistral3.TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = mistral3.VisionConfig.from_dict(config["vision_config"])
-    model = mistral3.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
+    weights = vlm_initial_weights("mistral3", config, TEXT.seed)
     return {name: value.astype(getattr(mx, TEXT.dtype)) for name, value in weights.items()}

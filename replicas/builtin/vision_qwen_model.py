@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .build import ensure_scripted, save_random_model
+from .build import ensure_scripted, save_random_model, vlm_initial_weights
 from .chat_template import chat_template
 from .scripts import parse_scripts
 from .tokenizer_files import (
@@ -137,13 +136,5 @@ def _tokenizer_config(out_dir: Path, tokenizer: Any, tokens: tuple[str, ...]) ->
 def _random_weights(config: dict[str, Any]) -> dict[str, mx.array]:
     """mlx-vlm's own model of the config's type with its initial (random) weights, under
     the names mlx-vlm saves."""
-    import importlib
-
-    family: Any = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
-    mx.random.seed(SEED)
-    model_config = family.ModelConfig.from_dict(dict(config))
-    model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = family.VisionConfig.from_dict(config["vision_config"])
-    model = family.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
+    weights = vlm_initial_weights(config["model_type"], config, SEED)
     return {name: value.astype(getattr(mx, DTYPE)) for name, value in weights.items()}

@@ -26,9 +26,8 @@ from replicas.engine.kv.budget import KvBudget
 from replicas.engine.kv.layout import measure_kv
 from replicas.engine.sampling.samplers import make_request_sampler
 from replicas.sources import resolve_source
-from tests.integration.test_paged_kv import GREEDY, model, paged_batch
-from tests.integration.test_paged_prefix import (
-    ARRIVALS as SHARED_ARRIVALS, SYSTEM, _batch, _question, _row, _seed_system, _theirs)
+from tests.integration.test_paged_kv import GREEDY, model, paged_batch, run
+from tests.integration.test_paged_prefix import rows_hitting_the_system_prompt_give_mlx_lms_text
 
 HYBRIDS = ["builtin:arch-sliding", "builtin:arch-linear", "builtin:arch-ssm",
            "builtin:arch-kimi-linear"]
@@ -43,24 +42,8 @@ def _prompt(i: int, n: int) -> list[int]:
     return [(41 * i + 13 * j) % 500 + 3 for j in range(n)]
 
 
-def _run(insert: Any, step: Any, end: Any, on_step: Any = lambda: None) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    uids: dict[int, int] = {}
-    live: set[int] = set()
-    steps = 0
-    while len(uids) < len(ARRIVALS) or live:
-        for i, (at, n, limit) in enumerate(ARRIVALS):
-            if at == steps and i not in uids:
-                uids[i] = insert(_prompt(i, n), limit)
-                live.add(uids[i])
-        for response in step():
-            out.setdefault(response.uid, []).append(response.token)
-            if response.finish_reason is not None:
-                live.discard(response.uid)
-                end(response.uid)
-        on_step()
-        steps += 1
-    return {i: out[uid] for i, uid in uids.items()}
+def _arrivals() -> list[tuple[int, list[int], int]]:
+    return [(at, _prompt(i, n), limit) for i, (at, n, limit) in enumerate(ARRIVALS)]
 
 
 def _batch_form(layer: Any) -> str:
@@ -100,8 +83,8 @@ def test_full_attention_pages_and_the_text_is_mlx_lms(name: str) -> None:
             per_row.append(other / len(decoding.uids))
         used.append(kv.blocks().used)  # type: ignore[misc]
 
-    ours = _run(insert, batch.step, lambda uid: batch.finish([Done(uid, keep=False)]),
-                on_step)
+    ours = run(insert, batch.step, lambda uid: batch.finish([Done(uid, keep=False)]),
+               _arrivals(), on_step)
     assert forms == {tuple(want_forms)}  # every step: full attention paged, others mlx-lm's
     # The pool holds the full-attention layers, and only those.
     assert batch._pool is not None
@@ -111,8 +94,8 @@ def test_full_attention_pages_and_the_text_is_mlx_lms(name: str) -> None:
     assert 0 < max(per_row) <= kv.paging.row_bytes  # admission's fixed cost a row holds
 
     gen = BatchGenerator(m, completion_batch_size=32, prefill_batch_size=8)
-    theirs = _run(lambda t, n: gen.insert([t], max_tokens=[n])[0], lambda: gen.next()[1],
-                  lambda uid: None)
+    theirs = run(lambda t, n: gen.insert([t], max_tokens=[n])[0], lambda: gen.next()[1],
+                 lambda uid: None, _arrivals())
     assert ours == theirs
     assert [len(ours[i]) for i in range(len(ARRIVALS))] == [n for _, _, n in ARRIVALS]
     assert batch.empty
@@ -125,29 +108,7 @@ def test_rows_hitting_a_cached_prefix_give_mlx_lms_text(name: str) -> None:
     """The system prompt kept at its message boundary (a hybrid's entry is served whole:
     its recurrent state cannot be trimmed), then rows joining mid-stream hit it: their
     full-attention layers share its blocks, their other layers start from its state."""
-    batch, kv = _batch(name)
-    _seed_system(batch)
-    prompts = [SYSTEM + _question(i, n) for i, (_, n, _) in enumerate(SHARED_ARRIVALS)]
-    uids: dict[int, int] = {}
-    out: dict[int, list[int]] = {}
-    served: dict[int, int] = {}
-    shared_while_running = 0
-    step = 0
-    while len(uids) < len(SHARED_ARRIVALS) or not batch.empty:
-        for i, (at, _, limit) in enumerate(SHARED_ARRIVALS):
-            if at == step:
-                [(uid, n)] = batch.insert([_row(prompts[i], limit)])
-                uids[i], served[i] = uid, n
-        for r in batch.step():
-            out.setdefault(r.uid, []).append(r.token)
-            if r.finish_reason is not None:
-                batch.finish([Done(r.uid, keep=True)])
-        shared_while_running = max(shared_while_running, kv.blocks().shared)  # type: ignore[misc]
-        step += 1
-    assert all(n >= len(SYSTEM) for n in served.values()), served  # every row hit it
-    assert shared_while_running >= 2  # the system prompt's full blocks, read in place
-    want = _theirs(name, prompts, [limit for _, _, limit in SHARED_ARRIVALS])
-    assert [out[uids[i]] for i in range(len(SHARED_ARRIVALS))] == want
+    batch, kv = rows_hitting_the_system_prompt_give_mlx_lms_text(name, shared_blocks=2)
     assert batch.cache is not None
     batch.cache.evict_to(0)
     assert kv.blocks().used == 0  # type: ignore[misc]

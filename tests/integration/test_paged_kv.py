@@ -12,7 +12,7 @@ classes (the built-in matrix has no plain-attention MoE or quantized model), and
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -87,21 +87,27 @@ def paged_batch(m: nn.Module, budget: int, **config: Any) -> tuple[LocalBatch, K
 
 
 def run(insert: Callable[[list[int], int], int], step: Callable[[], list[Any]],
-        end: Callable[[int], None]) -> dict[int, list[int]]:
+        end: Callable[[int], None], arrivals: Sequence[tuple[int, list[int], int]] | None = None,
+        on_step: Callable[[], None] = lambda: None) -> dict[int, list[int]]:
+    """Each of `arrivals` (step it joins at, prompt, tokens it decodes; ARRIVALS by default)
+    inserted at its step, rows ended as they finish: each one's tokens, by arrival."""
+    if arrivals is None:
+        arrivals = [(at, prompt(i), limit) for i, (at, limit) in enumerate(ARRIVALS)]
     out: dict[int, list[int]] = {}
     uids: dict[int, int] = {}
     live: set[int] = set()
     steps = 0
-    while len(uids) < len(ARRIVALS) or live:
-        for i, (at, limit) in enumerate(ARRIVALS):
+    while len(uids) < len(arrivals) or live:
+        for i, (at, tokens, limit) in enumerate(arrivals):
             if at == steps and i not in uids:
-                uids[i] = insert(prompt(i), limit)
+                uids[i] = insert(tokens, limit)
                 live.add(uids[i])
         for response in step():
             out.setdefault(response.uid, []).append(response.token)
             if response.finish_reason is not None:
                 live.discard(response.uid)
                 end(response.uid)
+        on_step()
         steps += 1
     return {i: out[uid] for i, uid in uids.items()}
 

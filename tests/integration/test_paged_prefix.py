@@ -80,6 +80,14 @@ def _theirs(name: str, prompts: list[list[int]], limits: list[int]) -> list[list
 
 @pytest.mark.parametrize("name", ["builtin:tiny", "qwen3"])
 def test_rows_sharing_a_cached_prefix_give_mlx_lms_text(name: str) -> None:
+    rows_hitting_the_system_prompt_give_mlx_lms_text(name, shared_blocks=3)
+
+
+def rows_hitting_the_system_prompt_give_mlx_lms_text(
+        name: str, shared_blocks: int) -> tuple[LocalBatch, KvBudget]:
+    """The system prompt cached, then ARRIVALS joining mid-stream: every row hits it, at
+    least `shared_blocks` of its blocks are read in place, and the text is mlx-lm's. The
+    batch and its budget, afterwards."""
     batch, kv = _batch(name)
     _seed_system(batch)
     prompts = [SYSTEM + _question(i, n) for i, (_, n, _) in enumerate(ARRIVALS)]
@@ -100,9 +108,10 @@ def test_rows_sharing_a_cached_prefix_give_mlx_lms_text(name: str) -> None:
         shared_while_running = max(shared_while_running, kv.blocks().shared)  # type: ignore[misc]
         step += 1
     assert all(n >= len(SYSTEM) for n in served.values()), served  # every row hit it
-    assert shared_while_running >= 3  # the system prompt's blocks, read in place
+    assert shared_while_running >= shared_blocks  # the system prompt's blocks, read in place
     want = _theirs(name, prompts, [limit for _, _, limit in ARRIVALS])
     assert [out[uids[i]] for i in range(len(ARRIVALS))] == want
+    return batch, kv
 
 
 def test_hits_and_saves_add_no_kv_bytes() -> None:
