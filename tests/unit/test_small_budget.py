@@ -30,8 +30,9 @@ from replicas.engine.scheduling import Waiting
 
 MIB = 2**20
 BUDGET = 96 * MIB
-WIDE = KvLayout(per_token=4 * 2 * 8 * 128 * 4)  # 32 KiB a token
 LAYERS = 4
+# 32 KiB a token: K and V, 8 heads of 128, float32, in each of the 4 plain layers.
+WIDE = KvLayout(per_token=LAYERS * 2 * 8 * 128 * 4, plain=(2 * 8 * 128 * 4,) * LAYERS)
 CHATS, PROMPT, OUTPUT = 15, 30, 32
 
 

@@ -221,7 +221,7 @@ class LocalBatch:
                 raise ValueError(f"memory.paged_kv is on, but {why}")
             log.info("paged KV (auto): the padded batch, since %s", why)
             return
-        self._pool, plan = make_pool(self._model, self._config, kv, context_length)
+        self._pool, plan = make_pool(self._config, kv, context_length)
         if self._cache is not None:
             self._cache.attach(self._pool)
             self._shares = PrefixShares(self._cache, self.cache_ids)

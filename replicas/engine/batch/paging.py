@@ -15,7 +15,6 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from replicas.engine.config import EngineConfig
 from replicas.engine.kv.blocks import BLOCK_SIZE, BlockPool
 from replicas.engine.kv.budget import KvBudget
-from replicas.engine.kv.layout import plain_layers
 from replicas.engine.kv.paged import paged_layers
 from replicas.engine.kv.pool_plan import Paging, paging_plan
 from replicas.engine.kv.prefix_cache import PromptCache
@@ -43,13 +42,13 @@ def unpaged(config: EngineConfig, speculative: bool, model: nn.Module) -> str | 
     return None
 
 
-def make_pool(model: nn.Module, config: EngineConfig, kv: KvBudget,
-              context_length: int) -> tuple[BlockPool, Paging]:
+def make_pool(config: EngineConfig, kv: KvBudget, context_length: int) -> tuple[BlockPool, Paging]:
     """The pool for `kv`'s budget: the rows' blocks and the prefix cache's share of the
     same pool (its entries are block refs, `PromptCache.attach`: a hit joins the batch
     without a copy)."""
-    sizes = plain_layers(model)  # the layers that page; a hybrid's others hold a fixed cost
-    layers, layout = len(sizes), kv.layout
+    layout = kv.layout
+    sizes = layout.plain  # the layers that page; a hybrid's others hold a fixed cost
+    layers = len(sizes)
     fixed = layout.bytes_for(0) + sum(per * window for window, per in layout.windows)
     plan = paging_plan(kv.budget_bytes, sum(sizes), layers, config.prompt_cache_bytes,
                        BLOCK_SIZE, config.max_batch_size * context_length, max(sizes),

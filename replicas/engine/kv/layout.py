@@ -47,6 +47,9 @@ class KvLayout:
     # stops growing at its window.
     windows: tuple[tuple[int, int], ...] = ()
     per_sequence: int = 0  # linear-attention and SSM state: fixed, whatever the length
+    # Bytes per token of each plain attention layer (`KVCache`, what a paged batch pages),
+    # in layer order: a hybrid's full-attention layers need not all be one size.
+    plain: tuple[int, ...] = ()
 
     def bytes_for(self, tokens: int) -> int:
         """What one sequence of `tokens` tokens holds."""
@@ -74,7 +77,7 @@ class KvLayout:
         for window, per in other.windows:
             windows[window] = windows.get(window, 0) + per
         return KvLayout(self.per_token + other.per_token, tuple(sorted(windows.items())),
-                        self.per_sequence + other.per_sequence)
+                        self.per_sequence + other.per_sequence, self.plain + other.plain)
 
     def describe(self) -> str:
         parts = [f"{self.per_token} bytes per token in full-attention layers"]
@@ -94,6 +97,7 @@ def measure_kv(model: nn.Module,
     mx.eval([c.state for c in cache])
     per_token, per_sequence = 0, 0
     windows: dict[int, int] = {}
+    plain = tuple(_per_position(c) for c in cache if type(c) is KVCache)
     for layer in leaves(cache):
         if isinstance(layer, ArraysCache):
             per_sequence += _nbytes(layer.state)
@@ -106,17 +110,7 @@ def measure_kv(model: nn.Module,
             log.warning("KV cache kind %s is not known; counted as full attention",
                         type(layer).__name__)
             per_token += _per_position(layer)
-    return KvLayout(per_token, tuple(sorted(windows.items())), per_sequence)
-
-
-def plain_layers(model: nn.Module) -> list[int]:
-    """Bytes per position of each plain attention layer (`KVCache`, what a paged batch
-    pages) of `model`, by the same probe: a hybrid's full-attention layers need not all be
-    one size, and the block pool sizes a growth's transient by the largest."""
-    cache = make_prompt_cache(model)
-    model(mx.array([list(range(_PROBE_TOKENS))]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return [_per_position(c) for c in cache if type(c) is KVCache]
+    return KvLayout(per_token, tuple(sorted(windows.items())), per_sequence, plain)
 
 
 def leaves(cache: list[Any]) -> Iterator[Any]:
